@@ -1,0 +1,3 @@
+from llmtrain.cli import main
+
+main()

@@ -1,0 +1,295 @@
+"""`llmtrain <command>`: the dispatcher, and the boundary where Hydra/OmegaConf end.
+
+Nothing heavy is imported at module level: `llmtrain --help` and shell completion must answer
+instantly, so torch, hydra and rich are imported inside the command that needs them.
+
+`train` hands its arguments to Hydra unchanged (overrides, `-m`, `--cfg`, `--info`,
+`hydra.run.dir=...`, `-sc`), but first composes each requested configuration itself and validates
+it, so a bad value fails with exit code 2 and one readable paragraph before any work starts,
+instead of Hydra's exit 1 and stack-trace hint.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Callable, NoReturn, Sequence
+
+EXIT_USER_ERROR = 2
+EXIT_INTERRUPTED = 130
+
+COMMANDS: dict[str, str] = {
+    "train": "Train a model from the composed config groups (Hydra overrides, -m sweeps).",
+    "sample": "Generate text from a run directory's trained model.",
+}
+# Later commands (check, prepare, report, doctor, compare, export) register here.
+
+USAGE = """usage: llmtrain <command> [args]
+
+Trains GPT-style language models from composable Hydra config groups.
+
+commands:
+{commands}
+
+Run `llmtrain <command> --help` for a command's options, e.g. `llmtrain train --help`.
+Quick start: `llmtrain train` trains a small model on Python's own stdlib sources (CPU, no download).
+"""
+
+
+def conf_dir() -> Path:
+    """The shipped config groups: inside the installed package, or `conf/` of a source checkout."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "conf", here.parent / "conf"):
+        if (candidate / "config.yaml").is_file():
+            return candidate
+    raise RuntimeError(f"llmtrain's config folder is missing (looked in {here / 'conf'} and {here.parent / 'conf'})")
+
+
+def fail(message: str, code: int = EXIT_USER_ERROR) -> NoReturn:
+    sys.stderr.write(f"llmtrain: error: {message}\n")
+    sys.exit(code)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] in (["-sc"], ["--shell-completion"]):
+        _complete(args)
+        return
+    if not args or args[0] in ("-h", "--help", "help"):
+        width = max(len(c) for c in COMMANDS)
+        print(USAGE.format(commands="\n".join(f"  {c:<{width}}  {h}" for c, h in COMMANDS.items())), end="")
+        return
+    if args[0] == "--version":
+        from llmtrain import __version__
+
+        print(f"llmtrain {__version__}")
+        return
+    command, rest = args[0], args[1:]
+    handlers: dict[str, Callable[[list[str]], None]] = {"train": train_command, "sample": sample_command}
+    if command not in handlers:
+        fail(f"unknown command '{command}'; valid commands: {', '.join(COMMANDS)}. See `llmtrain --help`.")
+    try:
+        handlers[command](rest)
+    except KeyboardInterrupt:
+        fail("interrupted", EXIT_INTERRUPTED)
+
+
+# ---------------------------------------------------------------------------------------------
+# train
+# ---------------------------------------------------------------------------------------------
+
+
+def train_command(args: list[str]) -> None:
+    from hydra._internal.utils import get_args_parser
+
+    parsed = get_args_parser().parse_args(args)
+    if parsed.help:
+        print(train_help())
+        return
+    if not parsed.shell_completion and not parsed.hydra_help:
+        from llmtrain.errors import UserError
+
+        try:
+            validate_overrides(parsed.overrides, multirun=parsed.multirun)
+        except UserError as err:
+            fail(str(err))
+    _run_hydra(args, _train_task)
+
+
+def _run_hydra(args: list[str], task: Callable) -> None:
+    import hydra
+
+    from llmtrain.config import register_configs
+
+    register_configs()
+    sys.argv = ["llmtrain", *args]
+    hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(task)()
+
+
+def _train_task(node) -> None:  # noqa: ANN001 - an OmegaConf DictConfig; typed loosely to keep imports lazy
+    from hydra.core.hydra_config import HydraConfig
+
+    from llmtrain.config import to_config
+    from llmtrain.errors import UserError
+
+    try:
+        cfg = to_config(node)
+        if cfg.out_dir is None:
+            cfg.out_dir = HydraConfig.get().runtime.output_dir
+        from llmtrain.train import train
+
+        train(cfg)
+    except UserError as err:
+        fail(str(err))
+
+
+def validate_overrides(overrides: list[str], multirun: bool = False) -> None:
+    """Compose every configuration the command line asks for and validate it; raises ConfigError.
+
+    A sweep (`-m a=1,2 b=x,y`) is expanded the way Hydra's basic sweeper does, so a bad value in
+    any job fails before the first job starts.
+    """
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from llmtrain.config import register_configs, to_config
+
+    register_configs()
+    jobs = _expand_sweep(overrides) if multirun else [overrides]
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3", job_name="train"):
+        for job in jobs:
+            try:
+                node = compose(config_name="config", overrides=job)
+            except Exception as err:  # Hydra wraps the cause; turn it into one paragraph
+                raise _composition_error(err) from None
+            to_config(node)
+
+
+def _expand_sweep(overrides: list[str]) -> list[list[str]]:
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except Exception as err:
+        raise _composition_error(err) from None
+    if any(o.is_sweep_override() and not o.is_discrete_sweep() for o in parsed):
+        return [[o.input_line for o in parsed if not o.is_sweep_override()]]  # range()/interval(): a sweeper plugin's job
+    batches = BasicSweeper.split_arguments(parsed, None)
+    return [list(job) for batch in batches for job in batch]
+
+
+def _composition_error(err: Exception) -> Exception:
+    from hydra.errors import MissingConfigException, OverrideParseException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from llmtrain.config import describe_omegaconf_error
+    from llmtrain.errors import ConfigError
+
+    if isinstance(err, MissingConfigException):
+        missing = err.missing_cfg_file or ""
+        group, _, option = missing.rpartition("/")
+        if err.options and group:
+            return ConfigError(
+                f"Unknown option '{option}' for config group '{group}'. Valid options: {', '.join(sorted(err.options))} "
+                f"(e.g. {group}={sorted(err.options)[0]})."
+            )
+        return ConfigError(" ".join(str(err).split()))
+    if isinstance(err, OverrideParseException):
+        return ConfigError(f"Cannot parse the command-line override: {' '.join(str(err).split())}")
+    cause: BaseException | None = err
+    while cause is not None:
+        if isinstance(cause, OmegaConfBaseException):
+            message = describe_omegaconf_error(cause)
+            if "+" in " ".join(sys.argv) and "not in" in message:
+                message += " ('+key=value' cannot add keys the schema does not define.)"
+            return ConfigError(message)
+        cause = cause.__cause__ or cause.__context__
+    return ConfigError(" ".join(str(err).split()))
+
+
+def train_help() -> str:
+    """Groups with their options, then every key with its default and one-line doc."""
+    import dataclasses
+
+    import yaml
+
+    from llmtrain.config import GROUPS, Config, config_to_dict, field_type, schema_fields
+
+    root = conf_dir()
+    defaults = {}
+    for entry in yaml.safe_load((root / "config.yaml").read_text())["defaults"]:
+        if isinstance(entry, dict):
+            defaults.update(entry)
+    lines = [
+        "usage: llmtrain train [GROUP=OPTION ...] [KEY=VALUE ...] [-m] [--cfg job|hydra|all] [--info] [--hydra-help]",
+        "",
+        "Compose a config from the groups below, override any key, and train. Examples:",
+        "  llmtrain train model=gpt_small optim=sgd optim.lr=0.05",
+        "  llmtrain train -m optim.lr=1e-3,3e-4 max_steps=20      # a sweep: one run dir per job",
+        "  llmtrain train data=text data.path=corpus.txt data.tokenizer=char --cfg job",
+        "",
+        "Config groups (default marked *):",
+    ]
+    for group in GROUPS:
+        options = sorted(p.stem for p in (root / group).glob("*.yaml"))
+        shown = ", ".join(f"{o}*" if o == defaults.get(group) else o for o in options)
+        lines.append(f"  {group:<10} {shown}")
+    lines += ["", "Keys (defaults of the schema; a group option sets its own values):"]
+
+    def walk(schema: type, prefix: str, values: dict) -> None:
+        for name, fld in schema_fields(schema).items():
+            tp = field_type(fld.type)
+            if dataclasses.is_dataclass(tp):
+                walk(tp, f"{prefix}{name}.", values[name])
+                continue
+            value = values[name]
+            shown = "null" if value is None else str(value)
+            lines.append(f"  {prefix + name:<33} {shown:<12} {fld.metadata.get('help', '')}")
+
+    walk(Config, "", config_to_dict(Config()))
+    lines += [
+        "",
+        "Hydra: -m/--multirun, --cfg job, --info, hydra.run.dir=PATH, -sc install=bash (shell completion).",
+        "Full Hydra help: llmtrain train --hydra-help",
+    ]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# sample
+# ---------------------------------------------------------------------------------------------
+
+
+def sample_command(args: list[str]) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="llmtrain sample", description="Generate text from a trained run.")
+    parser.add_argument("run_dir", type=Path, help="run directory written by `llmtrain train`")
+    parser.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
+    parser.add_argument("--max-new-tokens", type=int, default=400, help="tokens to generate (default 400)")
+    parser.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0 = greedy (default 0.8)")
+    parser.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest tokens (default 40)")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed: same seed, same text (default 0)")
+    opts = parser.parse_args(args)
+    if opts.max_new_tokens < 1:
+        fail(f"--max-new-tokens is {opts.max_new_tokens}; it must be >= 1.")
+    if opts.top_k is not None and opts.top_k < 1:
+        fail(f"--top-k is {opts.top_k}; it must be >= 1.")
+
+    from llmtrain.errors import UserError
+    from llmtrain.sample import sample_text
+
+    try:
+        text = sample_text(opts.run_dir, opts.prompt, opts.max_new_tokens, opts.temperature, opts.top_k, opts.seed)
+    except UserError as err:
+        fail(str(err))
+    sys.stdout.write(opts.prompt + text + "\n")
+
+
+# ---------------------------------------------------------------------------------------------
+# shell completion
+# ---------------------------------------------------------------------------------------------
+
+
+def _complete(args: list[str]) -> None:
+    """Hydra's completion script calls `llmtrain -sc query=SHELL` with COMP_LINE set.
+
+    The subcommand word is ours, not Hydra's: complete it here, or strip it from COMP_LINE and let
+    Hydra complete the overrides of that command.
+    """
+    line = os.environ.get("COMP_LINE", "")
+    words = line.split()
+    completing_command = len(words) == 1 or (len(words) == 2 and not line.endswith(" "))
+    if completing_command:
+        prefix = words[1] if len(words) == 2 else ""
+        print(" ".join(c for c in COMMANDS if c.startswith(prefix)))
+        return
+    if words[1] != "train":
+        return
+    program, stripped = words[0], line.split("train", 1)[1]
+    os.environ["COMP_LINE"] = program + stripped
+    os.environ["COMP_POINT"] = str(len(os.environ["COMP_LINE"]))
+    _run_hydra(args, _train_task)

@@ -1,0 +1,449 @@
+"""Typed configuration: one dataclass per config group, registered in Hydra's ConfigStore.
+
+Hydra composes the YAML files in `conf/` on top of these schemas, so a typo, a wrong type or an
+unknown choice fails during composition. `to_config` turns the composed OmegaConf node into plain
+dataclass objects (nothing downstream imports omegaconf) and runs the cross-field checks that no
+single field can express. Every user mistake surfaces as `ConfigError`: one paragraph naming the
+key, the bad value and what would be valid.
+
+Each field carries a one-line doc in `metadata["help"]`; `llmtrain train --help` and
+`docs/configuration.md` are written from it.
+"""
+
+import dataclasses
+import difflib
+import typing
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Optional
+
+
+from llmtrain.errors import ConfigError
+
+__all__ = ["Config", "ConfigError", "to_config", "validate"]
+
+
+def _f(default: Any, help: str) -> Any:
+    """A dataclass field with a one-line doc."""
+    if isinstance(default, (list, dict)) or dataclasses.is_dataclass(default):
+        value = default
+        return field(default_factory=lambda: value, metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+class NormPosition(str, Enum):
+    pre = "pre"
+    post = "post"
+
+
+class PositionEncoding(str, Enum):
+    learned = "learned"
+    rope = "rope"
+
+
+class NormKind(str, Enum):
+    layernorm = "layernorm"
+    rmsnorm = "rmsnorm"
+
+
+class MlpKind(str, Enum):
+    gelu = "gelu"
+    swiglu = "swiglu"
+
+
+# A plain string field (OmegaConf matches enums by member name, and "normal_0.02" is no name).
+INIT_SCHEMES = ("normal_0.02", "xavier", "kaiming")
+
+
+class ResidualInit(str, Enum):
+    scaled = "scaled"
+    zero = "zero"
+    plain = "plain"
+
+
+class HeadInit(str, Enum):
+    plain = "plain"
+    zero = "zero"
+    tiny = "tiny"
+
+
+class OptimizerName(str, Enum):
+    adamw = "adamw"
+    adam = "adam"
+    sgd = "sgd"
+    adafactor = "adafactor"
+
+
+class ScheduleName(str, Enum):
+    cosine = "cosine"
+    linear = "linear"
+    constant = "constant"
+    wsd = "wsd"
+
+
+class Tokenizer(str, Enum):
+    byte = "byte"
+    char = "char"
+
+
+class DataSource(str, Enum):
+    python_stdlib = "python_stdlib"
+    text = "text"
+
+
+class Precision(str, Enum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+class ParallelMode(str, Enum):
+    single = "single"
+
+
+@dataclass
+class ModelConfig:
+    name: str = _f("gpt_tiny", "Label of this model shape, shown in the banner.")
+    n_layer: int = _f(4, "Number of transformer blocks.")
+    n_head: int = _f(4, "Attention heads per block; must divide n_embd.")
+    n_embd: int = _f(128, "Width of the residual stream.")
+    block_size: int = _f(256, "Context length: the longest sequence the model accepts.")
+    vocab_size: Optional[int] = _f(None, "Vocabulary size; null takes the data's vocabulary.")
+    dropout: float = _f(0.0, "Dropout probability on attention, MLP and embedding outputs.")
+    bias: bool = _f(True, "Biases in linear layers and LayerNorm.")
+    tie_weights: bool = _f(True, "Share the token embedding with the LM head.")
+    norm_position: NormPosition = _f(NormPosition.pre, "pre (pre-LN, stable) or post (original Transformer).")
+    position: PositionEncoding = _f(PositionEncoding.learned, "learned absolute positions or rope.")
+    norm: NormKind = _f(NormKind.layernorm, "layernorm or rmsnorm.")
+    mlp: MlpKind = _f(MlpKind.gelu, "gelu (4x MLP) or swiglu (gated, 8/3x hidden).")
+    mlp_ratio: float = _f(4.0, "MLP hidden width as a multiple of n_embd (swiglu uses 2/3 of it).")
+    activation_checkpointing: bool = _f(False, "Recompute each block in backward to save memory.")
+    init: str = _f("normal_0.02", "Weight init: normal_0.02, xavier or kaiming.")
+    init_std: float = _f(0.02, "Standard deviation of the normal init.")
+    residual_init: ResidualInit = _f(
+        ResidualInit.scaled,
+        "Residual output projections: scaled (std/sqrt(2*n_layer)), zero, or plain.",
+    )
+    head_init: HeadInit = _f(HeadInit.plain, "LM head when untied: plain, zero, or tiny (std 1e-4).")
+
+
+@dataclass
+class OptimConfig:
+    name: OptimizerName = _f(OptimizerName.adamw, "adamw, adam, sgd or adafactor.")
+    lr: float = _f(1e-3, "Peak learning rate (after warmup).")
+    weight_decay: float = _f(0.1, "Decoupled weight decay on matrices (never on biases or norms).")
+    decay_embeddings: bool = _f(True, "Apply weight decay to embedding tables too.")
+    beta1: float = _f(0.9, "Adam beta1 (first-moment decay).")
+    beta2: float = _f(0.95, "Adam beta2 (second-moment decay).")
+    eps: float = _f(1e-8, "Adam epsilon.")
+    momentum: float = _f(0.9, "SGD momentum.")
+    nesterov: bool = _f(False, "SGD Nesterov momentum.")
+    fused: Optional[bool] = _f(None, "Fused optimizer kernel; null uses it where torch supports it.")
+    clip_grad_norm: Optional[float] = _f(1.0, "Clip the global gradient norm to this; null disables.")
+    clip_grad_value: Optional[float] = _f(None, "Clip each gradient element to +-value; excludes clip_grad_norm.")
+
+
+@dataclass
+class ScheduleConfig:
+    name: ScheduleName = _f(ScheduleName.cosine, "cosine, linear, constant or wsd (warmup-stable-decay).")
+    warmup_steps: Optional[int] = _f(None, "Linear warmup length in steps; overrides warmup_fraction.")
+    warmup_fraction: float = _f(0.05, "Warmup length as a fraction of the run (used when warmup_steps is null).")
+    min_lr_ratio: float = _f(0.1, "Floor of the decay as a fraction of the peak LR.")
+    decay_fraction: float = _f(0.2, "wsd only: fraction of the run spent in the final decay.")
+
+
+@dataclass
+class DataConfig:
+    source: DataSource = _f(DataSource.python_stdlib, "python_stdlib (embedded, no download) or text (your file).")
+    path: Optional[str] = _f(None, "text only: path to a UTF-8 text file.")
+    tokenizer: Tokenizer = _f(Tokenizer.byte, "byte (vocab 256) or char (vocabulary from the corpus).")
+    seq_len: Optional[int] = _f(None, "Tokens per training sequence; null uses model.block_size.")
+    val_fraction: float = _f(0.05, "Share of documents held out for validation.")
+    max_bytes: Optional[int] = _f(None, "Read at most this many bytes of the corpus; null reads all.")
+    cache_dir: Optional[str] = _f(None, "Where prepared tokens go; null uses $LLMTRAIN_CACHE or ~/.cache/llmtrain.")
+    seed: Optional[int] = _f(None, "Seed of the batch sampler; null derives it from the run seed.")
+
+
+@dataclass
+class PrecisionConfig:
+    name: Precision = _f(Precision.fp32, "fp32, bf16 (autocast) or fp16 (autocast + dynamic loss scaling).")
+    init_scale: float = _f(2.0**16, "fp16 only: initial loss scale.")
+    growth_interval: int = _f(2000, "fp16 only: steps without overflow before the scale doubles.")
+
+
+@dataclass
+class ParallelConfig:
+    mode: ParallelMode = _f(ParallelMode.single, "single (one process); DDP/FSDP arrive later.")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = _f(ModelConfig(), "Model shape and initialization.")
+    optim: OptimConfig = _f(OptimConfig(), "Optimizer and gradient clipping.")
+    schedule: ScheduleConfig = _f(ScheduleConfig(), "Learning-rate schedule.")
+    data: DataConfig = _f(DataConfig(), "Training data and its preparation.")
+    precision: PrecisionConfig = _f(PrecisionConfig(), "Numeric precision.")
+    parallel: ParallelConfig = _f(ParallelConfig(), "Process layout.")
+    seed: int = _f(1337, "Global seed: model init, dropout and (by default) data order.")
+    max_steps: Optional[int] = _f(600, "Optimizer steps to run (ignored when max_tokens is set).")
+    max_tokens: Optional[int] = _f(None, "Train on this many tokens instead; the last step may be partial.")
+    micro_batch_size: int = _f(16, "Sequences per forward/backward pass.")
+    global_batch_size: int = _f(32, "Sequences per optimizer step; accumulation = global / (micro x world).")
+    eval_interval: int = _f(100, "Evaluate every this many steps (and at the end); 0 disables.")
+    eval_batches: int = _f(10, "Fixed validation batches per evaluation.")
+    log_interval: int = _f(10, "Log (and sync with the device) every this many steps.")
+    out_dir: Optional[str] = _f(None, "Run directory; null uses Hydra's run dir.")
+    device: str = _f("auto", "auto, cpu, cuda, cuda:N or mps.")
+    threads: Optional[int] = _f(None, "CPU threads per process; null = usable cores / local processes.")
+
+
+GROUPS: tuple[str, ...] = ("model", "optim", "schedule", "data", "precision", "parallel")
+
+
+def register_configs() -> None:
+    """Register the schema in Hydra's ConfigStore (called by the CLI only)."""
+    from hydra.core.config_store import ConfigStore
+
+    store = ConfigStore.instance()
+    store.store(name="llmtrain_schema", node=Config)
+    schemas = {
+        "model": ModelConfig,
+        "optim": OptimConfig,
+        "schedule": ScheduleConfig,
+        "data": DataConfig,
+        "precision": PrecisionConfig,
+        "parallel": ParallelConfig,
+    }
+    for group, schema in schemas.items():
+        # Under a separate package so the schemas don't show up as group options.
+        store.store(group=f"schema/{group}", name=group, node=schema)
+
+
+# --------------------------------------------------------------------------------------------
+# OmegaConf -> dataclasses, with errors a user can act on
+# --------------------------------------------------------------------------------------------
+
+
+def _enum_names(tp: Any) -> Optional[list[str]]:
+    return [m.value for m in tp] if isinstance(tp, type) and issubclass(tp, Enum) else None
+
+
+def schema_fields(schema: type) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(schema)}
+
+
+def field_type(tp: Any) -> Any:
+    """The concrete type of a field: Optional[X] -> X."""
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    return args[0] if typing.get_origin(tp) is typing.Union and len(args) == 1 else tp
+
+
+def _check_unknown_keys(node: Any, schema: type, prefix: str) -> None:
+    """`+key=value` can add keys the schema doesn't know; refuse them by name."""
+    from omegaconf import DictConfig
+
+    fields = schema_fields(schema)
+    for key in node.keys():
+        full = f"{prefix}{key}"
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f" Did you mean '{prefix}{close[0]}'?" if close else ""
+            raise ConfigError(
+                f"Unknown config key '{full}'.{hint} Valid keys under "
+                f"'{prefix.rstrip('.') or '<root>'}': {', '.join(fields)}."
+            )
+        sub_schema = field_type(fields[key].type)
+        if isinstance(node._get_node(key), DictConfig) and dataclasses.is_dataclass(sub_schema):
+            _check_unknown_keys(node._get_node(key), sub_schema, f"{full}.")
+
+
+def describe_omegaconf_error(err: Exception) -> str:
+    """Turn an OmegaConf/Hydra error into one paragraph naming the key and what is valid."""
+    from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, ValidationError
+
+    key = getattr(err, "full_key", None) or ""
+    msg = str(getattr(err, "msg", None) or err).strip().splitlines()[0]
+    if isinstance(err, MissingMandatoryValue):
+        return f"Missing required value '{key}': set it on the command line, e.g. {key}=<value>."
+    if isinstance(err, ConfigKeyError):
+        return f"Unknown config key '{key}': {msg}."
+    if isinstance(err, ValidationError):
+        valid = ""
+        parent = _schema_for_key(key)
+        if parent is not None:
+            schema, leaf = parent
+            fld = schema_fields(schema).get(leaf)
+            if fld is not None:
+                tp = field_type(fld.type)
+                names = _enum_names(tp)
+                valid = f" Valid: {', '.join(names)}." if names else f" Expected type: {getattr(tp, '__name__', tp)}."
+        return f"Bad value for '{key}': {msg}.{valid}"
+    return msg
+
+
+def _schema_for_key(full_key: str) -> Optional[tuple[type, str]]:
+    parts = full_key.split(".")
+    schema: type = Config
+    for part in parts[:-1]:
+        fld = schema_fields(schema).get(part)
+        sub = field_type(fld.type) if fld else None
+        if not (isinstance(sub, type) and dataclasses.is_dataclass(sub)):
+            return None
+        schema = sub
+    return schema, parts[-1]
+
+
+def to_config(node: Any) -> Config:
+    """Convert a composed OmegaConf node into a validated `Config`; raises `ConfigError`."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        _check_unknown_keys(node, Config, "")
+        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), node))
+    except OmegaConfBaseException as err:
+        raise ConfigError(describe_omegaconf_error(err)) from None
+    assert isinstance(cfg, Config)
+    validate(cfg)
+    return cfg
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def validate(cfg: Config, world_size: int = 1) -> None:
+    """Cross-field checks: contradictions no single field's type can catch."""
+    m, o, s, d = cfg.model, cfg.optim, cfg.schedule, cfg.data
+    for key, value in [
+        ("model.n_layer", m.n_layer), ("model.n_head", m.n_head), ("model.n_embd", m.n_embd),
+        ("model.block_size", m.block_size), ("micro_batch_size", cfg.micro_batch_size),
+        ("global_batch_size", cfg.global_batch_size), ("eval_batches", cfg.eval_batches),
+        ("log_interval", cfg.log_interval),
+    ]:
+        _require(value >= 1, f"'{key}' is {value}; it must be a positive integer.")
+    _require(cfg.eval_interval >= 0, f"'eval_interval' is {cfg.eval_interval}; use a step count >= 1, or 0 to disable evaluation.")
+    _require(
+        m.n_embd % m.n_head == 0,
+        f"'model.n_embd' ({m.n_embd}) is not divisible by 'model.n_head' ({m.n_head}); "
+        f"pick a head count that divides the width, e.g. model.n_head={_divisor_near(m.n_embd, m.n_head)}.",
+    )
+    if m.position is PositionEncoding.rope:
+        _require(
+            (m.n_embd // m.n_head) % 2 == 0,
+            f"RoPE needs an even head dimension; n_embd/n_head = {m.n_embd // m.n_head}.",
+        )
+    _require(0.0 <= m.dropout < 1.0, f"'model.dropout' is {m.dropout}; valid range is 0 <= dropout < 1.")
+    _require(
+        m.init in INIT_SCHEMES,
+        f"'model.init' is '{m.init}'; valid init schemes: {', '.join(INIT_SCHEMES)}.",
+    )
+    _require(
+        m.tie_weights is False or m.head_init is HeadInit.plain,
+        f"'model.head_init' is {m.head_init.value} but model.tie_weights=true shares the head with the embedding; "
+        "use model.tie_weights=false for a zero or tiny head, or model.head_init=plain.",
+    )
+    _require(m.init_std > 0, f"'model.init_std' is {m.init_std}; it must be > 0.")
+    _require(m.vocab_size is None or m.vocab_size >= 1, f"'model.vocab_size' is {m.vocab_size}; use a positive size or null.")
+    _require(o.lr > 0, f"'optim.lr' is {o.lr}; the learning rate must be > 0 (typical AdamW values: 1e-4 to 3e-3).")
+    _require(o.weight_decay >= 0, f"'optim.weight_decay' is {o.weight_decay}; it must be >= 0.")
+    _require(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, f"'optim.beta1'/'optim.beta2' are {o.beta1}/{o.beta2}; both must be in [0, 1).")
+    _require(o.eps > 0, f"'optim.eps' is {o.eps}; it must be > 0.")
+    _require(
+        not (o.clip_grad_norm is not None and o.clip_grad_value is not None),
+        f"Both 'optim.clip_grad_norm' ({o.clip_grad_norm}) and 'optim.clip_grad_value' ({o.clip_grad_value}) "
+        "are set; choose one, e.g. optim.clip_grad_value=null.",
+    )
+    for key, value in [("optim.clip_grad_norm", o.clip_grad_norm), ("optim.clip_grad_value", o.clip_grad_value)]:
+        _require(value is None or value > 0, f"'{key}' is {value}; use a positive threshold or null to disable.")
+    _require(0 <= s.min_lr_ratio <= 1, f"'schedule.min_lr_ratio' is {s.min_lr_ratio}; valid range is [0, 1].")
+    _require(0 <= s.warmup_fraction < 1, f"'schedule.warmup_fraction' is {s.warmup_fraction}; valid range is [0, 1).")
+    _require(0 < s.decay_fraction <= 1, f"'schedule.decay_fraction' is {s.decay_fraction}; valid range is (0, 1].")
+    _require(s.warmup_steps is None or s.warmup_steps >= 0, f"'schedule.warmup_steps' is {s.warmup_steps}; it must be >= 0.")
+
+    _require(
+        cfg.max_steps is not None or cfg.max_tokens is not None,
+        "Neither 'max_steps' nor 'max_tokens' is set; set one, e.g. max_steps=1000.",
+    )
+    _require(cfg.max_tokens is None or cfg.max_tokens >= 1, f"'max_tokens' is {cfg.max_tokens}; it must be >= 1.")
+    _require(cfg.max_steps is None or cfg.max_steps >= 1, f"'max_steps' is {cfg.max_steps}; it must be >= 1.")
+    per_pass = cfg.micro_batch_size * world_size
+    _require(
+        cfg.global_batch_size % per_pass == 0,
+        f"'global_batch_size' ({cfg.global_batch_size}) is not divisible by micro_batch_size x world size "
+        f"({cfg.micro_batch_size} x {world_size} = {per_pass}); valid global batch sizes are multiples of "
+        f"{per_pass}, e.g. global_batch_size={max(per_pass, cfg.global_batch_size // per_pass * per_pass)}.",
+    )
+    seq_len = d.seq_len if d.seq_len is not None else m.block_size
+    _require(seq_len >= 1, f"'data.seq_len' is {seq_len}; it must be >= 1.")
+    _require(
+        seq_len <= m.block_size,
+        f"'data.seq_len' ({seq_len}) is longer than the model's context 'model.block_size' ({m.block_size}); "
+        f"use data.seq_len<={m.block_size} or raise model.block_size.",
+    )
+    _require(0 < d.val_fraction < 1, f"'data.val_fraction' is {d.val_fraction}; valid range is (0, 1).")
+    _require(d.max_bytes is None or d.max_bytes > 0, f"'data.max_bytes' is {d.max_bytes}; use a positive size or null.")
+    if d.source is DataSource.text:
+        _require(d.path is not None, "Missing required value 'data.path': data=text needs your file, e.g. data.path=corpus.txt.")
+    warmup = warmup_steps(cfg.schedule, total_steps(cfg, world_size))
+    total = total_steps(cfg, world_size)
+    _require(
+        warmup < total,
+        f"Warmup ({warmup} steps, from schedule.warmup_steps) is not shorter than the run ({total} steps); "
+        f"use schedule.warmup_steps<{total}, typically 1-10% of the run (e.g. {max(1, total // 20)}).",
+    )
+    _require(
+        cfg.device == "auto" or cfg.device in ("cpu", "mps") or cfg.device.startswith("cuda"),
+        f"'device' is '{cfg.device}'; valid: auto, cpu, cuda, cuda:N, mps.",
+    )
+    _require(cfg.threads is None or cfg.threads >= 1, f"'threads' is {cfg.threads}; use a positive count or null.")
+
+
+def _divisor_near(n: int, k: int) -> int:
+    divisors = [d for d in range(1, n + 1) if n % d == 0]
+    return min(divisors, key=lambda d: abs(d - k))
+
+
+def seq_len_of(cfg: Config) -> int:
+    return cfg.data.seq_len if cfg.data.seq_len is not None else cfg.model.block_size
+
+
+def accumulation_steps(cfg: Config, world_size: int = 1) -> int:
+    return cfg.global_batch_size // (cfg.micro_batch_size * world_size)
+
+
+def total_micro_batches(cfg: Config, world_size: int = 1) -> int:
+    """Micro-batches per process over the whole run; a max_tokens budget may end mid-window."""
+    if cfg.max_tokens is not None:
+        per_micro = cfg.micro_batch_size * world_size * seq_len_of(cfg)
+        return -(-cfg.max_tokens // per_micro)
+    assert cfg.max_steps is not None
+    return cfg.max_steps * accumulation_steps(cfg, world_size)
+
+
+def total_steps(cfg: Config, world_size: int = 1) -> int:
+    accum = accumulation_steps(cfg, world_size)
+    return -(-total_micro_batches(cfg, world_size) // accum) if accum else 0
+
+
+def warmup_steps(schedule: ScheduleConfig, total: int) -> int:
+    if schedule.warmup_steps is not None:
+        return schedule.warmup_steps
+    return int(round(schedule.warmup_fraction * total))
+
+
+def config_to_dict(cfg: Any) -> Any:
+    """Plain-Python view of a config (enums as their values), e.g. to write it as YAML."""
+    if dataclasses.is_dataclass(cfg):
+        return {f.name: config_to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    if isinstance(cfg, Enum):
+        return cfg.value
+    return cfg
+
+
+def config_from_dict(data: dict) -> Config:
+    """Rebuild a `Config` from `config_to_dict` output (e.g. a run dir's config.yaml)."""
+    from omegaconf import OmegaConf
+
+    return to_config(OmegaConf.create(data))

@@ -1,0 +1,66 @@
+"""Where raw text comes from: the embedded default (Python's own stdlib sources) or a user file.
+
+A corpus is a list of documents (relative name + bytes), gathered in a fixed order so the prepared
+tokens are identical on every run of the same Python.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+# Test suites and generated grammars are large, repetitive and in places not UTF-8: leave them out.
+_STDLIB_SKIP = {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"}
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    name: str  # stable name, used for the split and the fingerprint
+    path: Path
+
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def stdlib_files() -> list[SourceFile]:
+    root = stdlib_root()
+    files = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if _STDLIB_SKIP.isdisjoint(rel.parts) and path.is_file():
+            files.append(SourceFile(rel.as_posix(), path))
+    return files
+
+
+def fingerprint(files: list[SourceFile]) -> str:
+    """Cheap staleness check: names, sizes and modification times."""
+    h = hashlib.sha256()
+    for f in files:
+        st = f.path.stat()
+        h.update(f"{f.name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()
+
+
+def content_hash(files: list[SourceFile], max_bytes: int | None) -> str:
+    """The real identity of the corpus: names and contents (as far as max_bytes reads)."""
+    h = hashlib.sha256()
+    for name, data in read_documents(files, max_bytes):
+        h.update(name.encode() + b"\0" + hashlib.sha256(data).digest())
+    return h.hexdigest()
+
+
+def read_documents(files: list[SourceFile], max_bytes: int | None) -> list[tuple[str, bytes]]:
+    docs, total = [], 0
+    for f in files:
+        data = f.path.read_bytes()
+        if max_bytes is not None and total + len(data) > max_bytes:
+            data = data[: max_bytes - total]
+        if data:
+            docs.append((f.name, data))
+            total += len(data)
+        if max_bytes is not None and total >= max_bytes:
+            break
+    return docs

@@ -1,0 +1,175 @@
+"""Raw corpus -> memory-mapped train/val token files, prepared once and cached.
+
+The cache folder is keyed by everything that changes the tokens (source, path, tokenizer, split,
+byte cap). Inside, `meta.json` records a cheap fingerprint (names, sizes, mtimes) and a content
+hash: an unchanged fingerprint reuses the files at once; a changed fingerprint with an unchanged
+content hash only refreshes the fingerprint; changed content rebuilds. Builds go to a temporary
+folder that is renamed into place, so an interrupted prepare never leaves half-written tokens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from llmtrain.config import ConfigError, DataConfig, DataSource
+from llmtrain.config import Tokenizer as TokenizerName
+from llmtrain.data.corpus import SourceFile, content_hash, fingerprint, read_documents, stdlib_files
+from llmtrain.data.tokenizers import ByteTokenizer, CharTokenizer, Tokenizer, load_tokenizer, save_tokenizer
+
+FORMAT_VERSION = 1
+DOC_SEPARATOR = "\n\n"
+
+
+@dataclass
+class PreparedData:
+    directory: Path
+    meta: dict
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.meta["vocab_size"])
+
+    @property
+    def unigram_entropy(self) -> float:
+        """Entropy of the train split's token frequencies, in nats: the loss of a model that
+        ignores context. A model that learned anything beats it."""
+        return float(self.meta["unigram_entropy_nats"])
+
+    def tokens(self, split: str) -> np.memmap:
+        return np.memmap(self.directory / f"{split}.bin", dtype=np.dtype(self.meta["dtype"]), mode="r")
+
+    def tokenizer(self) -> Tokenizer:
+        return load_tokenizer(self.directory / "tokenizer.json")
+
+
+def cache_root(cfg: DataConfig) -> Path:
+    if cfg.cache_dir:
+        return Path(cfg.cache_dir).expanduser()
+    env = os.environ.get("LLMTRAIN_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "llmtrain"
+
+
+def source_files(cfg: DataConfig) -> list[SourceFile]:
+    if cfg.source is DataSource.python_stdlib:
+        return stdlib_files()
+    assert cfg.path is not None
+    path = Path(cfg.path).expanduser()
+    if not path.is_file():
+        raise ConfigError(
+            f"'data.path' is '{cfg.path}', which is not a readable file (resolved to {path.resolve()}); "
+            "give the path of a UTF-8 text file, e.g. data.path=/data/corpus.txt."
+        )
+    return [SourceFile(path.name, path.resolve())]
+
+
+def prepare_data(cfg: DataConfig, log: Callable[[str], None] = print) -> PreparedData:
+    """Return the prepared data for `cfg`, building it only when missing or stale."""
+    files = source_files(cfg)
+    identity = {
+        "format": FORMAT_VERSION,
+        "source": cfg.source.value,
+        "files": [str(f.path) for f in files] if cfg.source is DataSource.text else "stdlib",
+        "tokenizer": cfg.tokenizer.value,
+        "val_fraction": cfg.val_fraction,
+        "max_bytes": cfg.max_bytes,
+    }
+    key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+    directory = cache_root(cfg) / "data" / f"{cfg.source.value}-{cfg.tokenizer.value}-{key}"
+    meta_path = directory / "meta.json"
+    quick = fingerprint(files)
+    if meta_path.is_file():
+        meta = json.loads(meta_path.read_text())
+        if meta.get("fingerprint") == quick:
+            return PreparedData(directory, meta)
+        if meta.get("content_sha256") == content_hash(files, cfg.max_bytes):
+            meta["fingerprint"] = quick
+            _atomic_write_text(meta_path, json.dumps(meta, indent=2))
+            return PreparedData(directory, meta)
+        log(f"data source changed since it was prepared; preparing again into {directory}")
+    else:
+        log(f"preparing {cfg.source.value} data ({cfg.tokenizer.value} tokens) into {directory}")
+    return _build(cfg, files, quick, directory)
+
+
+def _build(cfg: DataConfig, files: list[SourceFile], quick: str, directory: Path) -> PreparedData:
+    docs = read_documents(files, cfg.max_bytes)
+    total_bytes = sum(len(d) for _, d in docs)
+    if cfg.source is DataSource.text:
+        train_text, val_text = _split_tail(docs[0][1].decode("utf-8", errors="replace"), cfg.val_fraction)
+    else:
+        train_parts, val_parts = [], []
+        for name, data in docs:
+            bucket = int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little") / 2**64
+            (val_parts if bucket < cfg.val_fraction else train_parts).append(data.decode("utf-8", errors="replace"))
+        train_text, val_text = DOC_SEPARATOR.join(train_parts), DOC_SEPARATOR.join(val_parts)
+
+    tokenizer: Tokenizer
+    if cfg.tokenizer is TokenizerName.char:
+        tokenizer = CharTokenizer.fit(train_text + val_text)
+    else:
+        tokenizer = ByteTokenizer()
+    dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
+    train = _encode(tokenizer, train_text, dtype)
+    val = _encode(tokenizer, val_text, dtype)
+    counts = np.bincount(train, minlength=tokenizer.vocab_size).astype(np.float64)
+    p = counts[counts > 0] / counts.sum()
+    meta = {
+        "format": FORMAT_VERSION,
+        "source": cfg.source.value,
+        "tokenizer": cfg.tokenizer.value,
+        "vocab_size": tokenizer.vocab_size,
+        "dtype": np.dtype(dtype).name,
+        "documents": len(docs),
+        "source_bytes": total_bytes,
+        "train_tokens": int(train.size),
+        "val_tokens": int(val.size),
+        "unigram_entropy_nats": float(-(p * np.log(p)).sum()),
+        "fingerprint": quick,
+        "content_sha256": content_hash(files, cfg.max_bytes),
+    }
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = directory.with_name(f"{directory.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    for split, arr in (("train", train), ("val", val)):
+        with open(tmp / f"{split}.bin", "wb") as fh:
+            arr.tofile(fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+    save_tokenizer(tokenizer, tmp / "tokenizer.json")
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+    old = directory.with_name(f"{directory.name}.old-{os.getpid()}")
+    if directory.exists():
+        os.replace(directory, old)
+    os.replace(tmp, directory)
+    shutil.rmtree(old, ignore_errors=True)
+    return PreparedData(directory, meta)
+
+
+def _split_tail(text: str, val_fraction: float) -> tuple[str, str]:
+    """A single file is one stream: the last val_fraction (at a line break) is validation."""
+    cut = int(len(text) * (1 - val_fraction))
+    newline = text.rfind("\n", 0, cut)
+    if newline > len(text) // 2:
+        cut = newline + 1
+    return text[:cut], text[cut:]
+
+
+def _encode(tokenizer: Tokenizer, text: str, dtype: type) -> np.ndarray:
+    if isinstance(tokenizer, ByteTokenizer):
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(dtype)
+    return np.asarray(tokenizer.encode(text), dtype=dtype)
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)

@@ -1,0 +1,189 @@
+"""GPT-style decoder: the classic GPT-2 recipe and a modern variant (RoPE, RMSNorm, SwiGLU).
+
+One module, one config (`ModelConfig`); every architectural switch is a config field. Attention
+always goes through `scaled_dot_product_attention` (fused kernels on CPU and GPU). The init
+follows seed 003 §4: N(0, 0.02) weights, the last projection of every residual branch scaled down
+(or zeroed) so a deep stack starts close to the identity, and optionally a zero or tiny LM head.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from llmtrain.config import HeadInit, MlpKind, ModelConfig, NormKind, NormPosition, PositionEncoding, ResidualInit
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    if cfg.norm is NormKind.rmsnorm:
+        return nn.RMSNorm(cfg.n_embd, eps=1e-6)
+    return nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+
+
+def rope_tables(head_dim: int, length: int, base: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables of shape (length, head_dim) for rotate-half RoPE."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.proj.is_residual_output = True
+        self.dropout = cfg.dropout
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)
+        if rope is not None:
+            cos, sin = rope[0][:T], rope[1][:T]
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+        )
+        y = y.transpose(1, 2).reshape(B, T, C)
+        return self.resid_dropout(self.proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gated = cfg.mlp is MlpKind.swiglu
+        hidden = int(cfg.mlp_ratio * cfg.n_embd)
+        if self.gated:
+            # 2/3 keeps the parameter count of a plain MLP with the same ratio; multiple of 8.
+            hidden = 8 * math.ceil(2 * hidden / 3 / 8)
+            self.gate = nn.Linear(cfg.n_embd, hidden, bias=cfg.bias)
+        self.up = nn.Linear(cfg.n_embd, hidden, bias=cfg.bias)
+        self.down = nn.Linear(hidden, cfg.n_embd, bias=cfg.bias)
+        self.down.is_residual_output = True
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated:
+            h = F.silu(self.gate(x)) * self.up(x)
+        else:
+            h = F.gelu(self.up(x), approximate="tanh")
+        return self.dropout(self.down(h))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.pre_norm = cfg.norm_position is NormPosition.pre
+        self.norm1 = make_norm(cfg)
+        self.attn = CausalSelfAttention(cfg)
+        self.norm2 = make_norm(cfg)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        if self.pre_norm:
+            x = x + self.attn(self.norm1(x), rope)
+            return x + self.mlp(self.norm2(x))
+        x = self.norm1(x + self.attn(x, rope))
+        return self.norm2(x + self.mlp(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: ModelConfig, vocab_size: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.vocab_size = vocab_size
+        self.wte = nn.Embedding(vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd) if cfg.position is PositionEncoding.learned else None
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        # Post-LN blocks end in a norm already; pre-LN needs one before the head.
+        self.norm_f = make_norm(cfg) if cfg.norm_position is NormPosition.pre else nn.Identity()
+        self.lm_head = nn.Linear(cfg.n_embd, vocab_size, bias=False)
+        if cfg.tie_weights:
+            self.lm_head.weight = self.wte.weight
+        if cfg.position is PositionEncoding.rope:
+            cos, sin = rope_tables(cfg.n_embd // cfg.n_head, cfg.block_size)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+        else:
+            self.rope_cos = self.rope_sin = None
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        cfg = self.cfg
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                if cfg.init == "xavier":
+                    nn.init.xavier_normal_(module.weight)
+                elif cfg.init == "kaiming":
+                    nn.init.kaiming_normal_(module.weight, mode="fan_in", nonlinearity="relu")
+                else:
+                    nn.init.normal_(module.weight, mean=0.0, std=cfg.init_std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+                if getattr(module, "is_residual_output", False):
+                    if cfg.residual_init is ResidualInit.zero:
+                        nn.init.zeros_(module.weight)
+                    elif cfg.residual_init is ResidualInit.scaled:
+                        module.weight.mul_(1.0 / math.sqrt(2 * cfg.n_layer))
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, mean=0.0, std=cfg.init_std)
+            elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+                nn.init.ones_(module.weight)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+        if not cfg.tie_weights:
+            if cfg.head_init is HeadInit.zero:
+                nn.init.zeros_(self.lm_head.weight)
+            elif cfg.head_init is HeadInit.tiny:
+                nn.init.normal_(self.lm_head.weight, mean=0.0, std=1e-4)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token ids (B, T) -> logits (B, T, vocab)."""
+        T = idx.shape[1]
+        if T > self.cfg.block_size:
+            raise ValueError(f"sequence length {T} exceeds the model's context {self.cfg.block_size}")
+        x = self.wte(idx)
+        if self.wpe is not None:
+            x = x + self.wpe(torch.arange(T, device=idx.device))
+        x = self.drop(x)
+        rope = (self.rope_cos, self.rope_sin) if self.rope_cos is not None else None
+        for block in self.blocks:
+            if self.cfg.activation_checkpointing and self.training:
+                x = checkpoint(block, x, rope, use_reentrant=False)
+            else:
+                x = block(x, rope)
+        return self.lm_head(self.norm_f(x))
+
+
+def param_count(model: nn.Module, exclude_positions: bool = False) -> int:
+    """Unique parameters (tied weights counted once)."""
+    seen = {id(p): p for p in model.parameters()}
+    total = sum(p.numel() for p in seen.values())
+    wpe = getattr(model, "wpe", None)
+    if exclude_positions and wpe is not None:
+        total -= wpe.weight.numel()
+    return total
+
+
+def flops_per_token(model: GPT, seq_len: int) -> float:
+    """Training FLOPs per token: 6N for the matmuls plus causal attention (PaLM appendix B)."""
+    cfg = model.cfg
+    n = param_count(model, exclude_positions=True) - model.wte.weight.numel()
+    if cfg.tie_weights:
+        n += model.lm_head.weight.numel()  # the head's matmul runs even when its weight is tied
+    return 6.0 * n + 12.0 * cfg.n_layer * cfg.n_embd * seq_len
