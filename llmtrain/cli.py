@@ -12,9 +12,11 @@ instead of Hydra's exit 1 and stack-trace hint.
 from __future__ import annotations
 
 import os
+import re
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, NoReturn, Sequence
+from typing import NoReturn
 
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130
@@ -87,6 +89,8 @@ def train_command(args: list[str]) -> None:
     if parsed.help:
         print(train_help())
         return
+    if parsed.multirun and (parsed.cfg or parsed.info):
+        fail("-m/--multirun cannot be combined with --cfg or --info; drop -m to print one job's config.")
     if not parsed.shell_completion and not parsed.hydra_help:
         from llmtrain.errors import UserError
 
@@ -134,6 +138,7 @@ def validate_overrides(overrides: list[str], multirun: bool = False) -> None:
     from hydra.core.global_hydra import GlobalHydra
 
     from llmtrain.config import register_configs, to_config
+    from llmtrain.errors import ConfigError
 
     register_configs()
     jobs = _expand_sweep(overrides) if multirun else [overrides]
@@ -144,7 +149,17 @@ def validate_overrides(overrides: list[str], multirun: bool = False) -> None:
                 node = compose(config_name="config", overrides=job)
             except Exception as err:  # Hydra wraps the cause; turn it into one paragraph
                 raise _composition_error(err) from None
-            to_config(node)
+            try:
+                cfg = to_config(node)
+                if cfg.data.path is not None and not Path(cfg.data.path).expanduser().is_file():
+                    raise ConfigError(
+                        f"'data.path' is '{cfg.data.path}', which is not a readable file "
+                        f"(resolved to {Path(cfg.data.path).expanduser().resolve()}); give the path of a UTF-8 text file."
+                    )
+            except ConfigError as err:
+                if "Unknown config key" in str(err) and any(o.startswith("+") for o in job):
+                    raise ConfigError(f"{err} ('+key=value' cannot add keys the schema does not define.)") from None
+                raise
 
 
 def _expand_sweep(overrides: list[str]) -> list[list[str]]:
@@ -182,10 +197,7 @@ def _composition_error(err: Exception) -> Exception:
     cause: BaseException | None = err
     while cause is not None:
         if isinstance(cause, OmegaConfBaseException):
-            message = describe_omegaconf_error(cause)
-            if "+" in " ".join(sys.argv) and "not in" in message:
-                message += " ('+key=value' cannot add keys the schema does not define.)"
-            return ConfigError(message)
+            return ConfigError(describe_omegaconf_error(cause))
         cause = cause.__cause__ or cause.__context__
     return ConfigError(" ".join(str(err).split()))
 
@@ -289,7 +301,6 @@ def _complete(args: list[str]) -> None:
         return
     if words[1] != "train":
         return
-    program, stripped = words[0], line.split("train", 1)[1]
-    os.environ["COMP_LINE"] = program + stripped
+    os.environ["COMP_LINE"] = re.sub(r"^(\s*\S+\s+)train\b", r"\1", line)
     os.environ["COMP_POINT"] = str(len(os.environ["COMP_LINE"]))
     _run_hydra(args, _train_task)

@@ -10,13 +10,15 @@ Each field carries a one-line doc in `metadata["help"]`; `llmtrain train --help`
 `docs/configuration.md` are written from it.
 """
 
+import copy
 import dataclasses
 import difflib
+import re
+import types
 import typing
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Optional
-
+from typing import Any
 
 from llmtrain.errors import ConfigError
 
@@ -26,8 +28,8 @@ __all__ = ["Config", "ConfigError", "to_config", "validate"]
 def _f(default: Any, help: str) -> Any:
     """A dataclass field with a one-line doc."""
     if isinstance(default, (list, dict)) or dataclasses.is_dataclass(default):
-        value = default
-        return field(default_factory=lambda: value, metadata={"help": help})
+        # A fresh copy per instance: a shared default would leak one config's edits into all others.
+        return field(default_factory=lambda: copy.deepcopy(default), metadata={"help": help})
     return field(default=default, metadata={"help": help})
 
 
@@ -108,7 +110,7 @@ class ModelConfig:
     n_head: int = _f(4, "Attention heads per block; must divide n_embd.")
     n_embd: int = _f(128, "Width of the residual stream.")
     block_size: int = _f(256, "Context length: the longest sequence the model accepts.")
-    vocab_size: Optional[int] = _f(None, "Vocabulary size; null takes the data's vocabulary.")
+    vocab_size: int | None = _f(None, "Vocabulary size; null takes the data's vocabulary.")
     dropout: float = _f(0.0, "Dropout probability on attention, MLP and embedding outputs.")
     bias: bool = _f(True, "Biases in linear layers and LayerNorm.")
     tie_weights: bool = _f(True, "Share the token embedding with the LM head.")
@@ -131,22 +133,22 @@ class ModelConfig:
 class OptimConfig:
     name: OptimizerName = _f(OptimizerName.adamw, "adamw, adam, sgd or adafactor.")
     lr: float = _f(1e-3, "Peak learning rate (after warmup).")
-    weight_decay: float = _f(0.1, "Decoupled weight decay on matrices (never on biases or norms).")
-    decay_embeddings: bool = _f(True, "Apply weight decay to embedding tables too.")
-    beta1: float = _f(0.9, "Adam beta1 (first-moment decay).")
-    beta2: float = _f(0.95, "Adam beta2 (second-moment decay).")
-    eps: float = _f(1e-8, "Adam epsilon.")
+    weight_decay: float = _f(0.1, "Weight decay on matrices, never on biases or norms (decoupled for adamw, L2 for adam/sgd).")
+    decay_embeddings: bool = _f(True, "Apply weight decay to embedding tables too (and to a head tied to them).")
+    beta1: float = _f(0.9, "Adam beta1, first-moment decay (adam, adamw).")
+    beta2: float = _f(0.95, "Adam beta2, second-moment decay (adam, adamw).")
+    eps: float = _f(1e-8, "Adam epsilon (adam, adamw).")
     momentum: float = _f(0.9, "SGD momentum.")
     nesterov: bool = _f(False, "SGD Nesterov momentum.")
-    fused: Optional[bool] = _f(None, "Fused optimizer kernel; null uses it where torch supports it.")
-    clip_grad_norm: Optional[float] = _f(1.0, "Clip the global gradient norm to this; null disables.")
-    clip_grad_value: Optional[float] = _f(None, "Clip each gradient element to +-value; excludes clip_grad_norm.")
+    fused: bool | None = _f(None, "Fused kernel (adam, adamw); null uses it where torch supports it.")
+    clip_grad_norm: float | None = _f(1.0, "Clip the global gradient norm to this; null disables.")
+    clip_grad_value: float | None = _f(None, "Clip each gradient element to +-value; excludes clip_grad_norm.")
 
 
 @dataclass
 class ScheduleConfig:
     name: ScheduleName = _f(ScheduleName.cosine, "cosine, linear, constant or wsd (warmup-stable-decay).")
-    warmup_steps: Optional[int] = _f(None, "Linear warmup length in steps; overrides warmup_fraction.")
+    warmup_steps: int | None = _f(None, "Linear warmup length in steps; overrides warmup_fraction.")
     warmup_fraction: float = _f(0.05, "Warmup length as a fraction of the run (used when warmup_steps is null).")
     min_lr_ratio: float = _f(0.1, "Floor of the decay as a fraction of the peak LR.")
     decay_fraction: float = _f(0.2, "wsd only: fraction of the run spent in the final decay.")
@@ -155,13 +157,13 @@ class ScheduleConfig:
 @dataclass
 class DataConfig:
     source: DataSource = _f(DataSource.python_stdlib, "python_stdlib (embedded, no download) or text (your file).")
-    path: Optional[str] = _f(None, "text only: path to a UTF-8 text file.")
+    path: str | None = _f(None, "text only: path to a UTF-8 text file.")
     tokenizer: Tokenizer = _f(Tokenizer.byte, "byte (vocab 256) or char (vocabulary from the corpus).")
-    seq_len: Optional[int] = _f(None, "Tokens per training sequence; null uses model.block_size.")
-    val_fraction: float = _f(0.05, "Share of documents held out for validation.")
-    max_bytes: Optional[int] = _f(None, "Read at most this many bytes of the corpus; null reads all.")
-    cache_dir: Optional[str] = _f(None, "Where prepared tokens go; null uses $LLMTRAIN_CACHE or ~/.cache/llmtrain.")
-    seed: Optional[int] = _f(None, "Seed of the batch sampler; null derives it from the run seed.")
+    seq_len: int | None = _f(None, "Tokens per training sequence; null uses model.block_size.")
+    val_fraction: float = _f(0.05, "Share held out for validation: whole documents (stdlib) or a file's tail (text).")
+    max_bytes: int | None = _f(None, "Read at most this many bytes of the corpus; null reads all.")
+    cache_dir: str | None = _f(None, "Where prepared tokens go; null uses $LLMTRAIN_CACHE or ~/.cache/llmtrain.")
+    seed: int | None = _f(None, "Seed of the batch sampler; null derives it from the run seed.")
 
 
 @dataclass
@@ -185,16 +187,16 @@ class Config:
     precision: PrecisionConfig = _f(PrecisionConfig(), "Numeric precision.")
     parallel: ParallelConfig = _f(ParallelConfig(), "Process layout.")
     seed: int = _f(1337, "Global seed: model init, dropout and (by default) data order.")
-    max_steps: Optional[int] = _f(600, "Optimizer steps to run (ignored when max_tokens is set).")
-    max_tokens: Optional[int] = _f(None, "Train on this many tokens instead; the last step may be partial.")
+    max_steps: int | None = _f(600, "Optimizer steps to run (ignored when max_tokens is set).")
+    max_tokens: int | None = _f(None, "Train on this many tokens instead; the last step may be partial.")
     micro_batch_size: int = _f(16, "Sequences per forward/backward pass.")
     global_batch_size: int = _f(32, "Sequences per optimizer step; accumulation = global / (micro x world).")
     eval_interval: int = _f(100, "Evaluate every this many steps (and at the end); 0 disables.")
     eval_batches: int = _f(10, "Fixed validation batches per evaluation.")
     log_interval: int = _f(10, "Log (and sync with the device) every this many steps.")
-    out_dir: Optional[str] = _f(None, "Run directory; null uses Hydra's run dir.")
+    out_dir: str | None = _f(None, "Run directory; null uses Hydra's run dir.")
     device: str = _f("auto", "auto, cpu, cuda, cuda:N or mps.")
-    threads: Optional[int] = _f(None, "CPU threads per process; null = usable cores / local processes.")
+    threads: int | None = _f(None, "CPU threads per process; null = usable cores / local processes.")
 
 
 GROUPS: tuple[str, ...] = ("model", "optim", "schedule", "data", "precision", "parallel")
@@ -224,7 +226,7 @@ def register_configs() -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def _enum_names(tp: Any) -> Optional[list[str]]:
+def _enum_names(tp: Any) -> list[str] | None:
     return [m.value for m in tp] if isinstance(tp, type) and issubclass(tp, Enum) else None
 
 
@@ -235,7 +237,22 @@ def schema_fields(schema: type) -> dict[str, dataclasses.Field]:
 def field_type(tp: Any) -> Any:
     """The concrete type of a field: Optional[X] -> X."""
     args = [a for a in typing.get_args(tp) if a is not type(None)]
-    return args[0] if typing.get_origin(tp) is typing.Union and len(args) == 1 else tp
+    is_union = typing.get_origin(tp) in (typing.Union, types.UnionType)
+    return args[0] if is_union and len(args) == 1 else tp
+
+
+def unknown_key_message(full_key: str) -> str:
+    """'Unknown config key' with the valid keys of its parent section and a close match."""
+    parent, _, leaf = full_key.rpartition(".")
+    found = _schema_for_key(full_key)
+    fields = list(schema_fields(found[0])) if found else []
+    # `n_layer=4` meant `model.n_layer=4`: an exact key of a group beats a fuzzy top-level match.
+    nested = [] if parent else [f"{g}.{leaf}" for g in GROUPS if leaf in schema_fields(field_type(schema_fields(Config)[g].type))]
+    close = nested or [f"{parent + '.' if parent else ''}{c}" for c in difflib.get_close_matches(leaf, fields, n=1)]
+    hint = f" Did you mean '{close[0]}'?" if close else ""
+    where = f"under '{parent}'" if parent else "at the top level"
+    valid = f" Valid keys {where}: {', '.join(fields)}." if fields else ""
+    return f"Unknown config key '{full_key}'.{hint}{valid}"
 
 
 def _check_unknown_keys(node: Any, schema: type, prefix: str) -> None:
@@ -246,12 +263,7 @@ def _check_unknown_keys(node: Any, schema: type, prefix: str) -> None:
     for key in node.keys():
         full = f"{prefix}{key}"
         if key not in fields:
-            close = difflib.get_close_matches(str(key), list(fields), n=1)
-            hint = f" Did you mean '{prefix}{close[0]}'?" if close else ""
-            raise ConfigError(
-                f"Unknown config key '{full}'.{hint} Valid keys under "
-                f"'{prefix.rstrip('.') or '<root>'}': {', '.join(fields)}."
-            )
+            raise ConfigError(unknown_key_message(full))
         sub_schema = field_type(fields[key].type)
         if isinstance(node._get_node(key), DictConfig) and dataclasses.is_dataclass(sub_schema):
             _check_unknown_keys(node._get_node(key), sub_schema, f"{full}.")
@@ -259,14 +271,14 @@ def _check_unknown_keys(node: Any, schema: type, prefix: str) -> None:
 
 def describe_omegaconf_error(err: Exception) -> str:
     """Turn an OmegaConf/Hydra error into one paragraph naming the key and what is valid."""
-    from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, ValidationError
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, MissingMandatoryValue, ValidationError
 
     key = getattr(err, "full_key", None) or ""
     msg = str(getattr(err, "msg", None) or err).strip().splitlines()[0]
     if isinstance(err, MissingMandatoryValue):
         return f"Missing required value '{key}': set it on the command line, e.g. {key}=<value>."
-    if isinstance(err, ConfigKeyError):
-        return f"Unknown config key '{key}': {msg}."
+    if isinstance(err, (ConfigKeyError, ConfigAttributeError)) and key:
+        return unknown_key_message(key)
     if isinstance(err, ValidationError):
         valid = ""
         parent = _schema_for_key(key)
@@ -276,12 +288,15 @@ def describe_omegaconf_error(err: Exception) -> str:
             if fld is not None:
                 tp = field_type(fld.type)
                 names = _enum_names(tp)
-                valid = f" Valid: {', '.join(names)}." if names else f" Expected type: {getattr(tp, '__name__', tp)}."
+                if names and "expected one of" not in msg:
+                    valid = f" Valid: {', '.join(names)}."
+                elif not names:
+                    valid = f" Expected type: {getattr(tp, '__name__', tp)}."
         return f"Bad value for '{key}': {msg}.{valid}"
     return msg
 
 
-def _schema_for_key(full_key: str) -> Optional[tuple[type, str]]:
+def _schema_for_key(full_key: str) -> tuple[type, str] | None:
     parts = full_key.split(".")
     schema: type = Config
     for part in parts[:-1]:
@@ -386,15 +401,19 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     _require(d.max_bytes is None or d.max_bytes > 0, f"'data.max_bytes' is {d.max_bytes}; use a positive size or null.")
     if d.source is DataSource.text:
         _require(d.path is not None, "Missing required value 'data.path': data=text needs your file, e.g. data.path=corpus.txt.")
-    warmup = warmup_steps(cfg.schedule, total_steps(cfg, world_size))
     total = total_steps(cfg, world_size)
-    _require(
-        warmup < total,
-        f"Warmup ({warmup} steps, from schedule.warmup_steps) is not shorter than the run ({total} steps); "
-        f"use schedule.warmup_steps<{total}, typically 1-10% of the run (e.g. {max(1, total // 20)}).",
+    warmup = warmup_steps(cfg.schedule, total)
+    source = (
+        f"schedule.warmup_steps={s.warmup_steps}" if s.warmup_steps is not None
+        else f"schedule.warmup_fraction={s.warmup_fraction} of {total} steps"
     )
     _require(
-        cfg.device == "auto" or cfg.device in ("cpu", "mps") or cfg.device.startswith("cuda"),
+        warmup < total or total == 1 and warmup <= 1,
+        f"Warmup ({warmup} steps, from {source}) is not shorter than the run ({total} steps); "
+        f"use schedule.warmup_steps<{total}, typically 1-10% of the run (e.g. schedule.warmup_steps={max(1, total // 20)}).",
+    )
+    _require(
+        re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", cfg.device) is not None,
         f"'device' is '{cfg.device}'; valid: auto, cpu, cuda, cuda:N, mps.",
     )
     _require(cfg.threads is None or cfg.threads >= 1, f"'threads' is {cfg.threads}; use a positive count or null.")

@@ -37,7 +37,8 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device_type: str) -> tor
     if cfg.name is OptimizerName.sgd:
         return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov and cfg.momentum > 0)
     if cfg.name is OptimizerName.adafactor:
-        return torch.optim.Adafactor(groups, lr=cfg.lr, eps=(None, 1e-3))
+        # Adafactor's own defaults for its two epsilons (the Adam-style optim.eps does not apply).
+        return torch.optim.Adafactor(groups, lr=cfg.lr)
     cls = torch.optim.AdamW if cfg.name is OptimizerName.adamw else torch.optim.Adam
     kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
     # Fused kernels step ~3x faster on CPU here and are the fastest path on CUDA.

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, ContextManager
+from collections.abc import Callable
+from contextlib import AbstractContextManager as ContextManager
 
 import torch
 

@@ -1,4 +1,4 @@
-"""Text generation from a finished (or interrupted) run: `llmtrain sample <run dir>`."""
+"""Text generation from a finished run: `llmtrain sample <run dir>`."""
 
 from __future__ import annotations
 

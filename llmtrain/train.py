@@ -21,9 +21,10 @@ import math
 import os
 import random
 import time
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager as ContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, ContextManager, Iterable, Optional
 
 import numpy as np
 import torch
@@ -38,6 +39,7 @@ from llmtrain.config import (
     seq_len_of,
     total_micro_batches,
     total_steps,
+    validate,
     warmup_steps,
 )
 from llmtrain.data import RandomWindowSampler, prepare_data
@@ -86,7 +88,7 @@ def accumulate_gradients(
     batches: list[Batch],
     device: torch.device,
     autocast: Callable[[], ContextManager],
-    scaler: Optional[torch.amp.GradScaler] = None,
+    scaler: torch.amp.GradScaler | None = None,
 ) -> torch.Tensor:
     """Forward/backward over one accumulation window; returns the window's mean loss (a tensor)."""
     n_tokens = max(1, count_tokens(batches))
@@ -118,12 +120,13 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)  # seeds CUDA too
 
 
-def train(cfg: Config, console: Optional[ConsoleSink] = None) -> TrainResult:
+def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
     # ---- set-up: everything that can fail on user input fails here, before any compute --------
     if cfg.out_dir is None:
         raise ConfigError("'out_dir' is not set; give a run directory, e.g. out_dir=runs/first.")
     run_dir = Path(cfg.out_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    validate(cfg)
     seed_everything(cfg.seed)
     threads = cfg.threads or default_threads()
     torch.set_num_threads(threads)
@@ -136,6 +139,13 @@ def train(cfg: Config, console: Optional[ConsoleSink] = None) -> TrainResult:
     sink = console or ConsoleSink(steps_total)
 
     data = prepare_data(cfg.data, log=lambda msg: sink.print(f"[dim]{msg}[/]"))
+    for split in ("train", "val") if cfg.eval_interval else ("train",):
+        if data.meta[f"{split}_tokens"] < seq_len + 1:
+            raise ConfigError(
+                f"The {split} split has {data.meta[f'{split}_tokens']} tokens, fewer than one sequence of "
+                f"data.seq_len={seq_len} (+1 target); use more text (or a larger data.max_bytes), "
+                "a shorter data.seq_len, or a larger data.val_fraction."
+            )
     vocab_size = cfg.model.vocab_size or data.vocab_size
     if vocab_size < data.vocab_size:
         raise ConfigError(
@@ -153,9 +163,12 @@ def train(cfg: Config, console: Optional[ConsoleSink] = None) -> TrainResult:
     params = [p for p in model.parameters() if p.requires_grad]
 
     # The sampler owns its RNG, so the data order is independent of init and dropout.
-    train_batches = RandomWindowSampler(data.tokens("train"), cfg.micro_batch_size, seq_len, cfg.data.seed or cfg.seed)
-    val_sampler = RandomWindowSampler(data.tokens("val"), cfg.micro_batch_size, seq_len, (cfg.data.seed or cfg.seed) + 1)
-    val_batches = [val_sampler.next_batch() for _ in range(cfg.eval_batches)] if cfg.eval_interval else []
+    data_seed = cfg.data.seed if cfg.data.seed is not None else cfg.seed
+    train_batches = RandomWindowSampler(data.tokens("train"), cfg.micro_batch_size, seq_len, data_seed)
+    val_batches = []
+    if cfg.eval_interval:
+        val_sampler = RandomWindowSampler(data.tokens("val"), cfg.micro_batch_size, seq_len, data_seed + 1)
+        val_batches = [val_sampler.next_batch() for _ in range(cfg.eval_batches)]
 
     tokens_per_step = cfg.global_batch_size * seq_len
     sink.banner(
@@ -177,6 +190,8 @@ def train(cfg: Config, console: Optional[ConsoleSink] = None) -> TrainResult:
 
     # ---- the loop ------------------------------------------------------------------------------
     metrics = JsonlSink(run_dir / "metrics.jsonl")
+    # Appending (never truncating) keeps an earlier run's records; this marks where this one starts.
+    metrics.write({"kind": "start", "time": time.time(), "steps": steps_total, "tokens_per_step": tokens_per_step})
     result = TrainResult(run_dir=run_dir, steps=0, tokens=0, unigram_entropy=data.unigram_entropy)
     flops_token = flops_per_token(model, seq_len)
     sink.start()
@@ -237,12 +252,14 @@ def train(cfg: Config, console: Optional[ConsoleSink] = None) -> TrainResult:
     # ---- the end: weights for `sample`; full checkpoints are checkpoint.py's job ----------------
     save_weights(model, run_dir / "model.pt")
     elapsed = time.perf_counter() - start
-    sink.print(
-        f"[bold]done[/]: {result.steps} steps, {result.tokens:,} tokens in {elapsed:.1f}s "
-        f"({result.tokens / max(elapsed, 1e-9):,.0f} tok/s); final val loss {result.final_val_loss:.4f} "
-        f"vs unigram entropy {data.unigram_entropy:.4f} "
-        f"({100 * (1 - result.final_val_loss / data.unigram_entropy):.0f}% below). Weights: {run_dir / 'model.pt'}"
-    )
+    summary = f"[bold]done[/]: {result.steps} steps, {result.tokens:,} tokens in {elapsed:.1f}s ({result.tokens / max(elapsed, 1e-9):,.0f} tok/s)"
+    if result.val_losses:
+        below = 1 - result.final_val_loss / data.unigram_entropy
+        summary += (
+            f"; final val loss {result.final_val_loss:.4f} is {abs(below):.0%} {'below' if below >= 0 else 'ABOVE'} "
+            f"the unigram entropy {data.unigram_entropy:.4f}"
+        )
+    sink.print(f"{summary}. Weights: {run_dir / 'model.pt'}")
     return result
 
 

@@ -13,15 +13,15 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
 from llmtrain.config import ConfigError, DataConfig, DataSource
 from llmtrain.config import Tokenizer as TokenizerName
-from llmtrain.data.corpus import SourceFile, content_hash, fingerprint, read_documents, stdlib_files
+from llmtrain.data.corpus import SourceFile, content_hash, fingerprint, read_documents, stdlib_files, stdlib_root
 from llmtrain.data.tokenizers import ByteTokenizer, CharTokenizer, Tokenizer, load_tokenizer, save_tokenizer
 
 FORMAT_VERSION = 1
@@ -43,7 +43,9 @@ class PreparedData:
         ignores context. A model that learned anything beats it."""
         return float(self.meta["unigram_entropy_nats"])
 
-    def tokens(self, split: str) -> np.memmap:
+    def tokens(self, split: str) -> np.ndarray:
+        if self.meta[f"{split}_tokens"] == 0:  # np.memmap cannot map an empty file
+            return np.zeros(0, dtype=np.dtype(self.meta["dtype"]))
         return np.memmap(self.directory / f"{split}.bin", dtype=np.dtype(self.meta["dtype"]), mode="r")
 
     def tokenizer(self) -> Tokenizer:
@@ -76,7 +78,7 @@ def prepare_data(cfg: DataConfig, log: Callable[[str], None] = print) -> Prepare
     identity = {
         "format": FORMAT_VERSION,
         "source": cfg.source.value,
-        "files": [str(f.path) for f in files] if cfg.source is DataSource.text else "stdlib",
+        "files": [str(f.path) for f in files] if cfg.source is DataSource.text else str(stdlib_root()),
         "tokenizer": cfg.tokenizer.value,
         "val_fraction": cfg.val_fraction,
         "max_bytes": cfg.max_bytes,

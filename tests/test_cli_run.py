@@ -1,0 +1,127 @@
+"""The real CLI, end to end, in subprocesses started from a temporary working directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from .conftest import TINY_CORPUS
+
+TINY = [
+    "data=text", f"data.path={TINY_CORPUS}", "data.tokenizer=char",
+    "model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.block_size=32",
+    "micro_batch_size=4", "global_batch_size=8", "eval_interval=2", "eval_batches=2", "log_interval=1", "threads=1",
+]
+
+
+def llmtrain(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "COLUMNS": "160"}
+    return subprocess.run(
+        [sys.executable, "-m", "llmtrain", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_help_lists_commands_without_importing_torch(tmp_path: Path) -> None:
+    code = "import sys; from llmtrain.cli import main; main(['--help']); print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True).stdout
+    assert "train" in out and "sample" in out
+    assert out.strip().endswith("False"), "--help must not import torch"
+
+
+def test_help_is_fast(tmp_path: Path) -> None:
+    exe = Path(sys.executable).with_name("llmtrain")
+    if not exe.exists():
+        pytest.skip("console script not installed next to this interpreter")
+    best = min(_timed([str(exe), "--help"], tmp_path) for _ in range(3))
+    assert best < 0.3, f"`llmtrain --help` took {best:.2f}s"
+
+
+def _timed(cmd: list[str], cwd: Path) -> float:
+    start = time.perf_counter()
+    subprocess.run(cmd, cwd=cwd, capture_output=True, check=True)
+    return time.perf_counter() - start
+
+
+def test_train_help_shows_groups_and_options(tmp_path: Path) -> None:
+    out = llmtrain("train", "--help", cwd=tmp_path).stdout
+    for text in ("model", "gpt_tiny*", "gpt_small", "modern_tiny", "adamw*", "sgd", "adafactor", "cosine*", "wsd", "fp16", "optim.lr"):
+        assert text in out
+
+
+def test_train_then_sample_from_a_temporary_cwd(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    proc = llmtrain("train", *TINY, "max_steps=4", f"hydra.run.dir={run}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "unigram entropy" in proc.stdout
+    for name in ("config.yaml", "metrics.jsonl", "model.pt", "tokenizer.json", ".hydra/config.yaml"):
+        assert (run / name).is_file(), name
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2, 3, 4]
+    state = torch.load(run / "model.pt", weights_only=True)
+    assert state["wte.weight"].shape[1] == 32
+
+    first = llmtrain("sample", str(run), "--max-new-tokens", "40", "--seed", "3", cwd=tmp_path)
+    again = llmtrain("sample", str(run), "--max-new-tokens", "40", "--seed", "3", cwd=tmp_path)
+    other = llmtrain("sample", str(run), "--max-new-tokens", "40", "--seed", "4", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout == again.stdout, "same seed must give the same text"
+    assert first.stdout != other.stdout
+    assert len(first.stdout) >= 40
+
+
+def test_sample_on_a_missing_run_dir_is_a_clear_error(tmp_path: Path) -> None:
+    proc = llmtrain("sample", str(tmp_path / "nope"), cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "model.pt" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_multirun_writes_one_run_dir_per_job(tmp_path: Path) -> None:
+    proc = llmtrain("train", "-m", *TINY, "optim.lr=1e-3,3e-4", "max_steps=2", "hydra.sweep.dir=sweep", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    for job in ("0", "1"):
+        cfg = (tmp_path / "sweep" / job / "config.yaml").read_text()
+        assert (tmp_path / "sweep" / job / "model.pt").is_file()
+        assert ("lr: 0.001" if job == "0" else "lr: 0.0003") in cfg
+
+
+def test_cfg_job_prints_the_composed_config(tmp_path: Path) -> None:
+    proc = llmtrain("train", "model=gpt_small", "optim=adamw", "--cfg", "job", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "n_layer: 12" in proc.stdout and "n_embd: 768" in proc.stdout and "beta2: 0.95" in proc.stdout
+    assert not list(tmp_path.iterdir()), "--cfg job must not write anything"
+
+
+def test_shell_completion_of_commands_and_overrides(tmp_path: Path) -> None:
+    def complete(line: str) -> str:
+        env = {**os.environ, "COMP_LINE": line, "COMP_POINT": str(len(line))}
+        return subprocess.run(
+            [sys.executable, "-m", "llmtrain", "-sc", "query=bash"], cwd=tmp_path, env=env, capture_output=True, text=True
+        ).stdout
+
+    assert complete("llmtrain tr").split() == ["train"]
+    assert set(complete("llmtrain train model=gpt_").split()) == {"model=gpt_small", "model=gpt_tiny"}
+    script = llmtrain("train", "-sc", "install=bash", cwd=tmp_path).stdout
+    assert "complete" in script and "llmtrain" in script
+
+
+def test_default_stdlib_data_trains(tmp_path: Path) -> None:
+    """The embedded default (stdlib sources, byte tokens) with a tiny model and 3 steps."""
+    run = tmp_path / "run"
+    proc = llmtrain(
+        "train", "model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.block_size=64", "micro_batch_size=2",
+        "global_batch_size=2", "max_steps=3", "eval_interval=3", "eval_batches=1", f"hydra.run.dir={run}", cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    meta_files = list(Path(os.environ["LLMTRAIN_CACHE"]).glob("data/python_stdlib-byte-*/meta.json"))
+    assert len(meta_files) == 1
+    meta = json.loads(meta_files[0].read_text())
+    assert meta["vocab_size"] == 256 and meta["train_tokens"] > 1_000_000 and meta["val_tokens"] > 10_000
+    assert 2.0 < meta["unigram_entropy_nats"] < 5.5
+    assert f"{meta['unigram_entropy_nats']:.4f}" in proc.stdout

@@ -1,0 +1,412 @@
+"""The config layer: every shipped group option composes and builds; derived quantities; round-trips.
+
+Composition goes through Hydra's compose API on the shipped `conf/` (the same files the CLI uses),
+then `to_config`, then the object each group configures (model, optimizer, schedule, precision).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from omegaconf import OmegaConf
+
+from llmtrain.cli import conf_dir
+from llmtrain.config import (
+    GROUPS,
+    Config,
+    ConfigError,
+    DataConfig,
+    DataSource,
+    ModelConfig,
+    NormPosition,
+    OptimizerName,
+    Precision,
+    ScheduleConfig,
+    ScheduleName,
+    accumulation_steps,
+    config_from_dict,
+    config_to_dict,
+    field_type,
+    register_configs,
+    seq_len_of,
+    to_config,
+    total_micro_batches,
+    total_steps,
+    validate,
+    warmup_steps,
+)
+from llmtrain.data import prepare_data
+from llmtrain.model import GPT
+from llmtrain.optim import build_optimizer
+from llmtrain.precision import autocast_factory, build_grad_scaler
+from llmtrain.schedule import lr_at
+
+CONF = conf_dir()
+GROUP_OPTIONS = [(group, path.stem) for group in GROUPS for path in sorted((CONF / group).glob("*.yaml"))]
+TINY_MODEL = ModelConfig(name="t", n_layer=1, n_head=2, n_embd=16, block_size=16)
+
+
+def compose_config(overrides: list[str]) -> object:
+    """The composed OmegaConf node for `overrides`, exactly as the CLI composes it."""
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3", job_name="test"):
+        return compose(config_name="config", overrides=overrides)
+
+
+def load_option(group: str, option: str, tmp_path: Path) -> Config:
+    overrides = [f"{group}={option}"]
+    if group == "data" and option == "text":
+        corpus = tmp_path / "corpus.txt"
+        corpus.write_text("a tiny corpus, for composing the text data option.\n" * 50, encoding="utf-8")
+        overrides.append(f"data.path={corpus}")
+    return to_config(compose_config(overrides))
+
+
+def tiny_batch(vocab_size: int) -> torch.Tensor:
+    return torch.randint(0, vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
+
+
+# ---------------------------------------------------------------------------------------------
+# (a) every shipped option composes, converts and builds
+# ---------------------------------------------------------------------------------------------
+
+
+def test_group_folders_match_schema_groups() -> None:
+    on_disk = sorted(p.name for p in CONF.iterdir() if p.is_dir() and not p.name.startswith(("_", ".")))
+    assert on_disk == sorted(GROUPS)
+    for group in GROUPS:
+        assert any(g == group for g, _ in GROUP_OPTIONS), f"group {group} has no options"
+
+
+def test_default_config_composes_to_the_schema_defaults() -> None:
+    cfg = to_config(compose_config([]))
+    assert cfg == Config(), "config.yaml's defaults drifted from the dataclass defaults"
+
+
+@pytest.mark.parametrize(("group", "option"), GROUP_OPTIONS, ids=[f"{g}={o}" for g, o in GROUP_OPTIONS])
+def test_option_composes_converts_and_builds(group: str, option: str, tmp_path: Path) -> None:
+    cfg = load_option(group, option, tmp_path)
+    section = getattr(cfg, group)
+    # The option file's values arrived in the typed section (the file names its own option).
+    raw = yaml.safe_load((CONF / group / f"{option}.yaml").read_text())
+    for key, value in raw.items():
+        if group == "data" and key == "path" and option == "text":
+            continue  # required, so the test set it
+        got = getattr(section, key)
+        got = got.value if hasattr(got, "value") else got
+        assert got == value, f"{group}.{key}: {got!r} != {value!r}"
+
+    if group == "model":
+        vocab = cfg.model.vocab_size or 256
+        model = GPT(cfg.model, vocab_size=vocab)
+        with torch.no_grad():
+            logits = model(tiny_batch(vocab))
+        assert logits.shape == (1, 8, vocab)
+        assert torch.isfinite(logits).all()
+    elif group == "optim":
+        model = GPT(TINY_MODEL, vocab_size=32)
+        optimizer = build_optimizer(model, cfg.optim, "cpu")
+        assert type(optimizer).__name__.lower() == cfg.optim.name.value
+        assert all(g["lr"] == cfg.optim.lr for g in optimizer.param_groups)
+        before = [p.detach().clone() for p in model.parameters()]
+        model(tiny_batch(32)).logsumexp(-1).mean().backward()
+        optimizer.step()
+        changed = [not torch.equal(b, p) for b, p in zip(before, model.parameters())]
+        assert any(changed), "one optimizer step changed no parameter"
+        assert all(torch.isfinite(p).all() for p in model.parameters())
+    elif group == "schedule":
+        total = total_steps(cfg)
+        warmup = warmup_steps(cfg.schedule, total)
+        lrs = [lr_at(step, cfg.optim.lr, total, cfg.schedule) for step in range(total)]
+        assert all(0 < lr <= cfg.optim.lr * (1 + 1e-12) for lr in lrs)
+        assert lrs[0] == pytest.approx(cfg.optim.lr / warmup if warmup else cfg.optim.lr)
+        assert max(lrs) == pytest.approx(cfg.optim.lr)
+        if cfg.schedule.name is ScheduleName.constant:
+            assert lrs[-1] == pytest.approx(cfg.optim.lr)
+        else:
+            assert lrs[-1] == pytest.approx(cfg.optim.lr * cfg.schedule.min_lr_ratio)
+    elif group == "precision":
+        autocast = autocast_factory(cfg.precision, "cpu")
+        scaler = build_grad_scaler(cfg.precision, "cpu")
+        assert (scaler is not None) == (cfg.precision.name is Precision.fp16)
+        model = GPT(TINY_MODEL, vocab_size=32)
+        with autocast():
+            logits = model(tiny_batch(32))
+            loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, 32), tiny_batch(32).reshape(-1))
+        expected_dtype = {Precision.fp32: torch.float32, Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}
+        assert logits.dtype == expected_dtype[cfg.precision.name]
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        grads = [p.grad for p in model.parameters() if p.requires_grad]
+        assert all(g is not None and g.dtype == torch.float32 and torch.isfinite(g).all() for g in grads)
+        if scaler is not None:
+            assert scaler.get_scale() == cfg.precision.init_scale
+    elif group == "data":
+        assert cfg.data.source is DataSource(option)
+        if cfg.data.source is DataSource.text:  # the embedded stdlib corpus is too big to prepare here
+            data = prepare_data(dataclasses.replace(cfg.data, cache_dir=str(tmp_path / "cache")), log=lambda _: None)
+            assert data.vocab_size == 256
+            assert data.meta["train_tokens"] > 0 and data.meta["val_tokens"] > 0
+    else:
+        assert group == "parallel"
+        assert cfg.parallel.mode.value == option
+
+
+def test_gpt_small_is_the_gpt2_124m_shape() -> None:
+    cfg = to_config(compose_config(["model=gpt_small"]))
+    model = GPT(cfg.model, vocab_size=cfg.model.vocab_size)
+    unique = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    assert 123e6 < unique < 126e6
+
+
+# ---------------------------------------------------------------------------------------------
+# (b) derived quantities
+# ---------------------------------------------------------------------------------------------
+
+
+def make(**kw: object) -> Config:
+    """A Config with top-level overrides; model/data kept small so seq_len is explicit."""
+    cfg = Config(model=ModelConfig(block_size=64), data=DataConfig(seq_len=kw.pop("seq_len", 8)))  # type: ignore[arg-type]
+    for key, value in kw.items():
+        setattr(cfg, key, value)
+    return cfg
+
+
+def test_default_sub_configs_are_not_shared_between_instances() -> None:
+    a, b = Config(), Config()
+    for group in GROUPS:
+        assert getattr(a, group) is not getattr(b, group), f"Config().{group} is shared between instances"
+
+
+def test_defaults_derived_quantities() -> None:
+    cfg = Config()
+    validate(cfg)
+    assert accumulation_steps(cfg) == 2  # 32 / 16
+    assert total_micro_batches(cfg) == 1200
+    assert total_steps(cfg) == 600
+    assert seq_len_of(cfg) == cfg.model.block_size == 256
+
+
+@pytest.mark.parametrize(
+    ("micro", "global_", "world", "accum"),
+    [(16, 32, 1, 2), (16, 32, 2, 1), (4, 48, 1, 12), (4, 48, 3, 4), (8, 8, 1, 1)],
+)
+def test_accumulation_steps(micro: int, global_: int, world: int, accum: int) -> None:
+    cfg = make(micro_batch_size=micro, global_batch_size=global_, max_steps=10)
+    validate(cfg, world_size=world)
+    assert accumulation_steps(cfg, world) == accum
+    assert total_micro_batches(cfg, world) == 10 * accum
+    assert total_steps(cfg, world) == 10
+
+
+@pytest.mark.parametrize(
+    ("max_tokens", "micro_batches", "steps"),
+    [
+        # micro 4 x seq_len 8 = 32 tokens per micro-batch, accumulation 4 (global 16)
+        (1, 1, 1),  # less than one micro-batch: still one (partial) step
+        (32, 1, 1),
+        (4 * 32, 4, 1),  # exactly one full window
+        (4 * 32 + 1, 5, 2),  # one token into the next micro-batch: a partial second window
+        (6 * 32, 6, 2),  # ends mid-window: steps of 4 and 2 micro-batches
+        (9 * 32 - 5, 9, 3),
+        (12 * 32, 12, 3),
+    ],
+)
+def test_max_tokens_ending_mid_window(max_tokens: int, micro_batches: int, steps: int) -> None:
+    cfg = make(micro_batch_size=4, global_batch_size=16, max_tokens=max_tokens, max_steps=600)
+    validate(cfg)
+    assert accumulation_steps(cfg) == 4
+    assert total_micro_batches(cfg) == micro_batches, "max_tokens rounds up to whole micro-batches"
+    assert total_steps(cfg) == steps, "max_tokens wins over max_steps; a partial last window is a step"
+
+
+def test_max_tokens_with_world_size() -> None:
+    # micro 4 x world 2 x seq_len 8 = 64 tokens per micro-batch round; accumulation 16 / 8 = 2
+    cfg = make(micro_batch_size=4, global_batch_size=16, max_tokens=5 * 64, max_steps=None)
+    validate(cfg, world_size=2)
+    assert accumulation_steps(cfg, 2) == 2
+    assert total_micro_batches(cfg, 2) == 5
+    assert total_steps(cfg, 2) == 3
+
+
+def test_max_tokens_uses_block_size_when_seq_len_is_null() -> None:
+    cfg = Config(max_tokens=10 * 16 * 256 + 1, max_steps=None)
+    validate(cfg)
+    assert total_micro_batches(cfg) == 11
+    assert total_steps(cfg) == 6
+
+
+def test_global_batch_must_divide_by_micro_times_world() -> None:
+    cfg = make(micro_batch_size=16, global_batch_size=48)
+    validate(cfg)  # 48 = 3 x 16
+    with pytest.raises(ConfigError, match=r"'global_batch_size' \(48\).*16 x 2 = 32.*multiples of 32"):
+        validate(cfg, world_size=2)
+
+
+def test_warmup_is_checked_against_the_max_tokens_run_length() -> None:
+    cfg = make(micro_batch_size=4, global_batch_size=16, max_tokens=6 * 32)  # 2 steps
+    cfg.schedule = ScheduleConfig(warmup_steps=1)
+    validate(cfg)
+    cfg.schedule = ScheduleConfig(warmup_steps=2)
+    with pytest.raises(ConfigError, match=r"Warmup \(2 steps.*the run \(2 steps\)"):
+        validate(cfg)
+
+
+def test_neither_max_steps_nor_max_tokens() -> None:
+    with pytest.raises(ConfigError, match="Neither 'max_steps' nor 'max_tokens'"):
+        validate(make(max_steps=None, max_tokens=None))
+
+
+@pytest.mark.parametrize(
+    ("changes", "pattern"),
+    [
+        ({"micro_batch_size": 0}, "'micro_batch_size' is 0"),
+        ({"max_steps": 0}, "'max_steps' is 0"),
+        ({"max_tokens": 0}, "'max_tokens' is 0"),
+        ({"eval_interval": -1}, "'eval_interval' is -1"),
+        ({"device": "tpu"}, "'device' is 'tpu'"),
+    ],
+)
+def test_validate_rejects_bad_top_level_values(changes: dict, pattern: str) -> None:
+    with pytest.raises(ConfigError, match=pattern):
+        validate(make(**changes))
+
+
+# ---------------------------------------------------------------------------------------------
+# (c) config_to_dict / config_from_dict
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],
+        ["model=modern_tiny", "optim=sgd", "schedule=wsd", "precision=fp16"],
+        ["model=gpt_small", "optim=adafactor", "schedule=linear", "precision=bf16"],
+        [
+            "optim=adam",
+            "schedule=constant",
+            "schedule.warmup_steps=3",
+            "max_tokens=100000",
+            "max_steps=null",
+            "optim.clip_grad_norm=null",
+            "optim.clip_grad_value=0.5",
+            "data.seq_len=128",
+            "out_dir=runs/x",
+        ],
+    ],
+    ids=["defaults", "modern", "small", "misc"],
+)
+def test_config_dict_round_trip(overrides: list[str]) -> None:
+    cfg = to_config(compose_config(overrides))
+    plain = config_to_dict(cfg)
+    # Plain Python only (enums as their values), so it can be written as YAML ...
+    dumped = yaml.safe_dump(plain, sort_keys=False)
+    assert plain["model"]["norm_position"] == cfg.model.norm_position.value
+    assert type(plain["model"]["norm_position"]) is str
+    # ... and read back into an equal Config, directly and through the YAML text.
+    assert config_from_dict(plain) == cfg
+    assert config_from_dict(yaml.safe_load(dumped)) == cfg
+    assert config_to_dict(config_from_dict(plain)) == plain
+
+
+def test_config_from_dict_restores_enums_and_validates() -> None:
+    plain = config_to_dict(Config())
+    plain["model"]["norm_position"] = "post"
+    plain["optim"]["name"] = "sgd"
+    cfg = config_from_dict(plain)
+    assert cfg.model.norm_position is NormPosition.post
+    assert cfg.optim.name is OptimizerName.sgd
+    plain["optim"]["lr"] = -1.0
+    with pytest.raises(ConfigError, match="'optim.lr' is -1.0"):
+        config_from_dict(plain)
+
+
+def test_config_from_dict_partial_dict_takes_schema_defaults() -> None:
+    cfg = config_from_dict({"max_steps": 7, "model": {"n_layer": 2}})
+    assert cfg.max_steps == 7 and cfg.model.n_layer == 2
+    assert cfg.model.n_embd == ModelConfig().n_embd
+    assert cfg.schedule.name is ScheduleName.cosine
+
+
+# ---------------------------------------------------------------------------------------------
+# (d) unknown keys (`+key=value`) and OmegaConf errors become ConfigError
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("data", "pieces"),
+    [
+        ({"model": {"foo": 2}}, ["'model.foo'", "Valid keys under 'model'", "n_layer"]),
+        ({"model": {"n_layr": 2}}, ["'model.n_layr'", "Did you mean 'model.n_layer'?"]),
+        ({"foo": 1}, ["'foo'", "at the top level"]),
+        ({"n_layer": 4}, ["'n_layer'", "Did you mean 'model.n_layer'?"]),
+        ({"lr": 0.1}, ["'lr'", "Did you mean 'optim.lr'?"]),
+        ({"n_head": 4}, ["'n_head'", "Did you mean 'model.n_head'?"]),
+        ({"warmup_steps": 5}, ["Did you mean 'schedule.warmup_steps'?"]),
+        ({"optim": {"lr": 1e-3, "betas": [0.9, 0.99]}}, ["'optim.betas'", "Valid keys under 'optim'"]),
+    ],
+)
+def test_to_config_refuses_extra_keys(data: dict, pieces: list[str]) -> None:
+    with pytest.raises(ConfigError) as info:
+        to_config(OmegaConf.create(data))
+    message = str(info.value)
+    assert message.startswith("Unknown config key")
+    for piece in pieces:
+        assert piece in message, f"{piece!r} not in {message}"
+
+
+def test_plus_key_composes_but_to_config_refuses_it() -> None:
+    node = compose_config(["+model.foo=2"])  # Hydra adds the key; the schema check must catch it
+    assert OmegaConf.select(node, "model.foo") == 2
+    with pytest.raises(ConfigError, match=r"Unknown config key 'model\.foo'"):
+        to_config(node)
+
+
+@pytest.mark.parametrize(
+    ("data", "pieces"),
+    [
+        ({"precision": {"name": "fp8"}}, ["'precision.name'", "fp8", "fp32", "bf16", "fp16"]),
+        ({"model": {"n_layer": "abc"}}, ["'model.n_layer'", "abc", "Expected type: int."]),
+        ({"max_steps": "many"}, ["'max_steps'", "many", "int"]),
+    ],
+)
+def test_to_config_wrong_types_and_enums(data: dict, pieces: list[str]) -> None:
+    with pytest.raises(ConfigError) as info:
+        to_config(OmegaConf.create(data))
+    for piece in pieces:
+        assert piece in str(info.value), f"{piece!r} not in {info.value}"
+
+
+@pytest.mark.parametrize(
+    "tp",
+    [
+        pytest.param(typing.Optional[int], id="typing.Optional"),  # noqa: UP007, UP045
+        pytest.param(int | None, id="pep604"),
+        pytest.param(int, id="plain"),
+    ],
+)
+def test_field_type_unwraps_optional(tp: object) -> None:
+    assert field_type(tp) is int
+
+
+def test_wrong_type_for_optional_field_names_the_concrete_type() -> None:
+    with pytest.raises(ConfigError) as info:
+        to_config(OmegaConf.create({"max_steps": "many"}))
+    assert str(info.value).endswith("Expected type: int."), str(info.value)
+
+
+def test_to_config_returns_plain_dataclasses() -> None:
+    cfg = to_config(compose_config(["optim=sgd"]))
+    assert type(cfg) is Config
+    assert cfg.optim.name is OptimizerName.sgd
+    assert isinstance(cfg.optim.lr, float) and math.isclose(cfg.optim.lr, 0.1)
+    assert not any(type(v).__module__.startswith("omegaconf") for v in vars(cfg).values())

@@ -1,0 +1,49 @@
+"""LR schedules at known steps."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmtrain.config import ScheduleConfig, ScheduleName
+from llmtrain.schedule import lr_at
+
+
+def sched(name: ScheduleName, **kw: float) -> ScheduleConfig:
+    return ScheduleConfig(name=name, warmup_steps=10, min_lr_ratio=0.1, **kw)
+
+
+@pytest.mark.parametrize("name", list(ScheduleName))
+def test_warmup_is_linear_from_the_first_step(name: ScheduleName) -> None:
+    cfg = sched(name)
+    assert lr_at(0, 1.0, 111, cfg) == pytest.approx(0.1)
+    assert lr_at(4, 1.0, 111, cfg) == pytest.approx(0.5)
+    assert lr_at(9, 1.0, 111, cfg) == pytest.approx(1.0)
+    assert lr_at(10, 1.0, 111, cfg) == pytest.approx(1.0)
+
+
+def test_cosine_midpoint_and_floor() -> None:
+    cfg = sched(ScheduleName.cosine)
+    # 111 steps, warmup 10: decay runs over steps 10..110, midpoint at 60.
+    assert lr_at(60, 2.0, 111, cfg) == pytest.approx(2.0 * 0.55)
+    assert lr_at(35, 1.0, 111, cfg) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + 2**-0.5))
+    assert lr_at(110, 1.0, 111, cfg) == pytest.approx(0.1)
+
+
+def test_linear_and_constant() -> None:
+    assert lr_at(60, 1.0, 111, sched(ScheduleName.linear)) == pytest.approx(0.55)
+    assert lr_at(110, 1.0, 111, sched(ScheduleName.linear)) == pytest.approx(0.1)
+    assert lr_at(110, 1.0, 111, sched(ScheduleName.constant)) == pytest.approx(1.0)
+
+
+def test_wsd_stable_then_decays_over_the_last_fraction() -> None:
+    cfg = ScheduleConfig(name=ScheduleName.wsd, warmup_steps=5, min_lr_ratio=0.1, decay_fraction=0.2)
+    assert lr_at(50, 1.0, 100, cfg) == pytest.approx(1.0)
+    assert lr_at(80, 1.0, 100, cfg) == pytest.approx(1.0)
+    assert lr_at(99, 1.0, 100, cfg) == pytest.approx(0.1)
+    assert lr_at(89, 1.0, 100, cfg) == pytest.approx(1.0 - 0.9 * 9 / 19)
+
+
+def test_warmup_fraction_when_steps_unset() -> None:
+    cfg = ScheduleConfig(name=ScheduleName.cosine, warmup_steps=None, warmup_fraction=0.1)
+    assert lr_at(0, 1.0, 100, cfg) == pytest.approx(0.1)  # 10 warmup steps
+    assert lr_at(9, 1.0, 100, cfg) == pytest.approx(1.0)
