@@ -262,8 +262,10 @@ def sample_command(args: list[str]) -> None:
     parser.add_argument("run_dir", type=Path, help="run directory written by `llmtrain train`")
     parser.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
     parser.add_argument("--max-new-tokens", type=int, default=400, help="tokens to generate (default 400)")
-    parser.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0 = greedy (default 0.8)")
-    parser.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest tokens (default 40)")
+    # The model's own distribution by default: a small byte-level model sampled colder (or top-k
+    # truncated) falls into its most likely loop, e.g. endless runs of indentation spaces.
+    parser.add_argument("--temperature", type=float, default=1.0, help="softmax temperature; 0 = greedy (default 1.0)")
+    parser.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest tokens only (default: all)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed: same seed, same text (default 0)")
     opts = parser.parse_args(args)
     if opts.max_new_tokens < 1:

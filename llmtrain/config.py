@@ -132,7 +132,7 @@ class ModelConfig:
 @dataclass
 class OptimConfig:
     name: OptimizerName = _f(OptimizerName.adamw, "adamw, adam, sgd or adafactor.")
-    lr: float = _f(1e-3, "Peak learning rate (after warmup).")
+    lr: float = _f(3e-3, "Peak learning rate (after warmup).")
     weight_decay: float = _f(0.1, "Weight decay on matrices, never on biases or norms (decoupled for adamw, L2 for adam/sgd).")
     decay_embeddings: bool = _f(True, "Apply weight decay to embedding tables too (and to a head tied to them).")
     beta1: float = _f(0.9, "Adam beta1, first-moment decay (adam, adamw).")
@@ -187,10 +187,10 @@ class Config:
     precision: PrecisionConfig = _f(PrecisionConfig(), "Numeric precision.")
     parallel: ParallelConfig = _f(ParallelConfig(), "Process layout.")
     seed: int = _f(1337, "Global seed: model init, dropout and (by default) data order.")
-    max_steps: int | None = _f(600, "Optimizer steps to run (ignored when max_tokens is set).")
+    max_steps: int | None = _f(1000, "Optimizer steps to run (ignored when max_tokens is set).")
     max_tokens: int | None = _f(None, "Train on this many tokens instead; the last step may be partial.")
     micro_batch_size: int = _f(16, "Sequences per forward/backward pass.")
-    global_batch_size: int = _f(32, "Sequences per optimizer step; accumulation = global / (micro x world).")
+    global_batch_size: int = _f(16, "Sequences per optimizer step; accumulation = global / (micro x world).")
     eval_interval: int = _f(100, "Evaluate every this many steps (and at the end); 0 disables.")
     eval_batches: int = _f(10, "Fixed validation batches per evaluation.")
     log_interval: int = _f(10, "Log (and sync with the device) every this many steps.")

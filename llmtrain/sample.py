@@ -41,8 +41,8 @@ def generate(
     model: GPT,
     prompt: list[int],
     max_new_tokens: int,
-    temperature: float = 0.8,
-    top_k: int | None = 40,
+    temperature: float = 1.0,
+    top_k: int | None = None,
     generator: torch.Generator | None = None,
 ) -> list[int]:
     """Autoregressive sampling; the same generator seed gives the same tokens."""
@@ -66,9 +66,9 @@ def generate(
 def sample_text(
     run_dir: Path,
     prompt: str = "\n",
-    max_new_tokens: int = 500,
-    temperature: float = 0.8,
-    top_k: int | None = 40,
+    max_new_tokens: int = 400,
+    temperature: float = 1.0,
+    top_k: int | None = None,
     seed: int = 0,
 ) -> str:
     model, tokenizer = load_run(run_dir)

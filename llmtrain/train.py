@@ -122,11 +122,11 @@ def seed_everything(seed: int) -> None:
 
 def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
     # ---- set-up: everything that can fail on user input fails here, before any compute --------
+    validate(cfg)
     if cfg.out_dir is None:
         raise ConfigError("'out_dir' is not set; give a run directory, e.g. out_dir=runs/first.")
     run_dir = Path(cfg.out_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    validate(cfg)
     seed_everything(cfg.seed)
     threads = cfg.threads or default_threads()
     torch.set_num_threads(threads)

@@ -118,7 +118,7 @@ BAD_CONFIGS = [
         id="unknown-group-option",
     ),
     pytest.param(
-        ["schedule.warmup_steps=700"],
+        ["schedule.warmup_steps=700", "max_steps=600"],
         ["schedule.warmup_steps", "700", "600 steps", "schedule.warmup_steps<600"],
         id="warmup-not-shorter-than-run",
     ),

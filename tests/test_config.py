@@ -189,9 +189,9 @@ def test_default_sub_configs_are_not_shared_between_instances() -> None:
 def test_defaults_derived_quantities() -> None:
     cfg = Config()
     validate(cfg)
-    assert accumulation_steps(cfg) == 2  # 32 / 16
-    assert total_micro_batches(cfg) == 1200
-    assert total_steps(cfg) == 600
+    assert accumulation_steps(cfg) == 1  # 16 / 16
+    assert total_micro_batches(cfg) == 1000
+    assert total_steps(cfg) == 1000
     assert seq_len_of(cfg) == cfg.model.block_size == 256
 
 

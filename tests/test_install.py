@@ -1,0 +1,32 @@
+"""A normal (non-editable) install ships conf/ inside the package and runs from any directory."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_non_editable_install_runs_from_any_directory(tmp_path: Path) -> None:
+    target = tmp_path / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--target", str(target), str(ROOT)],
+        check=True, capture_output=True, text=True, timeout=300,
+    )
+    assert (target / "llmtrain" / "conf" / "config.yaml").is_file()
+    assert (target / "llmtrain" / "conf" / "model" / "gpt_tiny.yaml").is_file()
+    code = (
+        f"import sys; sys.path.insert(0, {str(target)!r}); import llmtrain.cli as c; "
+        "print(c.__file__); c.main(['train', 'model=gpt_small', '--cfg', 'job'])"
+    )
+    cwd = tmp_path / "elsewhere"
+    cwd.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    first_line, config = proc.stdout.split("\n", 1)
+    assert first_line.startswith(str(target)), f"imported {first_line}, not the installed copy"
+    assert "n_layer: 12" in config
