@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -26,11 +27,19 @@ class JsonlSink:
         self.file.close()
 
 
+def _default_console() -> Console:
+    """Rich wraps at 80 columns when not on a terminal (CI, `| tee`); logs read better wider."""
+    console = Console()
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        console = Console(width=120)
+    return console
+
+
 class ConsoleSink:
     """Banner, a live progress bar on a terminal (plain log lines elsewhere), and a summary."""
 
     def __init__(self, total_steps: int, console: Console | None = None) -> None:
-        self.console = console or Console()
+        self.console = console or _default_console()
         self.total_steps = total_steps
         self.progress: Progress | None = None
         self.task = None

@@ -176,7 +176,7 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
         [
             ("parameters", f"{param_count(model):,} ({param_count(model, exclude_positions=True):,} without positions)"),
             ("batch", f"{cfg.global_batch_size} sequences x {seq_len} tokens = {tokens_per_step:,} tokens/step"),
-            ("accumulation", f"{accum} micro-batches of {cfg.micro_batch_size} (world size 1)"),
+            ("accumulation", f"{accum} micro-batch{'es' if accum > 1 else ''} of {cfg.micro_batch_size} (world size 1)"),
             ("steps", f"{steps_total:,} (warmup {warmup_steps(cfg.schedule, steps_total)}, {cfg.schedule.name.value}), "
                       f"{micro_total * cfg.micro_batch_size * seq_len:,} tokens"),
             ("optimizer", f"{cfg.optim.name.value} lr {cfg.optim.lr:g}, {type(optimizer).__name__}"
