@@ -111,7 +111,7 @@ def _run_hydra(args: list[str], task: Callable) -> None:
     hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(task)()
 
 
-def _train_task(node) -> None:  # noqa: ANN001 - an OmegaConf DictConfig; typed loosely to keep imports lazy
+def _train_task(node) -> None:  # node: the composed OmegaConf DictConfig (untyped: imports stay lazy)
     from hydra.core.hydra_config import HydraConfig
 
     from llmtrain.config import to_config
@@ -138,6 +138,7 @@ def validate_overrides(overrides: list[str], multirun: bool = False) -> None:
     from hydra.core.global_hydra import GlobalHydra
 
     from llmtrain.config import register_configs, to_config
+    from llmtrain.data.corpus import text_file
     from llmtrain.errors import ConfigError
 
     register_configs()
@@ -151,11 +152,8 @@ def validate_overrides(overrides: list[str], multirun: bool = False) -> None:
                 raise _composition_error(err) from None
             try:
                 cfg = to_config(node)
-                if cfg.data.path is not None and not Path(cfg.data.path).expanduser().is_file():
-                    raise ConfigError(
-                        f"'data.path' is '{cfg.data.path}', which is not a readable file "
-                        f"(resolved to {Path(cfg.data.path).expanduser().resolve()}); give the path of a UTF-8 text file."
-                    )
+                if cfg.data.path is not None:
+                    text_file(cfg.data.path)  # a missing corpus fails now, not after Hydra made a run dir
             except ConfigError as err:
                 if "Unknown config key" in str(err) and any(o.startswith("+") for o in job):
                     raise ConfigError(f"{err} ('+key=value' cannot add keys the schema does not define.)") from None

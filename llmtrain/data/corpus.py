@@ -21,6 +21,19 @@ class SourceFile:
     path: Path
 
 
+def text_file(path: str) -> Path:
+    """The user's text file, or a ConfigError that says what was looked for."""
+    from llmtrain.errors import ConfigError
+
+    resolved = Path(path).expanduser()
+    if not resolved.is_file():
+        raise ConfigError(
+            f"'data.path' is '{path}', which is not a readable file (resolved to {resolved.resolve()}); "
+            "give the path of a UTF-8 text file, e.g. data.path=/data/corpus.txt."
+        )
+    return resolved.resolve()
+
+
 def stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 

@@ -19,9 +19,17 @@ from pathlib import Path
 
 import numpy as np
 
-from llmtrain.config import ConfigError, DataConfig, DataSource
+from llmtrain.config import DataConfig, DataSource
 from llmtrain.config import Tokenizer as TokenizerName
-from llmtrain.data.corpus import SourceFile, content_hash, fingerprint, read_documents, stdlib_files, stdlib_root
+from llmtrain.data.corpus import (
+    SourceFile,
+    content_hash,
+    fingerprint,
+    read_documents,
+    stdlib_files,
+    stdlib_root,
+    text_file,
+)
 from llmtrain.data.tokenizers import ByteTokenizer, CharTokenizer, Tokenizer, load_tokenizer, save_tokenizer
 
 FORMAT_VERSION = 1
@@ -63,13 +71,8 @@ def source_files(cfg: DataConfig) -> list[SourceFile]:
     if cfg.source is DataSource.python_stdlib:
         return stdlib_files()
     assert cfg.path is not None
-    path = Path(cfg.path).expanduser()
-    if not path.is_file():
-        raise ConfigError(
-            f"'data.path' is '{cfg.path}', which is not a readable file (resolved to {path.resolve()}); "
-            "give the path of a UTF-8 text file, e.g. data.path=/data/corpus.txt."
-        )
-    return [SourceFile(path.name, path.resolve())]
+    path = text_file(cfg.path)
+    return [SourceFile(path.name, path)]
 
 
 def prepare_data(cfg: DataConfig, log: Callable[[str], None] = print) -> PreparedData:
