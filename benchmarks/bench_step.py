@@ -33,7 +33,7 @@ from llmtrain.train import train
 
 def bench_config(out_dir: Path, steps: int, warmup: int) -> Config:
     """The default `llmtrain train` config (gpt_tiny, byte stdlib data, AdamW fused, fp32, 2 threads)."""
-    cfg = Config(max_steps=steps, eval_interval=0, out_dir=str(out_dir), device="cpu")
+    cfg = Config(max_steps=steps, eval_interval=0, out_dir=str(out_dir), device="cpu", threads=2)
     cfg.log_interval = warmup  # a log record (and its host sync) at the warm-up boundary, then every `warmup` steps
     cfg.schedule.warmup_steps = 2
     return cfg

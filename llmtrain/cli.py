@@ -91,11 +91,18 @@ def train_command(args: list[str]) -> None:
         return
     if parsed.multirun and (parsed.cfg or parsed.info):
         fail("-m/--multirun cannot be combined with --cfg or --info; drop -m to print one job's config.")
+    if parsed.config_path:
+        fail(
+            f"--config-path ({parsed.config_path}) is not supported: llmtrain ships its own primary config. "
+            "Add your own group options or primary configs with --config-dir DIR (-cd DIR)."
+        )
     if not parsed.shell_completion and not parsed.hydra_help:
         from llmtrain.errors import UserError
 
         try:
-            validate_overrides(parsed.overrides, multirun=parsed.multirun)
+            validate_overrides(
+                parsed.overrides, multirun=parsed.multirun, extra_dir=parsed.config_dir, config_name=parsed.config_name
+            )
         except UserError as err:
             fail(str(err))
     _run_hydra(args, _train_task)
@@ -128,11 +135,13 @@ def _train_task(node) -> None:  # node: the composed OmegaConf DictConfig (untyp
         fail(str(err))
 
 
-def validate_overrides(overrides: list[str], multirun: bool = False) -> None:
+def validate_overrides(
+    overrides: list[str], multirun: bool = False, extra_dir: str | None = None, config_name: str | None = None
+) -> None:
     """Compose every configuration the command line asks for and validate it; raises ConfigError.
 
     A sweep (`-m a=1,2 b=x,y`) is expanded the way Hydra's basic sweeper does, so a bad value in
-    any job fails before the first job starts.
+    any job fails before the first job starts. `extra_dir` is `--config-dir`: searched like Hydra does.
     """
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
@@ -143,11 +152,12 @@ def validate_overrides(overrides: list[str], multirun: bool = False) -> None:
 
     register_configs()
     jobs = _expand_sweep(overrides) if multirun else [overrides]
+    search = [f"hydra.searchpath=[file://{Path(extra_dir).expanduser().resolve()}]"] if extra_dir else []
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3", job_name="train"):
         for job in jobs:
             try:
-                node = compose(config_name="config", overrides=job)
+                node = compose(config_name=config_name or "config", overrides=[*search, *job])
             except Exception as err:  # Hydra wraps the cause; turn it into one paragraph
                 raise _composition_error(err) from None
             try:
@@ -161,16 +171,24 @@ def validate_overrides(overrides: list[str], multirun: bool = False) -> None:
 
 
 def _expand_sweep(overrides: list[str]) -> list[list[str]]:
+    """The jobs of a basic sweep. Sweeps only a sweeper plugin can expand (interval(), glob()
+    without a config loader) keep their key at its composed default here, and are validated by
+    each job instead."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import Glob
 
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
     except Exception as err:
         raise _composition_error(err) from None
-    if any(o.is_sweep_override() and not o.is_discrete_sweep() for o in parsed):
-        return [[o.input_line for o in parsed if not o.is_sweep_override()]]  # range()/interval(): a sweeper plugin's job
-    batches = BasicSweeper.split_arguments(parsed, None)
+    expandable = [
+        o for o in parsed if not o.is_sweep_override() or (o.is_discrete_sweep() and not isinstance(o.value(), Glob))
+    ]
+    try:
+        batches = BasicSweeper.split_arguments(expandable, None)
+    except Exception as err:
+        raise _composition_error(err) from None
     return [list(job) for batch in batches for job in batch]
 
 
@@ -294,6 +312,9 @@ def _complete(args: list[str]) -> None:
     """
     line = os.environ.get("COMP_LINE", "")
     words = line.split()
+    if not words:  # `llmtrain -sc install=bash`: Hydra prints the script that calls us back
+        _run_hydra(args, _train_task)
+        return
     completing_command = len(words) == 1 or (len(words) == 2 and not line.endswith(" "))
     if completing_command:
         prefix = words[1] if len(words) == 2 else ""

@@ -13,6 +13,7 @@ Each field carries a one-line doc in `metadata["help"]`; `llmtrain train --help`
 import copy
 import dataclasses
 import difflib
+import math
 import re
 import types
 import typing
@@ -25,12 +26,12 @@ from llmtrain.errors import ConfigError
 __all__ = ["Config", "ConfigError", "to_config", "validate"]
 
 
-def _f(default: Any, help: str) -> Any:
+def _f(default: Any, doc: str) -> Any:
     """A dataclass field with a one-line doc."""
     if isinstance(default, (list, dict)) or dataclasses.is_dataclass(default):
         # A fresh copy per instance: a shared default would leak one config's edits into all others.
-        return field(default_factory=lambda: copy.deepcopy(default), metadata={"help": help})
-    return field(default=default, metadata={"help": help})
+        return field(default_factory=lambda: copy.deepcopy(default), metadata={"help": doc})
+    return field(default=default, metadata={"help": doc})
 
 
 class NormPosition(str, Enum):
@@ -83,7 +84,7 @@ class ScheduleName(str, Enum):
     wsd = "wsd"
 
 
-class Tokenizer(str, Enum):
+class TokenizerKind(str, Enum):
     byte = "byte"
     char = "char"
 
@@ -158,7 +159,7 @@ class ScheduleConfig:
 class DataConfig:
     source: DataSource = _f(DataSource.python_stdlib, "python_stdlib (embedded, no download) or text (your file).")
     path: str | None = _f(None, "text only: path to a UTF-8 text file.")
-    tokenizer: Tokenizer = _f(Tokenizer.byte, "byte (vocab 256) or char (vocabulary from the corpus).")
+    tokenizer: TokenizerKind = _f(TokenizerKind.byte, "byte (vocab 256) or char (vocabulary from the corpus).")
     seq_len: int | None = _f(None, "Tokens per training sequence; null uses model.block_size.")
     val_fraction: float = _f(0.05, "Share held out for validation: whole documents (stdlib) or a file's tail (text).")
     max_bytes: int | None = _f(None, "Read at most this many bytes of the corpus; null reads all.")
@@ -203,22 +204,14 @@ GROUPS: tuple[str, ...] = ("model", "optim", "schedule", "data", "precision", "p
 
 
 def register_configs() -> None:
-    """Register the schema in Hydra's ConfigStore (called by the CLI only)."""
+    """Register the schema in Hydra's ConfigStore (called by the CLI only).
+
+    One root node: its fields are the groups' dataclasses, so every group option is validated
+    against its schema when Hydra merges it into that field.
+    """
     from hydra.core.config_store import ConfigStore
 
-    store = ConfigStore.instance()
-    store.store(name="llmtrain_schema", node=Config)
-    schemas = {
-        "model": ModelConfig,
-        "optim": OptimConfig,
-        "schedule": ScheduleConfig,
-        "data": DataConfig,
-        "precision": PrecisionConfig,
-        "parallel": ParallelConfig,
-    }
-    for group, schema in schemas.items():
-        # Under a separate package so the schemas don't show up as group options.
-        store.store(group=f"schema/{group}", name=group, node=schema)
+    ConfigStore.instance().store(name="llmtrain_schema", node=Config)
 
 
 # --------------------------------------------------------------------------------------------
@@ -339,11 +332,11 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     ]:
         _require(value >= 1, f"'{key}' is {value}; it must be a positive integer.")
     _require(cfg.eval_interval >= 0, f"'eval_interval' is {cfg.eval_interval}; use a step count >= 1, or 0 to disable evaluation.")
-    _require(
-        m.n_embd % m.n_head == 0,
-        f"'model.n_embd' ({m.n_embd}) is not divisible by 'model.n_head' ({m.n_head}); "
-        f"pick a head count that divides the width, e.g. model.n_head={_divisor_near(m.n_embd, m.n_head)}.",
-    )
+    if m.n_embd % m.n_head:
+        raise ConfigError(
+            f"'model.n_embd' ({m.n_embd}) is not divisible by 'model.n_head' ({m.n_head}); "
+            f"pick a head count that divides the width, e.g. model.n_head={_divisor_near(m.n_embd, m.n_head)}."
+        )
     if m.position is PositionEncoding.rope:
         _require(
             (m.n_embd // m.n_head) % 2 == 0,
@@ -359,9 +352,17 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         f"'model.head_init' is {m.head_init.value} but model.tie_weights=true shares the head with the embedding; "
         "use model.tie_weights=false for a zero or tiny head, or model.head_init=plain.",
     )
+    _require(
+        m.mlp_ratio > 0 and int(m.mlp_ratio * m.n_embd) >= 1,
+        f"'model.mlp_ratio' is {m.mlp_ratio}; the MLP needs a positive width (typical: 4.0).",
+    )
     _require(m.init_std > 0, f"'model.init_std' is {m.init_std}; it must be > 0.")
     _require(m.vocab_size is None or m.vocab_size >= 1, f"'model.vocab_size' is {m.vocab_size}; use a positive size or null.")
-    _require(o.lr > 0, f"'optim.lr' is {o.lr}; the learning rate must be > 0 (typical AdamW values: 1e-4 to 3e-3).")
+    _require(
+        o.lr > 0 and math.isfinite(o.lr),
+        f"'optim.lr' is {o.lr}; the learning rate must be a finite number > 0 (typical AdamW values: 1e-4 to 3e-3).",
+    )
+    _require(0 <= o.momentum < 1, f"'optim.momentum' is {o.momentum}; valid range is [0, 1) (typical: 0.9).")
     _require(o.weight_decay >= 0, f"'optim.weight_decay' is {o.weight_decay}; it must be >= 0.")
     _require(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, f"'optim.beta1'/'optim.beta2' are {o.beta1}/{o.beta2}; both must be in [0, 1).")
     _require(o.eps > 0, f"'optim.eps' is {o.eps}; it must be > 0.")
@@ -390,7 +391,7 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         f"({cfg.micro_batch_size} x {world_size} = {per_pass}); valid global batch sizes are multiples of "
         f"{per_pass}, e.g. global_batch_size={max(per_pass, cfg.global_batch_size // per_pass * per_pass)}.",
     )
-    seq_len = d.seq_len if d.seq_len is not None else m.block_size
+    seq_len = seq_len_of(cfg)
     _require(seq_len >= 1, f"'data.seq_len' is {seq_len}; it must be >= 1.")
     _require(
         seq_len <= m.block_size,
@@ -402,7 +403,7 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     if d.source is DataSource.text:
         _require(d.path is not None, "Missing required value 'data.path': data=text needs your file, e.g. data.path=corpus.txt.")
     total = total_steps(cfg, world_size)
-    warmup = warmup_steps(cfg.schedule, total)
+    warmup = resolved_warmup_steps(cfg.schedule, total)
     source = (
         f"schedule.warmup_steps={s.warmup_steps}" if s.warmup_steps is not None
         else f"schedule.warmup_fraction={s.warmup_fraction} of {total} steps"
@@ -416,6 +417,11 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", cfg.device) is not None,
         f"'device' is '{cfg.device}'; valid: auto, cpu, cuda, cuda:N, mps.",
     )
+    for key, seed in (("seed", cfg.seed), ("data.seed", d.seed)):
+        _require(seed is None or 0 <= seed < 2**32, f"'{key}' is {seed}; seeds must be in [0, 2**32).")
+    p = cfg.precision
+    _require(p.init_scale > 0 and math.isfinite(p.init_scale), f"'precision.init_scale' is {p.init_scale}; it must be a finite number > 0.")
+    _require(p.growth_interval >= 1, f"'precision.growth_interval' is {p.growth_interval}; it must be >= 1.")
     _require(cfg.threads is None or cfg.threads >= 1, f"'threads' is {cfg.threads}; use a positive count or null.")
 
 
@@ -446,7 +452,7 @@ def total_steps(cfg: Config, world_size: int = 1) -> int:
     return -(-total_micro_batches(cfg, world_size) // accum) if accum else 0
 
 
-def warmup_steps(schedule: ScheduleConfig, total: int) -> int:
+def resolved_warmup_steps(schedule: ScheduleConfig, total: int) -> int:
     if schedule.warmup_steps is not None:
         return schedule.warmup_steps
     return int(round(schedule.warmup_fraction * total))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 
 import torch
 from torch import nn
@@ -54,9 +53,20 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device_type: str) -> tor
 
 def clip_gradients(params: list[torch.Tensor], cfg: OptimConfig) -> torch.Tensor:
     """Clip as configured and return the pre-clip global grad norm (a tensor: no host sync)."""
+    if cfg.clip_grad_norm is not None:
+        return torch.nn.utils.clip_grad_norm_(params, cfg.clip_grad_norm)
+    norm = grad_norm(params)
     if cfg.clip_grad_value is not None:
-        norm = torch.nn.utils.clip_grad_norm_(params, math.inf)
         torch.nn.utils.clip_grad_value_(params, cfg.clip_grad_value)
-        return norm
-    max_norm = cfg.clip_grad_norm if cfg.clip_grad_norm is not None else math.inf
-    return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    return norm
+
+
+def grad_norm(params: list[torch.Tensor]) -> torch.Tensor:
+    """Global L2 norm of the gradients, without rescaling them (clip_grad_norm_ with an infinite
+    threshold would still multiply every gradient by 1)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    if hasattr(torch.nn.utils, "get_total_norm"):  # torch >= 2.6: foreach kernels
+        return torch.nn.utils.get_total_norm(grads)
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))

@@ -34,9 +34,15 @@ def resolve_device(name: str) -> torch.device:
         if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
             return torch.device("mps")
         return torch.device("cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        from llmtrain.config import ConfigError
+    from llmtrain.errors import ConfigError
 
-        raise ConfigError(f"'device' is '{name}' but this torch build sees no CUDA device; use device=cpu or device=auto.")
+    device = torch.device(name)
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ConfigError(f"'device' is '{name}' but this torch build sees no CUDA device; use device=cpu or device=auto.")
+        if device.index is not None and device.index >= count:
+            raise ConfigError(f"'device' is '{name}' but only {count} CUDA device(s) exist (cuda:0 to cuda:{count - 1}).")
+    if device.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        raise ConfigError(f"'device' is '{name}' but MPS is not available here; use device=cpu or device=auto.")
     return device

@@ -2,19 +2,27 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import yaml
 
-from llmtrain.config import config_from_dict
+from llmtrain.config import config_from_dict, seq_len_of
 from llmtrain.data.tokenizers import Tokenizer, load_tokenizer
 from llmtrain.errors import ConfigError, UserError
 from llmtrain.model import GPT
 
 
-def load_run(run_dir: Path, device: str = "cpu") -> tuple[GPT, Tokenizer]:
-    """The trained model (in eval mode) and its tokenizer from a run directory."""
+@dataclass
+class TrainedRun:
+    model: GPT  # in eval mode
+    tokenizer: Tokenizer
+    context: int  # the sequence length it was trained on: positions past it were never seen
+
+
+def load_run(run_dir: Path, device: str = "cpu") -> TrainedRun:
+    """The trained model, its tokenizer and its training context from a run directory."""
     run_dir = Path(run_dir)
     needed = [run_dir / name for name in ("config.yaml", "tokenizer.json", "model.pt")]
     missing = [p.name for p in needed if not p.is_file()]
@@ -30,10 +38,9 @@ def load_run(run_dir: Path, device: str = "cpu") -> tuple[GPT, Tokenizer]:
     tokenizer = load_tokenizer(needed[1])
     # weights_only: a weights file must not be able to run code when loaded.
     state = torch.load(needed[2], map_location=device, weights_only=True)
-    vocab_size = state["wte.weight"].shape[0]
-    model = GPT(cfg.model, vocab_size)
+    model = GPT(cfg.model, state["wte.weight"].shape[0])
     model.load_state_dict(state)
-    return model.to(device).eval(), tokenizer
+    return TrainedRun(model.to(device).eval(), tokenizer, seq_len_of(cfg))
 
 
 @torch.no_grad()
@@ -44,12 +51,21 @@ def generate(
     temperature: float = 1.0,
     top_k: int | None = None,
     generator: torch.Generator | None = None,
+    context: int | None = None,
+    vocab_limit: int | None = None,
 ) -> list[int]:
-    """Autoregressive sampling; the same generator seed gives the same tokens."""
+    """Autoregressive sampling; the same generator seed gives the same tokens.
+
+    `context` crops the input to the length the model was trained on; `vocab_limit` keeps ids the
+    tokenizer can decode (a model's vocabulary may be padded beyond the tokenizer's, e.g. 50304).
+    """
     device = next(model.parameters()).device
+    context = min(context or model.cfg.block_size, model.cfg.block_size)
     idx = torch.tensor([prompt], dtype=torch.long, device=device)
     for _ in range(max_new_tokens):
-        logits = model(idx[:, -model.cfg.block_size :])[:, -1, :].float()
+        logits = model(idx[:, -context:])[:, -1, :].float()
+        if vocab_limit is not None:
+            logits[:, vocab_limit:] = float("-inf")
         if temperature <= 0:
             next_id = logits.argmax(dim=-1, keepdim=True)
         else:
@@ -71,10 +87,14 @@ def sample_text(
     top_k: int | None = None,
     seed: int = 0,
 ) -> str:
-    model, tokenizer = load_run(run_dir)
+    run = load_run(run_dir)
     try:
-        prompt_ids = tokenizer.encode(prompt) if prompt else [0]
+        prompt_ids = run.tokenizer.encode(prompt) if prompt else [0]
     except ValueError as err:
         raise UserError(f"The prompt {prompt!r} cannot be encoded: {err}.") from None
     generator = torch.Generator().manual_seed(seed)
-    return tokenizer.decode(generate(model, prompt_ids, max_new_tokens, temperature, top_k, generator))
+    ids = generate(
+        run.model, prompt_ids, max_new_tokens, temperature, top_k, generator,
+        context=run.context, vocab_limit=run.tokenizer.vocab_size,
+    )
+    return run.tokenizer.decode(ids)

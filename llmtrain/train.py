@@ -16,7 +16,6 @@ window with fewer micro-batches still step with the right scale.
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 import random
@@ -36,11 +35,11 @@ from llmtrain.config import (
     ConfigError,
     accumulation_steps,
     config_to_dict,
+    resolved_warmup_steps,
     seq_len_of,
     total_micro_batches,
     total_steps,
     validate,
-    warmup_steps,
 )
 from llmtrain.data import RandomWindowSampler, prepare_data
 from llmtrain.data.tokenizers import save_tokenizer
@@ -50,8 +49,6 @@ from llmtrain.parallel import default_threads, resolve_device
 from llmtrain.precision import autocast_factory, build_grad_scaler
 from llmtrain.schedule import lr_at
 from llmtrain.sinks import ConsoleSink, JsonlSink
-
-log = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -106,10 +103,10 @@ def accumulate_gradients(
 def evaluate(model: torch.nn.Module, batches: list[Batch], device: torch.device, autocast: Callable[[], ContextManager]) -> float:
     """Mean loss per real token over fixed batches, in eval mode (dropout off); restores train mode."""
     model.eval()
-    total = torch.zeros((), device=device, dtype=torch.float64)
+    total = torch.zeros((), device=device, dtype=torch.float32 if device.type == "mps" else torch.float64)
     for x, y in batches:
         with autocast():
-            total += loss_sum(model(x.to(device)), y.to(device)).double()
+            total += loss_sum(model(x.to(device)), y.to(device)).to(total.dtype)
     model.train()
     return total.item() / max(1, count_tokens(batches))
 
@@ -168,7 +165,7 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
     val_batches = []
     if cfg.eval_interval:
         val_sampler = RandomWindowSampler(data.tokens("val"), cfg.micro_batch_size, seq_len, data_seed + 1)
-        val_batches = [val_sampler.next_batch() for _ in range(cfg.eval_batches)]
+        val_batches = [tuple(t.to(device) for t in val_sampler.next_batch()) for _ in range(cfg.eval_batches)]
 
     tokens_per_step = cfg.global_batch_size * seq_len
     sink.banner(
@@ -177,7 +174,7 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
             ("parameters", f"{param_count(model):,} ({param_count(model, exclude_positions=True):,} without positions)"),
             ("batch", f"{cfg.global_batch_size} sequences x {seq_len} tokens = {tokens_per_step:,} tokens/step"),
             ("accumulation", f"{accum} micro-batch{'es' if accum > 1 else ''} of {cfg.micro_batch_size} (world size 1)"),
-            ("steps", f"{steps_total:,} (warmup {warmup_steps(cfg.schedule, steps_total)}, {cfg.schedule.name.value}), "
+            ("steps", f"{steps_total:,} (warmup {resolved_warmup_steps(cfg.schedule, steps_total)}, {cfg.schedule.name.value}), "
                       f"{micro_total * cfg.micro_batch_size * seq_len:,} tokens"),
             ("optimizer", f"{cfg.optim.name.value} lr {cfg.optim.lr:g}, {type(optimizer).__name__}"
                           f"{' (fused)' if optimizer.defaults.get('fused') else ''}"),
@@ -245,6 +242,7 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
                 result.val_losses[result.steps] = val_loss
                 metrics.write(record)
                 sink.log_eval(record)
+                last_log_time = time.perf_counter()  # tokens/s measures training, not evaluation
     finally:
         sink.stop()
         metrics.close()
@@ -253,7 +251,7 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
     save_weights(model, run_dir / "model.pt")
     elapsed = time.perf_counter() - start
     summary = f"[bold]done[/]: {result.steps} steps, {result.tokens:,} tokens in {elapsed:.1f}s ({result.tokens / max(elapsed, 1e-9):,.0f} tok/s)"
-    if result.val_losses:
+    if result.val_losses and data.unigram_entropy > 0:
         below = 1 - result.final_val_loss / data.unigram_entropy
         summary += (
             f"; final val loss {result.final_val_loss:.4f} is {abs(below):.0%} {'below' if below >= 0 else 'ABOVE'} "
@@ -266,8 +264,11 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
 def save_weights(model: torch.nn.Module, path: Path) -> None:
     """Write the unwrapped model's state dict atomically (temp file, fsync, rename)."""
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as fh:
-        torch.save(model.state_dict(), fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as fh:
+            torch.save(model.state_dict(), fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from llmtrain.config import Config, DataConfig, DataSource, ModelConfig, OptimConfig, ScheduleConfig, Tokenizer
+from llmtrain.config import Config, DataConfig, DataSource, ModelConfig, OptimConfig, ScheduleConfig, TokenizerKind
 
 ASSETS = Path(__file__).parent / "assets"
 TINY_CORPUS = ASSETS / "tiny_corpus.txt"
@@ -28,7 +28,7 @@ def tiny_config(out_dir: Path, **overrides: object) -> Config:
         data=DataConfig(
             source=DataSource.text,
             path=str(TINY_CORPUS),
-            tokenizer=Tokenizer.char,
+            tokenizer=TokenizerKind.char,
             val_fraction=0.1,
             cache_dir=os.environ.get("LLMTRAIN_CACHE"),
         ),

@@ -134,12 +134,12 @@ BAD_CONFIGS = [
     ),
     pytest.param(
         ["optim.lr=0"],
-        ["'optim.lr' is 0.0", "must be > 0"],
+        ["'optim.lr' is 0.0", "must be a finite number > 0"],
         id="lr-zero",
     ),
     pytest.param(
         ["optim.lr=-1"],
-        ["'optim.lr' is -1.0", "must be > 0"],
+        ["'optim.lr' is -1.0", "must be a finite number > 0"],
         id="lr-negative",
     ),
     pytest.param(
@@ -196,8 +196,9 @@ def _tiny_text_data(tmp_path: Path) -> list[str]:
 @pytest.mark.parametrize(
     ("sweep", "expected"),
     [
-        pytest.param(["optim.lr=1e-3,-1"], ["'optim.lr' is -1.0", "must be > 0"], id="bad-value-in-second-job"),
+        pytest.param(["optim.lr=1e-3,-1"], ["'optim.lr' is -1.0", "must be a finite number > 0"], id="bad-value-in-second-job"),
         pytest.param(["model=gpt_tiny,foo"], ["'foo'", MODEL_OPTIONS], id="bad-group-option-in-sweep"),
+        pytest.param(["model=glob(*)", "optim.lr=1e-3,-1"], ["'optim.lr' is -1.0"], id="glob-sweep-beside-a-bad-value"),
     ],
 )
 def test_bad_value_in_sweep_fails_before_any_job(tmp_path: Path, sweep: list[str], expected: list[str]) -> None:
@@ -208,6 +209,15 @@ def test_bad_value_in_sweep_fails_before_any_job(tmp_path: Path, sweep: list[str
     assert not (cwd / "multirun").exists(), "a job ran (or its sweep dir was made) before the bad value was caught"
     assert not (cwd / "outputs").exists()
     assert not (tmp_path / "cache").exists(), "data was prepared before the bad value was caught"
+
+
+def test_empty_or_missing_text_file_fails_before_any_run_dir(tmp_path: Path) -> None:
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    for path, piece in ((empty, "which is empty"), (tmp_path / "absent.txt", "not a readable file")):
+        proc = run_llmtrain(tmp_path, "train", "data=text", f"data.path={path}")
+        assert_user_error(proc, "'data.path'", piece)
+        assert not (tmp_path / "cwd" / "outputs").exists()
 
 
 def test_unknown_command_lists_valid_commands(tmp_path: Path) -> None:

@@ -76,6 +76,17 @@ def test_train_then_sample_from_a_temporary_cwd(tmp_path: Path) -> None:
     assert len(first.stdout) >= 40
 
 
+def test_sample_with_a_model_vocab_padded_past_the_tokenizer(tmp_path: Path) -> None:
+    """gpt_small pads its vocabulary to 50304; sampling must only emit ids the tokenizer knows."""
+    run = tmp_path / "run"
+    proc = llmtrain("train", *TINY, "model.vocab_size=4096", "max_steps=1", f"hydra.run.dir={run}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    for args in (["--temperature", "1.5"], ["--temperature", "0"], ["--top-k", "5"]):
+        out = llmtrain("sample", str(run), "--max-new-tokens", "50", *args, cwd=tmp_path)
+        assert out.returncode == 0, out.stderr
+        assert len(out.stdout) >= 50
+
+
 def test_sample_on_a_missing_run_dir_is_a_clear_error(tmp_path: Path) -> None:
     proc = llmtrain("sample", str(tmp_path / "nope"), cwd=tmp_path)
     assert proc.returncode == 2
@@ -107,8 +118,10 @@ def test_shell_completion_of_commands_and_overrides(tmp_path: Path) -> None:
 
     assert complete("llmtrain tr").split() == ["train"]
     assert set(complete("llmtrain train model=gpt_").split()) == {"model=gpt_small", "model=gpt_tiny"}
-    script = llmtrain("train", "-sc", "install=bash", cwd=tmp_path).stdout
-    assert "complete" in script and "llmtrain" in script
+    for args in (["train", "-sc", "install=bash"], ["-sc", "install=bash"]):
+        proc = llmtrain(*args, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr
+        assert "complete -o nospace" in proc.stdout and proc.stdout.rstrip().endswith("llmtrain")
 
 
 def test_default_stdlib_data_trains(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import typing
 from pathlib import Path
 
@@ -36,12 +37,12 @@ from llmtrain.config import (
     config_to_dict,
     field_type,
     register_configs,
+    resolved_warmup_steps,
     seq_len_of,
     to_config,
     total_micro_batches,
     total_steps,
     validate,
-    warmup_steps,
 )
 from llmtrain.data import prepare_data
 from llmtrain.model import GPT
@@ -125,7 +126,7 @@ def test_option_composes_converts_and_builds(group: str, option: str, tmp_path: 
         assert all(torch.isfinite(p).all() for p in model.parameters())
     elif group == "schedule":
         total = total_steps(cfg)
-        warmup = warmup_steps(cfg.schedule, total)
+        warmup = resolved_warmup_steps(cfg.schedule, total)
         lrs = [lr_at(step, cfg.optim.lr, total, cfg.schedule) for step in range(total)]
         assert all(0 < lr <= cfg.optim.lr * (1 + 1e-12) for lr in lrs)
         assert lrs[0] == pytest.approx(cfg.optim.lr / warmup if warmup else cfg.optim.lr)
@@ -410,3 +411,27 @@ def test_to_config_returns_plain_dataclasses() -> None:
     assert cfg.optim.name is OptimizerName.sgd
     assert isinstance(cfg.optim.lr, float) and math.isclose(cfg.optim.lr, 0.1)
     assert not any(type(v).__module__.startswith("omegaconf") for v in vars(cfg).values())
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "piece"),
+    [
+        ("optim.momentum", -0.5, "'optim.momentum' is -0.5"),
+        ("optim.lr", float("inf"), "finite"),
+        ("model.mlp_ratio", -1.0, "'model.mlp_ratio'"),
+        ("seed", -1, "'seed' is -1"),
+        ("data.seed", 2**32, "'data.seed'"),
+        ("precision.init_scale", 0.0, "'precision.init_scale'"),
+        ("precision.growth_interval", 0, "'precision.growth_interval'"),
+        ("device", "cudax", "valid: auto, cpu, cuda, cuda:N, mps"),
+    ],
+)
+def test_values_torch_or_numpy_would_reject_fail_validation_first(key: str, value: object, piece: str) -> None:
+    cfg = Config()
+    target = cfg
+    *parents, leaf = key.split(".")
+    for part in parents:
+        target = getattr(target, part)
+    setattr(target, leaf, value)
+    with pytest.raises(ConfigError, match=re.escape(piece)):
+        validate(cfg)

@@ -8,12 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from llmtrain.config import DataConfig, DataSource, Tokenizer
+from llmtrain.config import DataConfig, DataSource, TokenizerKind
 from llmtrain.data import RandomWindowSampler, prepare_data
 from llmtrain.data.tokenizers import ByteTokenizer, CharTokenizer, tokenizer_from_dict
 
 
-def text_config(path: Path, cache: Path, tokenizer: Tokenizer = Tokenizer.byte) -> DataConfig:
+def text_config(path: Path, cache: Path, tokenizer: TokenizerKind = TokenizerKind.byte) -> DataConfig:
     return DataConfig(source=DataSource.text, path=str(path), tokenizer=tokenizer, val_fraction=0.1, cache_dir=str(cache))
 
 
@@ -60,7 +60,7 @@ def test_tokens_memmap_matches_the_text_and_split_is_tail(tmp_path: Path) -> Non
 def test_char_tokenizer_vocab_from_corpus_and_round_trip(tmp_path: Path) -> None:
     corpus = tmp_path / "c.txt"
     corpus.write_text("abcabc\nxyz é\n" * 100)
-    data = prepare_data(text_config(corpus, tmp_path / "cache", Tokenizer.char), log=lambda _: None)
+    data = prepare_data(text_config(corpus, tmp_path / "cache", TokenizerKind.char), log=lambda _: None)
     tok = data.tokenizer()
     assert isinstance(tok, CharTokenizer) and data.vocab_size == len(set("abcabc\nxyz é\n"))
     assert tok.decode(tok.encode("zé a")) == "zé a"

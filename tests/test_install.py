@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -11,9 +12,16 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_non_editable_install_runs_from_any_directory(tmp_path: Path) -> None:
+    # Build from a copy: an in-tree build would leave build/ and *.egg-info in the repository.
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in ("llmtrain", "conf"):
+        shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
     target = tmp_path / "site"
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--target", str(target), str(ROOT)],
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--target", str(target), str(source)],
         check=True, capture_output=True, text=True, timeout=300,
     )
     assert (target / "llmtrain" / "conf" / "config.yaml").is_file()

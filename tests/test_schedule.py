@@ -47,3 +47,13 @@ def test_warmup_fraction_when_steps_unset() -> None:
     cfg = ScheduleConfig(name=ScheduleName.cosine, warmup_steps=None, warmup_fraction=0.1)
     assert lr_at(0, 1.0, 100, cfg) == pytest.approx(0.1)  # 10 warmup steps
     assert lr_at(9, 1.0, 100, cfg) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("name", [ScheduleName.cosine, ScheduleName.linear, ScheduleName.wsd])
+@pytest.mark.parametrize(("total", "warmup", "decay_fraction"), [(10, 2, 0.1), (5, 1, 0.2), (3, 2, 0.2), (2, 0, 0.5)])
+def test_short_runs_still_end_on_the_floor(name: ScheduleName, total: int, warmup: int, decay_fraction: float) -> None:
+    cfg = ScheduleConfig(name=name, warmup_steps=warmup, min_lr_ratio=0.1, decay_fraction=decay_fraction)
+    lrs = [lr_at(step, 1.0, total, cfg) for step in range(total)]
+    assert lrs[-1] == pytest.approx(0.1)
+    assert all(0.1 - 1e-12 <= lr <= 1.0 + 1e-12 for lr in lrs)
+    assert lrs[0] > 0

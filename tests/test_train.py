@@ -128,3 +128,20 @@ def test_eval_runs_and_is_logged(tmp_path: Path) -> None:
     trains = [r for r in records if r["kind"] == "train"]
     assert [r["step"] for r in trains] == [1, 2, 3, 4]
     assert all(r["grad_norm"] > 0 and r["tokens_per_s"] > 0 for r in trains)
+
+
+def test_evaluate_runs_in_eval_mode_with_dropout() -> None:
+    torch.manual_seed(3)
+    model = GPT(ModelConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, dropout=0.5), vocab_size=11)
+    x, y = torch.randint(0, 11, (4, 8)), torch.randint(0, 11, (4, 8))
+    first = evaluate(model, [(x, y)], torch.device("cpu"), contextlib.nullcontext)
+    second = evaluate(model, [(x, y)], torch.device("cpu"), contextlib.nullcontext)
+    assert first == second, "dropout must be off during evaluation"
+    model.eval()
+    with torch.no_grad():
+        eval_logits = model(x)
+    model.train()
+    expected = torch.nn.functional.cross_entropy(eval_logits.reshape(-1, 11), y.reshape(-1)).item()
+    assert first == pytest.approx(expected, rel=1e-6)
+    with torch.no_grad():
+        assert not torch.allclose(model(x), eval_logits), "the test needs dropout to change the outputs"

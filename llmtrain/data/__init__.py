@@ -1,6 +1,19 @@
-"""Data: corpora, tokenizers, preparation into memory-mapped token files, and batch samplers."""
+"""Data: corpora, tokenizers, preparation into memory-mapped token files, and batch samplers.
 
-from llmtrain.data.prepare import PreparedData, prepare_data
-from llmtrain.data.sampler import RandomWindowSampler
+The names below are imported on first use: the CLI's pre-validation imports `corpus` only, and
+must not pay for numpy and torch.
+"""
 
-__all__ = ["PreparedData", "RandomWindowSampler", "prepare_data"]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {"PreparedData": "prepare", "prepare_data": "prepare", "RandomWindowSampler": "sampler"}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"llmtrain.data.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'llmtrain.data' has no attribute {name!r}")

@@ -31,6 +31,8 @@ def text_file(path: str) -> Path:
             f"'data.path' is '{path}', which is not a readable file (resolved to {resolved.resolve()}); "
             "give the path of a UTF-8 text file, e.g. data.path=/data/corpus.txt."
         )
+    if resolved.stat().st_size == 0:
+        raise ConfigError(f"'data.path' is '{path}', which is empty; give a UTF-8 text file with the text to train on.")
     return resolved.resolve()
 
 
@@ -57,10 +59,10 @@ def fingerprint(files: list[SourceFile]) -> str:
     return h.hexdigest()
 
 
-def content_hash(files: list[SourceFile], max_bytes: int | None) -> str:
+def content_hash(documents: list[tuple[str, bytes]]) -> str:
     """The real identity of the corpus: names and contents (as far as max_bytes reads)."""
     h = hashlib.sha256()
-    for name, data in read_documents(files, max_bytes):
+    for name, data in documents:
         h.update(name.encode() + b"\0" + hashlib.sha256(data).digest())
     return h.hexdigest()
 

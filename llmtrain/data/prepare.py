@@ -19,8 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from llmtrain.config import DataConfig, DataSource
-from llmtrain.config import Tokenizer as TokenizerName
+from llmtrain.config import DataConfig, DataSource, TokenizerKind
 from llmtrain.data.corpus import (
     SourceFile,
     content_hash,
@@ -94,18 +93,18 @@ def prepare_data(cfg: DataConfig, log: Callable[[str], None] = print) -> Prepare
         meta = json.loads(meta_path.read_text())
         if meta.get("fingerprint") == quick:
             return PreparedData(directory, meta)
-        if meta.get("content_sha256") == content_hash(files, cfg.max_bytes):
+        docs = read_documents(files, cfg.max_bytes)
+        if meta.get("content_sha256") == content_hash(docs):
             meta["fingerprint"] = quick
             _atomic_write_text(meta_path, json.dumps(meta, indent=2))
             return PreparedData(directory, meta)
         log(f"data source changed since it was prepared; preparing again into {directory}")
-    else:
-        log(f"preparing {cfg.source.value} data ({cfg.tokenizer.value} tokens) into {directory}")
-    return _build(cfg, files, quick, directory)
+        return _build(cfg, docs, quick, directory)
+    log(f"preparing {cfg.source.value} data ({cfg.tokenizer.value} tokens) into {directory}")
+    return _build(cfg, read_documents(files, cfg.max_bytes), quick, directory)
 
 
-def _build(cfg: DataConfig, files: list[SourceFile], quick: str, directory: Path) -> PreparedData:
-    docs = read_documents(files, cfg.max_bytes)
+def _build(cfg: DataConfig, docs: list[tuple[str, bytes]], quick: str, directory: Path) -> PreparedData:
     total_bytes = sum(len(d) for _, d in docs)
     if cfg.source is DataSource.text:
         train_text, val_text = _split_tail(docs[0][1].decode("utf-8", errors="replace"), cfg.val_fraction)
@@ -117,7 +116,7 @@ def _build(cfg: DataConfig, files: list[SourceFile], quick: str, directory: Path
         train_text, val_text = DOC_SEPARATOR.join(train_parts), DOC_SEPARATOR.join(val_parts)
 
     tokenizer: Tokenizer
-    if cfg.tokenizer is TokenizerName.char:
+    if cfg.tokenizer is TokenizerKind.char:
         tokenizer = CharTokenizer.fit(train_text + val_text)
     else:
         tokenizer = ByteTokenizer()
@@ -138,24 +137,32 @@ def _build(cfg: DataConfig, files: list[SourceFile], quick: str, directory: Path
         "val_tokens": int(val.size),
         "unigram_entropy_nats": float(-(p * np.log(p)).sum()),
         "fingerprint": quick,
-        "content_sha256": content_hash(files, cfg.max_bytes),
+        "content_sha256": content_hash(docs),
     }
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = directory.with_name(f"{directory.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    for split, arr in (("train", train), ("val", val)):
-        with open(tmp / f"{split}.bin", "wb") as fh:
-            arr.tofile(fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-    save_tokenizer(tokenizer, tmp / "tokenizer.json")
-    (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
-    old = directory.with_name(f"{directory.name}.old-{os.getpid()}")
-    if directory.exists():
-        os.replace(directory, old)
-    os.replace(tmp, directory)
-    shutil.rmtree(old, ignore_errors=True)
+    try:
+        tmp.mkdir()
+        for split, arr in (("train", train), ("val", val)):
+            with open(tmp / f"{split}.bin", "wb") as fh:
+                arr.tofile(fh)
+                fh.flush()
+                os.fsync(fh.fileno())
+        save_tokenizer(tokenizer, tmp / "tokenizer.json")
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+        old = directory.with_name(f"{directory.name}.old-{os.getpid()}")
+        if directory.exists():
+            os.replace(directory, old)
+        try:
+            os.replace(tmp, directory)
+        except OSError:
+            if not (directory / "meta.json").is_file():
+                raise
+            # Another process finished the same build first: its files are as good as ours.
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return PreparedData(directory, meta)
 
 
