@@ -94,8 +94,10 @@ def train_command(args: list[str]) -> None:
     if parsed.config_path:
         fail(
             f"--config-path ({parsed.config_path}) is not supported: llmtrain ships its own primary config. "
-            "Add your own group options or primary configs with --config-dir DIR (-cd DIR)."
+            "Add your own group options with --config-dir DIR (-cd DIR), e.g. DIR/model/mine.yaml then model=mine."
         )
+    if parsed.config_dir and not Path(parsed.config_dir).expanduser().is_dir():
+        fail(f"--config-dir is '{parsed.config_dir}', which is not a folder; give a folder of group options like conf/.")
     if not parsed.shell_completion and not parsed.hydra_help:
         from llmtrain.errors import UserError
 
@@ -260,7 +262,8 @@ def train_help() -> str:
     walk(Config, "", config_to_dict(Config()))
     lines += [
         "",
-        "Hydra: -m/--multirun, --cfg job, --info, hydra.run.dir=PATH, -sc install=bash (shell completion).",
+        "Hydra: -m/--multirun, --cfg job, --info, hydra.run.dir=PATH, -sc install=bash (shell completion),",
+        "       -cd DIR (your own group options, e.g. DIR/model/mine.yaml -> model=mine).",
         "Full Hydra help: llmtrain train --hydra-help",
     ]
     return "\n".join(lines)

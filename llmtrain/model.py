@@ -45,7 +45,7 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.proj.is_residual_output = True
-        self.dropout = cfg.dropout
+        self.dropout_p = cfg.dropout  # SDPA takes a probability, not a module
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
@@ -55,7 +55,7 @@ class CausalSelfAttention(nn.Module):
             cos, sin = rope[0][:T], rope[1][:T]
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+            q, k, v, dropout_p=self.dropout_p if self.training else 0.0, is_causal=True
         )
         y = y.transpose(1, 2).reshape(B, T, C)
         return self.resid_dropout(self.proj(y))

@@ -242,7 +242,8 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
                 result.val_losses[result.steps] = val_loss
                 metrics.write(record)
                 sink.log_eval(record)
-                last_log_time = time.perf_counter()  # tokens/s measures training, not evaluation
+                # tokens/s measures training, not evaluation: restart its clock and count here.
+                last_log_time, last_log_tokens = time.perf_counter(), result.tokens
     finally:
         sink.stop()
         metrics.close()
