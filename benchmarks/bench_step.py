@@ -1,6 +1,6 @@
 """llmtrain's train step against a bare PyTorch loop: same model, batch, optimizer, data, threads.
 
-    python benchmarks/bench_step.py [--steps 40] [--warmup 10] [--reps 3]
+    python benchmarks/bench_step.py [--steps 40] [--warmup 10] [--reps 3] [--global-batch-size 16]
 
 Both loops run in this process, alternating (bare, llmtrain, bare, llmtrain, ...) so drift in the
 machine's speed hits both alike. Each timing covers the steps after `--warmup` (allocator and
@@ -31,9 +31,10 @@ from llmtrain.sinks import ConsoleSink
 from llmtrain.train import train
 
 
-def bench_config(out_dir: Path, steps: int, warmup: int) -> Config:
+def bench_config(out_dir: Path, steps: int, warmup: int, global_batch_size: int) -> Config:
     """The default `llmtrain train` config (gpt_tiny, byte stdlib data, AdamW fused, fp32, 2 threads)."""
     cfg = Config(max_steps=steps, eval_interval=0, out_dir=str(out_dir), device="cpu", threads=2)
+    cfg.global_batch_size = global_batch_size  # > micro_batch_size (16) exercises accumulation
     cfg.log_interval = warmup  # a log record (and its host sync) at the warm-up boundary, then every `warmup` steps
     cfg.schedule.warmup_steps = 2
     return cfg
@@ -86,13 +87,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--global-batch-size", type=int, default=16, help="sequences per step (micro-batch is 16)")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args(argv)
     torch.set_num_threads(2)
     console = Console()
     bare, ours = [], []
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = bench_config(Path(tmp) / "run", args.steps, args.warmup)
+        cfg = bench_config(Path(tmp) / "run", args.steps, args.warmup, args.global_batch_size)
         prepare_data(cfg.data, log=console.print)
         for rep in range(args.reps):
             bare.append(time_bare(cfg, args.warmup))
@@ -101,7 +103,11 @@ def main(argv: list[str] | None = None) -> int:
             console.print(f"rep {rep + 1}/{args.reps}: bare {bare[-1] * 1e3:.1f} ms/step, llmtrain {ours[-1] * 1e3:.1f} ms/step")
     tokens_per_step = cfg.global_batch_size * seq_len_of(cfg)
     b, o = statistics.median(bare), statistics.median(ours)
-    table = Table(title=f"train step: {cfg.model.name}, {tokens_per_step:,} tokens/step, fp32, {torch.get_num_threads()} threads")
+    accum = accumulation_steps(cfg)
+    table = Table(
+        title=f"train step: {cfg.model.name}, {tokens_per_step:,} tokens/step ({accum} x {cfg.micro_batch_size} sequences), "
+        f"fp32, {torch.get_num_threads()} threads"
+    )
     for col in ("loop", "median ms/step", "tokens/s", "all reps (ms)"):
         table.add_column(col)
     table.add_row("bare PyTorch", f"{b * 1e3:.1f}", f"{tokens_per_step / b:,.0f}", ", ".join(f"{t * 1e3:.1f}" for t in bare))
