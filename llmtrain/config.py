@@ -200,7 +200,8 @@ class Config:
     threads: int | None = _f(None, "CPU threads per process; null = usable cores / local processes.")
 
 
-GROUPS: tuple[str, ...] = ("model", "optim", "schedule", "data", "precision", "parallel")
+def _group_names() -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(Config) if dataclasses.is_dataclass(field_type(f.type)))
 
 
 def register_configs() -> None:
@@ -234,6 +235,10 @@ def field_type(tp: Any) -> Any:
     return args[0] if is_union and len(args) == 1 else tp
 
 
+# The config groups: the fields of Config that are sections (one conf/<group>/ folder each).
+GROUPS: tuple[str, ...] = _group_names()
+
+
 def unknown_key_message(full_key: str) -> str:
     """'Unknown config key' with the valid keys of its parent section and a close match."""
     parent, _, leaf = full_key.rpartition(".")
@@ -250,7 +255,7 @@ def unknown_key_message(full_key: str) -> str:
 
 def _check_unknown_keys(node: Any, schema: type, prefix: str) -> None:
     """`+key=value` can add keys the schema doesn't know; refuse them by name."""
-    from omegaconf import DictConfig
+    from omegaconf import DictConfig, OmegaConf
 
     fields = schema_fields(schema)
     for key in node.keys():
@@ -258,8 +263,8 @@ def _check_unknown_keys(node: Any, schema: type, prefix: str) -> None:
         if key not in fields:
             raise ConfigError(unknown_key_message(full))
         sub_schema = field_type(fields[key].type)
-        if isinstance(node._get_node(key), DictConfig) and dataclasses.is_dataclass(sub_schema):
-            _check_unknown_keys(node._get_node(key), sub_schema, f"{full}.")
+        if dataclasses.is_dataclass(sub_schema) and not OmegaConf.is_missing(node, key) and isinstance(node[key], DictConfig):
+            _check_unknown_keys(node[key], sub_schema, f"{full}.")
 
 
 def describe_omegaconf_error(err: Exception) -> str:
