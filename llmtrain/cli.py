@@ -13,17 +13,18 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
 
-EXIT_USER_ERROR = 2
-EXIT_INTERRUPTED = 130
+from llmtrain.errors import EXIT_ABORTED, EXIT_USER_ERROR
 
 COMMANDS: dict[str, str] = {
     "train": "Train a model from the composed config groups (Hydra overrides, -m sweeps).",
-    "sample": "Generate text from a run directory's trained model.",
+    "sample": "Generate text from a run directory's trained model (or an export).",
+    "export": "Write a run's weights as safetensors + the model config as JSON.",
 }
 # Later commands (check, prepare, report, doctor, compare, export) register here.
 
@@ -48,8 +49,8 @@ def conf_dir() -> Path:
     raise RuntimeError(f"llmtrain's config folder is missing (looked in {here / 'conf'} and {here.parent / 'conf'})")
 
 
-def fail(message: str, code: int = EXIT_USER_ERROR) -> NoReturn:
-    sys.stderr.write(f"llmtrain: error: {message}\n")
+def fail(message: str, code: int = EXIT_USER_ERROR, label: str = "error") -> NoReturn:
+    sys.stderr.write(f"llmtrain: {label}: {message}\n")
     sys.exit(code)
 
 
@@ -68,13 +69,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"llmtrain {__version__}")
         return
     command, rest = args[0], args[1:]
-    handlers: dict[str, Callable[[list[str]], None]] = {"train": train_command, "sample": sample_command}
+    handlers: dict[str, Callable[[list[str]], None]] = {
+        "train": train_command, "sample": sample_command, "export": export_command,
+    }
     if command not in handlers:
         fail(f"unknown command '{command}'; valid commands: {', '.join(COMMANDS)}. See `llmtrain --help`.")
     try:
         handlers[command](rest)
     except KeyboardInterrupt:
-        fail("interrupted", EXIT_INTERRUPTED)
+        fail("aborted (a second Ctrl-C): the current step was not saved", EXIT_ABORTED)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -124,7 +127,7 @@ def _train_task(node) -> None:  # node: the composed OmegaConf DictConfig (untyp
     from hydra.core.hydra_config import HydraConfig
 
     from llmtrain.config import to_config
-    from llmtrain.errors import UserError
+    from llmtrain.errors import RunStopped, UserError
 
     try:
         cfg = to_config(node)
@@ -135,6 +138,10 @@ def _train_task(node) -> None:  # node: the composed OmegaConf DictConfig (untyp
         train(cfg)
     except UserError as err:
         fail(str(err))
+    except RunStopped as stopped:
+        overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith(("hydra.run.dir=", "out_dir="))]
+        command = shlex.join(["llmtrain", "train", *overrides, f"hydra.run.dir={stopped.run_dir or cfg.out_dir}"])
+        fail(f"{stopped}\nTo resume exactly where it stopped, run:\n  {command}", stopped.exit_code, label="stopped")
 
 
 def validate_overrides(
@@ -300,6 +307,24 @@ def sample_command(args: list[str]) -> None:
     except UserError as err:
         fail(str(err))
     sys.stdout.write(opts.prompt + text + "\n")
+
+
+def export_command(args: list[str]) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="llmtrain export", description="Export a run's weights for inference.")
+    parser.add_argument("run_dir", type=Path, help="run directory written by `llmtrain train`")
+    parser.add_argument("--out", type=Path, default=None, help="output folder (default: RUN_DIR/export)")
+    opts = parser.parse_args(args)
+
+    from llmtrain.errors import UserError
+    from llmtrain.export import export_run
+
+    try:
+        out = export_run(opts.run_dir, opts.out)
+    except UserError as err:
+        fail(str(err))
+    print(f"exported to {out}: model.safetensors, model_config.json, tokenizer.json (sample it: llmtrain sample {out})")
 
 
 # ---------------------------------------------------------------------------------------------

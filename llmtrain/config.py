@@ -100,6 +100,17 @@ class Precision(str, Enum):
     fp16 = "fp16"
 
 
+class NonFinitePolicy(str, Enum):
+    stop = "stop"
+    skip = "skip"
+    rollback = "rollback"
+
+
+class SaveErrorPolicy(str, Enum):
+    warn = "warn"
+    stop = "stop"
+
+
 class ParallelMode(str, Enum):
     single = "single"
 
@@ -180,6 +191,22 @@ class ParallelConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    every_steps: int | None = _f(250, "Save a checkpoint every this many optimizer steps; null disables.")
+    every_minutes: float | None = _f(30.0, "Also save when this many minutes passed since the last save; null disables.")
+    keep_last: int = _f(2, "Keep the newest k checkpoints (older ones are deleted).")
+    keep_best: bool = _f(True, "Also keep the checkpoint with the best validation loss.")
+    final: bool = _f(True, "Save a checkpoint at the end of the run.")
+    on_save_error: SaveErrorPolicy = _f(SaveErrorPolicy.warn, "A failed save (disk full, permissions): warn and go on, or stop.")
+    on_nonfinite: NonFinitePolicy = _f(
+        NonFinitePolicy.skip, "NaN/Inf loss or gradient: stop, skip the update, or rollback to the last checkpoint."
+    )
+    max_consecutive_skips: int = _f(3, "skip: after this many non-finite steps in a row, escalate to rollback.")
+    rollback_lr_factor: float = _f(1.0, "rollback: multiply the LR by this after each rollback (e.g. 0.5).")
+    max_rollbacks: int = _f(2, "rollback: stop (with a checkpoint) when a rollback would exceed this count.")
+
+
+@dataclass
 class Config:
     model: ModelConfig = _f(ModelConfig(), "Model shape and initialization.")
     optim: OptimConfig = _f(OptimConfig(), "Optimizer and gradient clipping.")
@@ -187,6 +214,8 @@ class Config:
     data: DataConfig = _f(DataConfig(), "Training data and its preparation.")
     precision: PrecisionConfig = _f(PrecisionConfig(), "Numeric precision.")
     parallel: ParallelConfig = _f(ParallelConfig(), "Process layout.")
+    checkpoint: CheckpointConfig = _f(CheckpointConfig(), "Checkpoint policy, retention and non-finite handling.")
+    resume: str = _f("auto", "auto (newest good checkpoint of the run dir), never, or a checkpoint/run dir path.")
     seed: int = _f(1337, "Global seed: model init, dropout and (by default) data order.")
     max_steps: int | None = _f(1000, "Optimizer steps to run (ignored when max_tokens is set).")
     max_tokens: int | None = _f(None, "Train on this many tokens instead; the last step may be partial.")
@@ -427,6 +456,17 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     p = cfg.precision
     _require(p.init_scale > 0 and math.isfinite(p.init_scale), f"'precision.init_scale' is {p.init_scale}; it must be a finite number > 0.")
     _require(p.growth_interval >= 1, f"'precision.growth_interval' is {p.growth_interval}; it must be >= 1.")
+    c = cfg.checkpoint
+    _require(c.every_steps is None or c.every_steps >= 1, f"'checkpoint.every_steps' is {c.every_steps}; use a step count >= 1 or null.")
+    _require(
+        c.every_minutes is None or c.every_minutes > 0,
+        f"'checkpoint.every_minutes' is {c.every_minutes}; use minutes > 0 or null.",
+    )
+    _require(c.keep_last >= 1, f"'checkpoint.keep_last' is {c.keep_last}; keep at least 1 checkpoint.")
+    _require(c.max_consecutive_skips >= 1, f"'checkpoint.max_consecutive_skips' is {c.max_consecutive_skips}; it must be >= 1.")
+    _require(0 < c.rollback_lr_factor <= 1, f"'checkpoint.rollback_lr_factor' is {c.rollback_lr_factor}; valid range is (0, 1].")
+    _require(c.max_rollbacks >= 0, f"'checkpoint.max_rollbacks' is {c.max_rollbacks}; it must be >= 0.")
+    _require(cfg.resume.strip() != "", "'resume' is empty; use auto, never, or the path of a checkpoint or run dir.")
     _require(cfg.threads is None or cfg.threads >= 1, f"'threads' is {cfg.threads}; use a positive count or null.")
 
 

@@ -7,3 +7,34 @@ class UserError(Exception):
 
 class ConfigError(UserError, ValueError):
     """A bad configuration value or combination."""
+
+
+# Exit codes of `llmtrain train` (documented in docs/checkpointing.md).
+EXIT_OK = 0
+EXIT_USER_ERROR = 2
+EXIT_NONFINITE_STOP = 3
+EXIT_INTERRUPTED = 75  # EX_TEMPFAIL: stopped on request after saving; the same command resumes
+EXIT_ABORTED = 130  # a second Ctrl-C: stopped at once, nothing saved
+
+
+class RunStopped(Exception):
+    """The run ended early on purpose, after saving a checkpoint; `exit_code` says why."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, checkpoint: object = None, run_dir: object = None) -> None:
+        super().__init__(message)
+        self.checkpoint = checkpoint
+        self.run_dir = run_dir
+
+
+class Interrupted(RunStopped):
+    """SIGTERM or Ctrl-C: the current step finished and was saved."""
+
+    exit_code = EXIT_INTERRUPTED
+
+
+class NonFiniteStop(RunStopped):
+    """A NaN/Inf the on_nonfinite policy could not (or was told not to) recover from."""
+
+    exit_code = EXIT_NONFINITE_STOP

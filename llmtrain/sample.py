@@ -22,13 +22,24 @@ class TrainedRun:
 
 
 def load_run(run_dir: Path, device: str = "cpu") -> TrainedRun:
-    """The trained model, its tokenizer and its training context from a run directory."""
+    """The trained model, its tokenizer and its training context from a run directory (its final
+    weights, else its newest good checkpoint's) or from an `llmtrain export` folder."""
+    from llmtrain.export import is_export, load_exported, weights_file
+
     run_dir = Path(run_dir)
-    needed = [run_dir / name for name in ("config.yaml", "tokenizer.json", "model.pt")]
+    if not run_dir.is_dir():
+        raise UserError(
+            f"'{run_dir}' does not exist; give a run directory that `llmtrain train` wrote "
+            "(its banner prints it, e.g. outputs/<date>/<time>) or a folder written by `llmtrain export`."
+        )
+    if is_export(run_dir):
+        model, context = load_exported(run_dir, device)
+        return TrainedRun(model, load_tokenizer(run_dir / "tokenizer.json"), context)
+    needed = [run_dir / name for name in ("config.yaml", "tokenizer.json")]
     missing = [p.name for p in needed if not p.is_file()]
     if missing:
         raise UserError(
-            f"'{run_dir}' is not a finished llmtrain run directory: {', '.join(missing)} missing. "
+            f"'{run_dir}' is not an llmtrain run directory or export: {', '.join(missing)} missing. "
             "Give the directory that `llmtrain train` printed in its banner (e.g. outputs/<date>/<time>)."
         )
     try:
@@ -37,9 +48,13 @@ def load_run(run_dir: Path, device: str = "cpu") -> TrainedRun:
         raise UserError(f"'{needed[0]}' is not a valid llmtrain config: {err}") from None
     tokenizer = load_tokenizer(needed[1])
     # weights_only: a weights file must not be able to run code when loaded.
-    state = torch.load(needed[2], map_location=device, weights_only=True)
+    state = torch.load(weights_file(run_dir), map_location=device, weights_only=True)
     model = GPT(cfg.model, state["wte.weight"].shape[0])
-    model.load_state_dict(state)
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as err:
+        first = str(err).strip().splitlines()[1:2] or [str(err)]
+        raise UserError(f"'{run_dir}': its weights do not fit its config.yaml ({first[0].strip()[:300]}).") from None
     return TrainedRun(model.to(device).eval(), tokenizer, seq_len_of(cfg))
 
 

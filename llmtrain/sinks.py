@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -20,7 +21,9 @@ class JsonlSink:
         self.file = open(path, "a", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
-        self.file.write(json.dumps(record) + "\n")
+        # Strict JSON has no NaN/Infinity: write them as the strings "nan", "inf", "-inf".
+        clean = {k: str(v) if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
+        self.file.write(json.dumps(clean, allow_nan=False) + "\n")
         self.file.flush()
 
     def close(self) -> None:

@@ -1,13 +1,18 @@
 """The train loop. Read it top to bottom:
 
-    set up (seed, threads, device, data, model, optimizer, precision) -> banner
+    set up (seed, threads, device, data, model, optimizer, precision), resume from a checkpoint
     for each optimizer step:
         gather the accumulation window's micro-batches and count their real tokens
         forward -> masked loss SUM / tokens in the window -> backward   (per micro-batch)
-        unscale (fp16) -> clip -> optimizer step -> zero grad            (LR set from the schedule)
-        every log_interval: the only host sync -> metrics.jsonl and the console
+        unscale (fp16) -> clip -> finite? -> optimizer step -> zero grad (LR from the schedule)
+        not finite: the update is never applied; skip, roll back or stop (checkpoint.on_nonfinite)
+        every log_interval: metrics.jsonl and the console
         every eval_interval: eval mode on fixed validation batches -> back to train mode
-    save the final weights, tokenizer and summary into the run dir
+        checkpoint when due, or when SIGTERM / Ctrl-C asked to stop (then exit 75)
+    save the final checkpoint and weights into the run dir
+
+One host sync per step (the finiteness check) guarantees no NaN reaches the weights; everything
+else that needs the host (loss values, grad norm) waits for the log interval.
 
 Dividing each micro-batch's loss sum by the token count of the whole window makes the accumulated
 gradient exactly the gradient of one big batch, whatever the micro-batch size, and lets a final
@@ -30,9 +35,25 @@ import torch
 import torch.nn.functional as F
 import yaml
 
+from llmtrain.checkpoint import (
+    SHAPE_KEYS,
+    Checkpoint,
+    CheckpointSaveError,
+    TrainState,
+    apply_retention,
+    config_changes,
+    find_good_checkpoint,
+    load_checkpoint,
+    remove_stale_temps,
+    resolve_resume_target,
+    restore_rng,
+    save_checkpoint,
+)
 from llmtrain.config import (
     Config,
     ConfigError,
+    NonFinitePolicy,
+    SaveErrorPolicy,
     accumulation_steps,
     config_to_dict,
     resolved_warmup_steps,
@@ -43,6 +64,8 @@ from llmtrain.config import (
 )
 from llmtrain.data import RandomWindowSampler, prepare_data
 from llmtrain.data.tokenizers import save_tokenizer
+from llmtrain.errors import Interrupted, NonFiniteStop, RunStopped
+from llmtrain.interrupts import StopRequest
 from llmtrain.model import GPT, flops_per_token, param_count
 from llmtrain.optim import build_optimizer, clip_gradients
 from llmtrain.parallel import default_threads, resolve_device
@@ -135,6 +158,9 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
     seq_len = seq_len_of(cfg)
     sink = console or ConsoleSink(steps_total)
 
+    def warn(message: str) -> None:
+        sink.print(f"[bold yellow]warning:[/] {message}")
+
     data = prepare_data(cfg.data, log=lambda msg: sink.print(f"[dim]{msg}[/]"))
     for split in ("train", "val") if cfg.eval_interval else ("train",):
         if data.meta[f"{split}_tokens"] < seq_len + 1:
@@ -149,7 +175,13 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
             f"'model.vocab_size' ({vocab_size}) is smaller than the data's vocabulary ({data.vocab_size} tokens, "
             f"{cfg.data.tokenizer.value} tokenizer); use model.vocab_size>={data.vocab_size} or model.vocab_size=null."
         )
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+    config_dict = config_to_dict(cfg)
+    remove_stale_temps(run_dir)  # one writer per run dir: leftovers are from a process that died
+    resume_from = resolve_resume_target(cfg.resume, run_dir, warn)
+    checkpoint = load_checkpoint(resume_from, device) if resume_from is not None else None
+    if checkpoint is not None:
+        check_resumable(checkpoint, config_dict)  # before anything in the run dir is rewritten
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(config_dict, sort_keys=False))
     save_tokenizer(data.tokenizer(), run_dir / "tokenizer.json")
 
     model = GPT(cfg.model, vocab_size).to(device)
@@ -167,6 +199,10 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
         val_sampler = RandomWindowSampler(data.tokens("val"), cfg.micro_batch_size, seq_len, data_seed + 1)
         val_batches = [tuple(t.to(device) for t in val_sampler.next_batch()) for _ in range(cfg.eval_batches)]
 
+    state = TrainState()
+    if checkpoint is not None:
+        state = restore(checkpoint, config_dict, model, optimizer, scaler, train_batches, sink)
+
     tokens_per_step = cfg.global_batch_size * seq_len
     sink.banner(
         f"llmtrain: {cfg.model.name} on {cfg.data.source.value} -> {run_dir}",
@@ -182,84 +218,256 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
             ("data", f"{data.meta['train_tokens']:,} train / {data.meta['val_tokens']:,} val tokens, "
                      f"vocab {data.vocab_size}, {cfg.data.tokenizer.value} tokens"),
             ("baseline", f"unigram entropy {data.unigram_entropy:.4f} nats/token: the loss to beat"),
+            ("checkpoints", f"every {cfg.checkpoint.every_steps or '-'} steps / {cfg.checkpoint.every_minutes or '-'} min, "
+                            f"keep {cfg.checkpoint.keep_last}{' + best' if cfg.checkpoint.keep_best else ''}; "
+                            f"non-finite: {cfg.checkpoint.on_nonfinite.value}"
+                            + (f"; resumed at step {state.step}" if resume_from else "")),
         ],
     )
 
     # ---- the loop ------------------------------------------------------------------------------
     metrics = JsonlSink(run_dir / "metrics.jsonl")
-    # Appending (never truncating) keeps an earlier run's records; this marks where this one starts.
-    metrics.write({"kind": "start", "time": time.time(), "steps": steps_total, "tokens_per_step": tokens_per_step})
-    result = TrainResult(run_dir=run_dir, steps=0, tokens=0, unigram_entropy=data.unigram_entropy)
+    # Appending (never truncating) keeps earlier records (a resumed run continues the same file).
+    metrics.write({"kind": "start", "time": time.time(), "steps": steps_total, "tokens_per_step": tokens_per_step,
+                   "resumed_from": str(resume_from) if resume_from else None, "step": state.step})
+    result = TrainResult(run_dir=run_dir, steps=state.step, tokens=state.tokens, unigram_entropy=data.unigram_entropy)
     flops_token = flops_per_token(model, seq_len)
+    # Test-only hook: poison the loss at these steps, each listed occurrence once ("6,6": twice).
+    nan_steps = [int(s) for s in os.environ.get("LLMTRAIN_TEST_NAN_AT_STEPS", "").split(",") if s]
+    saver = CheckpointPolicy(cfg, run_dir, model, optimizer, scaler, train_batches, config_dict, metrics, warn)
+    saver.last_saved_step = state.step if resume_from else None
     sink.start()
+    sink.advance(state.step)
     start = last_log_time = time.perf_counter()
-    last_log_tokens = 0
+    start_tokens = last_log_tokens = state.tokens
     try:
-        for step in range(steps_total):
-            window = [train_batches.next_batch() for _ in range(min(accum, micro_total - step * accum))]
-            lr = lr_at(step, cfg.optim.lr, steps_total, cfg.schedule)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
+        with StopRequest() as stop:
+            while state.step < steps_total:
+                step = state.step
+                window = [train_batches.next_batch() for _ in range(min(accum, micro_total - step * accum))]
+                lr = lr_at(step, cfg.optim.lr, steps_total, cfg.schedule) * state.lr_scale
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
 
-            loss = accumulate_gradients(model, window, device, autocast, scaler)
-            if scaler is not None:
-                scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
-            grad_norm = clip_gradients(params, cfg.optim)
-            if scaler is not None:
-                scaler.step(optimizer)  # skips the step if the gradients overflowed
-                scaler.update()
-            else:
-                optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
-            result.steps = step + 1
-            result.tokens += sum(y.numel() for _, y in window)
-            sink.advance(result.steps)
-            last_step = result.steps == steps_total
-            if result.steps % cfg.log_interval == 0 or last_step:
-                # The one host sync of the step: .item() waits for the device to finish.
-                now = time.perf_counter()
-                record = {
-                    "kind": "train",
-                    "step": result.steps,
-                    "tokens": result.tokens,
-                    "loss": loss.item(),
-                    "lr": lr,
-                    "grad_norm": grad_norm.item(),
-                    "tokens_per_s": (result.tokens - last_log_tokens) / max(now - last_log_time, 1e-9),
-                    "elapsed_s": now - start,
-                }
-                record["flops_per_s"] = record["tokens_per_s"] * flops_token
+                loss = accumulate_gradients(model, window, device, autocast, scaler)
                 if scaler is not None:
-                    record["loss_scale"] = scaler.get_scale()
-                last_log_time, last_log_tokens = now, result.tokens
-                result.train_losses[result.steps] = record["loss"]
-                metrics.write(record)
-                sink.log_train(record)
-            if cfg.eval_interval and (result.steps % cfg.eval_interval == 0 or last_step):
-                val_loss = evaluate(model, val_batches, device, autocast)
-                record = {"kind": "eval", "step": result.steps, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
-                result.val_losses[result.steps] = val_loss
-                metrics.write(record)
-                sink.log_eval(record)
-                # tokens/s measures training, not evaluation: restart its clock and count here.
-                last_log_time, last_log_tokens = time.perf_counter(), result.tokens
+                    scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
+                grad_norm = clip_gradients(params, cfg.optim)
+                if step + 1 in nan_steps:
+                    nan_steps.remove(step + 1)
+                    loss, grad_norm = loss * math.nan, grad_norm * math.nan
+                # The step's one host sync: a NaN/Inf loss or gradient must never reach the weights.
+                # (Under fp16 an inf gradient is the loss scaler's business: it skips and rescales.)
+                finite = bool(torch.isfinite(loss)) and (scaler is not None or bool(torch.isfinite(grad_norm)))
+                if finite:
+                    if scaler is not None:
+                        scaler.step(optimizer)  # skips the step if the gradients overflowed
+                        scaler.update()
+                    else:
+                        optimizer.step()
+                    state.consecutive_skips = 0
+                optimizer.zero_grad(set_to_none=True)
+                state.step += 1
+                state.tokens += sum(y.numel() for _, y in window)
+                if not finite:
+                    state = handle_nonfinite(cfg, state, loss, grad_norm, saver, metrics, warn, model, optimizer, scaler)
+                    if state.step == step:  # rolled back: the loop goes on from the checkpoint's step
+                        sink.advance(state.step)
+                        continue
+
+                result.steps, result.tokens = state.step, state.tokens
+                sink.advance(state.step)
+                last_step = state.step == steps_total
+                if finite and (state.step % cfg.log_interval == 0 or last_step):  # a skip has its own record
+                    now = time.perf_counter()
+                    record = {
+                        "kind": "train",
+                        "step": state.step,
+                        "tokens": state.tokens,
+                        "loss": loss.item(),
+                        "lr": lr,
+                        "grad_norm": grad_norm.item(),
+                        "tokens_per_s": (state.tokens - last_log_tokens) / max(now - last_log_time, 1e-9),
+                        "elapsed_s": now - start,
+                    }
+                    record["flops_per_s"] = record["tokens_per_s"] * flops_token
+                    if scaler is not None:
+                        record["loss_scale"] = scaler.get_scale()
+                    last_log_time, last_log_tokens = now, state.tokens
+                    result.train_losses[state.step] = record["loss"]
+                    metrics.write(record)
+                    sink.log_train(record)
+                stopping = stop.requested(state.step)
+                saving = saver.due(state.step) or stopping or (last_step and cfg.checkpoint.final)
+                if cfg.eval_interval and (state.step % cfg.eval_interval == 0 or last_step or saving):
+                    val_loss = evaluate(model, val_batches, device, autocast)
+                    record = {"kind": "eval", "step": state.step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
+                    result.val_losses[state.step] = val_loss
+                    metrics.write(record)
+                    sink.log_eval(record)
+                    saver.last_val = (state.step, val_loss)
+                    # tokens/s measures training, not evaluation: restart its clock and count here.
+                    last_log_time, last_log_tokens = time.perf_counter(), state.tokens
+                if saving:
+                    path = saver.save(state)
+                    if stopping:
+                        raise Interrupted(
+                            f"stopped by {stop.signal_name} after step {state.step}; checkpoint saved to {path}",
+                            checkpoint=path, run_dir=run_dir,
+                        )
     finally:
         sink.stop()
         metrics.close()
 
-    # ---- the end: weights for `sample`; full checkpoints are checkpoint.py's job ----------------
+    # ---- the end: the final weights on their own, for `sample` and `export` --------------------
+    if cfg.checkpoint.final and saver.last_saved_step != state.step:
+        saver.save(state)  # a resumed run that had nothing left to do
     save_weights(model, run_dir / "model.pt")
     elapsed = time.perf_counter() - start
-    summary = f"[bold]done[/]: {result.steps} steps, {result.tokens:,} tokens in {elapsed:.1f}s ({result.tokens / max(elapsed, 1e-9):,.0f} tok/s)"
+    trained = state.tokens - start_tokens
+    summary = f"[bold]done[/]: step {state.step}, {trained:,} tokens in {elapsed:.1f}s ({trained / max(elapsed, 1e-9):,.0f} tok/s)"
     if result.val_losses and data.unigram_entropy > 0:
         below = 1 - result.final_val_loss / data.unigram_entropy
         summary += (
             f"; final val loss {result.final_val_loss:.4f} is {abs(below):.0%} {'below' if below >= 0 else 'ABOVE'} "
             f"the unigram entropy {data.unigram_entropy:.4f}"
         )
+    if state.skipped_steps or state.rollbacks:
+        summary += f"; {state.skipped_steps} non-finite step(s) skipped, {state.rollbacks} rollback(s)"
     sink.print(f"{summary}. Weights: {run_dir / 'model.pt'}")
     return result
+
+
+class CheckpointPolicy:
+    """When to save (every N steps / M minutes), what to keep, and what a failed save does."""
+
+    def __init__(
+        self, cfg: Config, run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+        scaler: torch.amp.GradScaler | None, sampler: RandomWindowSampler, config_dict: dict,
+        metrics: JsonlSink, warn: Callable[[str], None],
+    ) -> None:
+        self.cfg, self.policy, self.run_dir = cfg, cfg.checkpoint, run_dir
+        self.model, self.optimizer, self.scaler, self.sampler = model, optimizer, scaler, sampler
+        self.config_dict, self.metrics, self.warn = config_dict, metrics, warn
+        self.last_saved_step: int | None = None
+        self.last_saved_time = time.monotonic()
+        self.last_val: tuple[int, float] | None = None  # (step, val loss) of the latest evaluation
+
+    def due(self, step: int) -> bool:
+        by_steps = self.policy.every_steps is not None and step % self.policy.every_steps == 0
+        by_time = self.policy.every_minutes is not None and time.monotonic() - self.last_saved_time >= 60 * self.policy.every_minutes
+        return by_steps or by_time
+
+    def save(self, state: TrainState) -> Path | None:
+        if self.last_val is not None and self.last_val[0] == state.step and self.policy.keep_best:
+            if state.best_val_loss is None or self.last_val[1] < state.best_val_loss:
+                state.best_val_loss, state.best_step = self.last_val[1], state.step
+        began = time.perf_counter()
+        try:
+            path = save_checkpoint(
+                self.run_dir, model=self.model, optimizer=self.optimizer, scaler=self.scaler,
+                sampler_state=self.sampler.state_dict(), state=state, config=self.config_dict,
+            )
+        except CheckpointSaveError as err:
+            self.metrics.write({"kind": "checkpoint_error", "step": state.step, "error": str(err)})
+            if self.policy.on_save_error is SaveErrorPolicy.stop:
+                raise RunStopped(f"{err}; stopping (checkpoint.on_save_error=stop)", run_dir=self.run_dir) from err
+            self.warn(f"{err}; training goes on, the previous checkpoints are intact (checkpoint.on_save_error=warn)")
+            return None
+        self.last_saved_step, self.last_saved_time = state.step, time.monotonic()
+        removed = apply_retention(self.run_dir, self.policy.keep_last, state.best_step if self.policy.keep_best else None)
+        self.metrics.write({"kind": "checkpoint", "step": state.step, "path": str(path),
+                            "seconds": time.perf_counter() - began, "removed": [p.name for p in removed]})
+        return path
+
+
+def handle_nonfinite(
+    cfg: Config, state: TrainState, loss: torch.Tensor, grad_norm: torch.Tensor, saver: CheckpointPolicy,
+    metrics: JsonlSink, warn: Callable[[str], None], model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler | None,
+) -> TrainState:
+    """The update of this step was not applied. Skip it, roll back, or stop, as configured."""
+    policy = cfg.checkpoint
+    state.skipped_steps += 1
+    state.consecutive_skips += 1
+    action, why = policy.on_nonfinite, ""
+    if action is NonFinitePolicy.skip and state.consecutive_skips >= policy.max_consecutive_skips:
+        action, why = NonFinitePolicy.rollback, f"{state.consecutive_skips} non-finite steps in a row"
+    target = None
+    if action is NonFinitePolicy.rollback:
+        if state.rollbacks >= policy.max_rollbacks:
+            action, why = NonFinitePolicy.stop, f"it recurred after {state.rollbacks} rollback(s) (checkpoint.max_rollbacks)"
+        else:
+            target = find_good_checkpoint(saver.run_dir, warn)
+            if target is None:
+                action, why = NonFinitePolicy.stop, "there is no checkpoint to roll back to yet"
+    record = {"kind": "nonfinite", "step": state.step, "loss": loss.item(), "grad_norm": grad_norm.item(),
+              "action": action.value, "consecutive": state.consecutive_skips, "skipped_total": state.skipped_steps}
+    metrics.write(record)
+    warn(f"non-finite loss/gradient at step {state.step} (loss {record['loss']}, grad norm {record['grad_norm']}): "
+         f"the update was not applied; action: {action.value}{f' ({why})' if why else ''}")
+    if action is NonFinitePolicy.stop:
+        path = saver.save(state)  # the weights are still the last good ones
+        raise NonFiniteStop(
+            f"non-finite loss or gradient at step {state.step}{f': {why}' if why else ''}. Nothing non-finite reached "
+            f"the weights; checkpoint: {path}. Likely causes: LR too high (optim.lr={cfg.optim.lr:g}), missing warmup, "
+            "no gradient clipping, fp16 without loss scaling, or bad data. Check the grad_norm history in metrics.jsonl.",
+            checkpoint=path, run_dir=saver.run_dir,
+        )
+    if action is NonFinitePolicy.rollback:
+        checkpoint = load_checkpoint(target, next(model.parameters()).device)
+        model.load_state_dict(checkpoint.model)
+        optimizer.load_state_dict(checkpoint.optimizer)
+        if scaler is not None and checkpoint.scaler is not None:
+            scaler.load_state_dict(checkpoint.scaler)
+        restore_rng(checkpoint.rng, checkpoint.trainer["rng"])
+        # The sampler is NOT rewound: the windows since the checkpoint (the bad one included) are skipped.
+        restored = checkpoint.state
+        restored.rollbacks = state.rollbacks + 1
+        restored.lr_scale = state.lr_scale * policy.rollback_lr_factor
+        restored.skipped_steps = state.skipped_steps
+        restored.consecutive_skips = 0
+        metrics.write({"kind": "rollback", "step": state.step, "to_step": restored.step, "path": str(target),
+                       "lr_scale": restored.lr_scale, "rollbacks": restored.rollbacks})
+        return restored
+    return state
+
+
+def check_resumable(checkpoint: Checkpoint, config_dict: dict) -> None:
+    """Refuse config changes that make the saved state meaningless (shapes, data, optimizer kind)."""
+    refused = [c for c in config_changes(checkpoint.trainer["config"], config_dict) if c[0] in SHAPE_KEYS]
+    if refused:
+        listed = "; ".join(f"{k}: {old} -> {new}" for k, old, new in refused)
+        raise ConfigError(
+            f"Cannot resume from {checkpoint.path}: {listed}. These change the model's shapes, its data or its "
+            "optimizer, so the saved state does not fit. Undo the change, or start a new run dir (hydra.run.dir=...)."
+        )
+
+
+def restore(
+    checkpoint: Checkpoint, config_dict: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler | None, sampler: RandomWindowSampler, sink: ConsoleSink,
+) -> TrainState:
+    """Load a checkpoint into the freshly built objects and report what came back and what changed."""
+    changes = config_changes(checkpoint.trainer["config"], config_dict)
+    try:
+        model.load_state_dict(checkpoint.model)
+        optimizer.load_state_dict(checkpoint.optimizer)
+    except (RuntimeError, ValueError, KeyError) as err:
+        raise ConfigError(f"Cannot resume from {checkpoint.path}: its state does not fit this model/optimizer ({err}).") from None
+    if scaler is not None and checkpoint.scaler is not None:
+        scaler.load_state_dict(checkpoint.scaler)
+    sampler.load_state_dict(checkpoint.trainer["sampler"])
+    restore_rng(checkpoint.rng, checkpoint.trainer["rng"])
+    state = checkpoint.state
+    sink.print(
+        f"[bold green]resumed[/] from {checkpoint.path}: step {state.step}, {state.tokens:,} tokens, "
+        f"model + optimizer{' + loss scaler' if checkpoint.scaler else ''} + data position + RNG states"
+        + (f", best val loss {state.best_val_loss:.4f} (step {state.best_step})" if state.best_val_loss is not None else "")
+    )
+    for key, old, new in changes:
+        sink.print(f"[bold yellow]config changed since the checkpoint:[/] {key}: {old} -> {new}")
+    return state
 
 
 def save_weights(model: torch.nn.Module, path: Path) -> None:

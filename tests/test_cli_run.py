@@ -90,7 +90,14 @@ def test_sample_with_a_model_vocab_padded_past_the_tokenizer(tmp_path: Path) -> 
 def test_sample_on_a_missing_run_dir_is_a_clear_error(tmp_path: Path) -> None:
     proc = llmtrain("sample", str(tmp_path / "nope"), cwd=tmp_path)
     assert proc.returncode == 2
-    assert "model.pt" in proc.stderr and "Traceback" not in proc.stderr
+    assert "does not exist" in proc.stderr and "Traceback" not in proc.stderr
+    run = tmp_path / "no-weights"
+    run.mkdir()
+    (run / "config.yaml").write_text("seed: 1\n")
+    (run / "tokenizer.json").write_text('{"kind": "byte"}')
+    proc = llmtrain("sample", str(run), cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "model.pt" in proc.stderr and "checkpoint" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_multirun_writes_one_run_dir_per_job(tmp_path: Path) -> None:

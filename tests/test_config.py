@@ -27,6 +27,7 @@ from llmtrain.config import (
     DataConfig,
     DataSource,
     ModelConfig,
+    NonFinitePolicy,
     NormPosition,
     OptimizerName,
     Precision,
@@ -156,6 +157,14 @@ def test_option_composes_converts_and_builds(group: str, option: str, tmp_path: 
             data = prepare_data(dataclasses.replace(cfg.data, cache_dir=str(tmp_path / "cache")), log=lambda _: None)
             assert data.vocab_size == 256
             assert data.meta["train_tokens"] > 0 and data.meta["val_tokens"] > 0
+    elif group == "checkpoint":
+        policy = cfg.checkpoint
+        assert policy.keep_last >= 1 and policy.final
+        if option == "none":
+            assert policy.every_steps is None and policy.every_minutes is None
+            assert policy.on_nonfinite is NonFinitePolicy.stop
+        else:
+            assert policy.every_steps and policy.on_nonfinite is NonFinitePolicy.skip
     else:
         assert group == "parallel"
         assert cfg.parallel.mode.value == option

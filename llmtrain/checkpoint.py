@@ -1,0 +1,357 @@
+"""Full-state checkpoints: atomic, verified, and exact enough to resume bit for bit.
+
+Layout of a run dir:
+
+    checkpoints/
+      step_00000250/          one checkpoint, taken at an optimizer-step boundary
+        model.pt              the unwrapped model's state_dict
+        optimizer.pt          optimizer (+ fp16 loss-scaler) state
+        rng.pt                torch CPU (and CUDA) generator states
+        trainer_state.json    step, tokens, data-sampler position, Python/NumPy RNG, policy
+                              counters, best validation loss, the resolved config, versions
+        manifest.json         sha256 and size of every file above; written last
+      latest                  the newest checkpoint's folder name; replaced last
+
+A checkpoint is written into a hidden temporary folder, every file fsync'ed, then renamed into
+place, so a crash mid-save leaves the previous checkpoints untouched. Loading checks the manifest
+(missing file, wrong size, wrong sha256) before anything is read, and `torch.load` runs with
+`weights_only=True`: a checkpoint cannot execute code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import platform
+import random
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+import torch
+
+FORMAT_VERSION = 1
+CHECKPOINTS = "checkpoints"
+LATEST = "latest"
+MANIFEST = "manifest.json"
+STATE_FILES = ("model.pt", "optimizer.pt", "rng.pt", "trainer_state.json")
+
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be used: names the folder, the file and what is wrong."""
+
+
+class CheckpointSaveError(Exception):
+    """A save that failed (disk full, permissions); the previous checkpoints are intact."""
+
+
+@dataclass
+class TrainState:
+    """Everything the loop itself carries from step to step (the rest lives in the objects)."""
+
+    step: int = 0  # optimizer steps taken (including skipped ones: their data was consumed)
+    tokens: int = 0
+    best_val_loss: float | None = None
+    best_step: int | None = None
+    lr_scale: float = 1.0  # cut by rollbacks
+    rollbacks: int = 0
+    skipped_steps: int = 0
+    consecutive_skips: int = 0
+
+
+@dataclass
+class Checkpoint:
+    """A verified checkpoint read back from disk."""
+
+    path: Path
+    model: dict[str, torch.Tensor]
+    optimizer: dict
+    scaler: dict | None
+    rng: dict
+    trainer: dict  # trainer_state.json
+    state: TrainState = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.state = TrainState(**self.trainer["state"])
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def checkpoint_root(run_dir: Path) -> Path:
+    return Path(run_dir) / CHECKPOINTS
+
+
+# ---------------------------------------------------------------------------------------------
+# saving
+# ---------------------------------------------------------------------------------------------
+
+
+class _HashingWriter:
+    """A file wrapper that hashes what passes through, so nothing is read back to hash it."""
+
+    def __init__(self, fh: BinaryIO) -> None:
+        self.fh = fh
+        self.sha256 = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: bytes) -> int:
+        self.sha256.update(data)
+        self.size += len(data)
+        return self.fh.write(data)
+
+    def flush(self) -> None:
+        self.fh.flush()
+
+
+def _write_file(path: Path, write: Callable[[_HashingWriter], None]) -> dict[str, Any]:
+    with open(path, "wb") as fh:
+        writer = _HashingWriter(fh)
+        write(writer)
+        fh.flush()
+        os.fsync(fh.fileno())
+    return {"sha256": writer.sha256.hexdigest(), "bytes": writer.size}
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def rng_snapshot() -> tuple[dict, dict]:
+    """(tensor states for rng.pt, JSON-able states for trainer_state.json)."""
+    tensors = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        tensors["cuda"] = torch.cuda.get_rng_state_all()
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    version, py_state, py_gauss = random.getstate()
+    plain = {
+        "python": [version, list(py_state), py_gauss],
+        "numpy": [kind, keys.tolist(), pos, has_gauss, gauss],
+    }
+    return tensors, plain
+
+
+def restore_rng(tensors: dict, plain: dict) -> None:
+    torch.set_rng_state(tensors["torch"])
+    if "cuda" in tensors and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(tensors["cuda"])
+    version, py_state, py_gauss = plain["python"]
+    random.setstate((version, tuple(py_state), py_gauss))
+    kind, keys, pos, has_gauss, gauss = plain["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
+
+
+def save_checkpoint(
+    run_dir: Path,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler | None,
+    sampler_state: dict,
+    state: TrainState,
+    config: dict,
+) -> Path:
+    """Write a checkpoint of the current step atomically; raises CheckpointSaveError on failure."""
+    root = checkpoint_root(run_dir)
+    name = step_dir_name(state.step)
+    final = root / name
+    tmp = root / f".tmp-{name}-{os.getpid()}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        rng_tensors, rng_plain = rng_snapshot()
+        trainer = {
+            "format": FORMAT_VERSION,
+            "state": dataclasses.asdict(state),
+            "sampler": sampler_state,
+            "rng": rng_plain,
+            "config": config,
+            "versions": {"torch": torch.__version__, "numpy": np.__version__, "python": platform.python_version()},
+            "saved_at": time.time(),
+        }
+        files = {
+            "model.pt": _write_file(tmp / "model.pt", lambda f: torch.save(model.state_dict(), f)),
+            "optimizer.pt": _write_file(
+                tmp / "optimizer.pt",
+                lambda f: torch.save({"optimizer": optimizer.state_dict(), "scaler": scaler.state_dict() if scaler else None}, f),
+            ),
+            "rng.pt": _write_file(tmp / "rng.pt", lambda f: torch.save(rng_tensors, f)),
+            "trainer_state.json": _write_file(tmp / "trainer_state.json", lambda f: f.write(json.dumps(trainer).encode())),
+        }
+        manifest = {"format": FORMAT_VERSION, "step": state.step, "files": files}
+        _write_file(tmp / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=2).encode()))
+        _fsync_dir(tmp)
+        if final.exists():  # the same step again (after a rollback or a re-run): replace it whole
+            old = root / f".old-{name}-{os.getpid()}"
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+        _fsync_dir(root)
+        _write_file(root / f".{LATEST}.tmp", lambda f: f.write(name.encode()))
+        os.replace(root / f".{LATEST}.tmp", root / LATEST)
+        _fsync_dir(root)
+    except (OSError, RuntimeError) as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointSaveError(f"could not save checkpoint {final}: {err}") from err
+    return final
+
+
+def remove_stale_temps(run_dir: Path) -> None:
+    """Half-written saves of a process that died (SIGKILL, power loss): never valid, safe to drop."""
+    root = checkpoint_root(run_dir)
+    if root.is_dir():
+        for path in root.iterdir():
+            if path.name.startswith((".tmp-", ".old-")):
+                shutil.rmtree(path, ignore_errors=True)
+
+
+def apply_retention(run_dir: Path, keep_last: int, keep_step: int | None = None) -> list[Path]:
+    """Delete all but the newest `keep_last` checkpoints and the one of `keep_step` (the best)."""
+    checkpoints = list_checkpoints(run_dir)
+    keep = set(checkpoints[:keep_last])
+    if keep_step is not None:
+        keep |= {p for p in checkpoints if p.name == step_dir_name(keep_step)}
+    removed = []
+    for path in checkpoints:
+        if path not in keep:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+# ---------------------------------------------------------------------------------------------
+# finding, verifying, loading
+# ---------------------------------------------------------------------------------------------
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Checkpoint folders of a run dir, newest step first."""
+    root = checkpoint_root(run_dir)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_") and p.name[5:].isdigit()]
+    return sorted(found, key=lambda p: int(p.name[5:]), reverse=True)
+
+
+def verify(path: Path) -> dict:
+    """Check every file against the manifest; raises CheckpointError naming the bad file."""
+    manifest_path = path / MANIFEST
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        files = manifest["files"]
+    except (OSError, ValueError, KeyError) as err:
+        raise CheckpointError(f"{path}: {MANIFEST} is missing or unreadable ({err})") from None
+    for name in STATE_FILES:
+        entry = files.get(name)
+        target = path / name
+        if entry is None:
+            raise CheckpointError(f"{path}: the manifest does not list {name}")
+        if not target.is_file():
+            raise CheckpointError(f"{path}: {name} is missing")
+        size = target.stat().st_size
+        if size != entry["bytes"]:
+            raise CheckpointError(f"{path}: {name} is {size} bytes, the manifest says {entry['bytes']} (truncated?)")
+        digest = hashlib.sha256()
+        with open(target, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 22), b""):
+                digest.update(chunk)
+        if digest.hexdigest() != entry["sha256"]:
+            raise CheckpointError(f"{path}: {name} does not match its sha256 in the manifest (corrupted)")
+    return manifest
+
+
+def find_good_checkpoint(run_dir: Path, warn: Callable[[str], None]) -> Path | None:
+    """The newest checkpoint that verifies; every bad one passed over is reported through `warn`."""
+    root = checkpoint_root(run_dir)
+    ordered = list_checkpoints(run_dir)
+    pointer = root / LATEST
+    if pointer.is_file():  # the pointer first: it names the checkpoint that finished last
+        named = root / pointer.read_text().strip()
+        ordered = [named] + [p for p in ordered if p != named] if named.is_dir() else ordered
+    for path in ordered:
+        try:
+            verify(path)
+            return path
+        except CheckpointError as err:
+            warn(f"checkpoint unusable, falling back to an older one: {err}")
+    return None
+
+
+def load_checkpoint(path: Path, device: torch.device | str = "cpu") -> Checkpoint:
+    """Verify and read a checkpoint folder (weights_only: a checkpoint cannot run code)."""
+    verify(path)
+    trainer = json.loads((path / "trainer_state.json").read_text())
+    if trainer.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"{path}: format {trainer.get('format')} is not {FORMAT_VERSION}, which this llmtrain reads")
+    model = torch.load(path / "model.pt", map_location=device, weights_only=True)
+    opt = torch.load(path / "optimizer.pt", map_location=device, weights_only=True)
+    rng = torch.load(path / "rng.pt", map_location="cpu", weights_only=True)
+    return Checkpoint(path, model, opt["optimizer"], opt["scaler"], rng, trainer)
+
+
+def resolve_resume_target(resume: str, run_dir: Path, warn: Callable[[str], None]) -> Path | None:
+    """The checkpoint `resume=` asks for: auto (this run dir's newest good one), never, or a path."""
+    from llmtrain.errors import ConfigError
+
+    if resume == "never":
+        if list_checkpoints(run_dir):
+            raise ConfigError(
+                f"resume=never, but {checkpoint_root(run_dir)} already holds checkpoints that a fresh run would "
+                "overwrite; use resume=auto to continue it, or another run dir (hydra.run.dir=...)."
+            )
+        return None
+    if resume == "auto":
+        return find_good_checkpoint(run_dir, warn)
+    path = Path(resume).expanduser()
+    if (path / MANIFEST).is_file():
+        return path
+    if checkpoint_root(path).is_dir():
+        found = find_good_checkpoint(path, warn)
+        if found is None:
+            raise ConfigError(f"resume='{resume}': no usable checkpoint in {checkpoint_root(path)}.")
+        return found
+    raise ConfigError(
+        f"resume='{resume}' is neither a checkpoint folder (with {MANIFEST}) nor a run dir with {CHECKPOINTS}/; "
+        "valid: auto, never, or such a path."
+    )
+
+
+# Keys whose change makes saved tensors or optimizer state meaningless for the new run.
+SHAPE_KEYS = (
+    "model.n_layer", "model.n_head", "model.n_embd", "model.block_size", "model.vocab_size", "model.bias",
+    "model.tie_weights", "model.position", "model.norm", "model.mlp", "model.mlp_ratio", "model.norm_position",
+    "data.source", "data.path", "data.tokenizer", "optim.name",
+)
+# Keys that never matter for resuming.
+IGNORED_KEYS = ("out_dir", "resume")
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def config_changes(saved: dict, current: dict) -> list[tuple[str, Any, Any]]:
+    """(key, saved value, current value) for every key that differs, ignored keys left out."""
+    old, new = _flatten(saved), _flatten(current)
+    keys = sorted(set(old) | set(new))
+    return [(k, old.get(k), new.get(k)) for k in keys if old.get(k) != new.get(k) and k not in IGNORED_KEYS]
