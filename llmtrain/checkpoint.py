@@ -36,6 +36,8 @@ from typing import Any, BinaryIO
 import numpy as np
 import torch
 
+from llmtrain.errors import ConfigError, UserError
+
 FORMAT_VERSION = 1
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -43,7 +45,7 @@ MANIFEST = "manifest.json"
 STATE_FILES = ("model.pt", "optimizer.pt", "rng.pt", "trainer_state.json")
 
 
-class CheckpointError(Exception):
+class CheckpointError(UserError):
     """A checkpoint that cannot be used: names the folder, the file and what is wrong."""
 
 
@@ -248,7 +250,7 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
 
 
 def verify(path: Path) -> dict:
-    """Check every file against the manifest; raises CheckpointError naming the bad file."""
+    """Check every file against the manifest (returned); raises CheckpointError naming the bad file."""
     manifest_path = path / MANIFEST
     try:
         manifest = json.loads(manifest_path.read_text())
@@ -274,21 +276,35 @@ def verify(path: Path) -> dict:
     return manifest
 
 
-def find_good_checkpoint(run_dir: Path, warn: Callable[[str], None]) -> Path | None:
-    """The newest checkpoint that verifies; every bad one passed over is reported through `warn`."""
+def _candidates(run_dir: Path) -> list[Path]:
+    """Checkpoints to try, best first: the one `latest` names (it finished last), then newest first."""
     root = checkpoint_root(run_dir)
     ordered = list_checkpoints(run_dir)
     pointer = root / LATEST
-    if pointer.is_file():  # the pointer first: it names the checkpoint that finished last
+    if pointer.is_file():
         named = root / pointer.read_text().strip()
-        ordered = [named] + [p for p in ordered if p != named] if named.is_dir() else ordered
-    for path in ordered:
+        if named.is_dir():
+            ordered = [named] + [p for p in ordered if p != named]
+    return ordered
+
+
+def _first_good(run_dir: Path, attempt: Callable[[Path], Any], warn: Callable[[str], None]) -> Any:
+    for path in _candidates(run_dir):
         try:
-            verify(path)
-            return path
+            return attempt(path)
         except CheckpointError as err:
-            warn(f"checkpoint unusable, falling back to an older one: {err}")
+            warn(f"checkpoint unusable ({err}); trying an older one")
     return None
+
+
+def find_good_checkpoint(run_dir: Path, warn: Callable[[str], None]) -> Path | None:
+    """The newest checkpoint that verifies; every bad one passed over is reported through `warn`."""
+    return _first_good(run_dir, lambda path: verify(path) and path, warn)
+
+
+def load_newest_good(run_dir: Path, warn: Callable[[str], None], device: torch.device | str = "cpu") -> Checkpoint | None:
+    """The newest checkpoint that verifies, loaded (each file is hashed once)."""
+    return _first_good(run_dir, lambda path: load_checkpoint(path, device), warn)
 
 
 def load_checkpoint(path: Path, device: torch.device | str = "cpu") -> Checkpoint:
@@ -303,10 +319,10 @@ def load_checkpoint(path: Path, device: torch.device | str = "cpu") -> Checkpoin
     return Checkpoint(path, model, opt["optimizer"], opt["scaler"], rng, trainer)
 
 
-def resolve_resume_target(resume: str, run_dir: Path, warn: Callable[[str], None]) -> Path | None:
-    """The checkpoint `resume=` asks for: auto (this run dir's newest good one), never, or a path."""
-    from llmtrain.errors import ConfigError
-
+def resume_checkpoint(
+    resume: str, run_dir: Path, warn: Callable[[str], None], device: torch.device | str = "cpu"
+) -> Checkpoint | None:
+    """The checkpoint `resume=` asks for, loaded: auto (this run dir's newest good one), never, or a path."""
     if resume == "never":
         if list_checkpoints(run_dir):
             raise ConfigError(
@@ -315,12 +331,12 @@ def resolve_resume_target(resume: str, run_dir: Path, warn: Callable[[str], None
             )
         return None
     if resume == "auto":
-        return find_good_checkpoint(run_dir, warn)
+        return load_newest_good(run_dir, warn, device)
     path = Path(resume).expanduser()
     if (path / MANIFEST).is_file():
-        return path
+        return load_checkpoint(path, device)
     if checkpoint_root(path).is_dir():
-        found = find_good_checkpoint(path, warn)
+        found = load_newest_good(path, warn, device)
         if found is None:
             raise ConfigError(f"resume='{resume}': no usable checkpoint in {checkpoint_root(path)}.")
         return found
@@ -334,7 +350,7 @@ def resolve_resume_target(resume: str, run_dir: Path, warn: Callable[[str], None
 SHAPE_KEYS = (
     "model.n_layer", "model.n_head", "model.n_embd", "model.block_size", "model.vocab_size", "model.bias",
     "model.tie_weights", "model.position", "model.norm", "model.mlp", "model.mlp_ratio", "model.norm_position",
-    "data.source", "data.path", "data.tokenizer", "optim.name",
+    "data.source", "data.path", "data.tokenizer", "optim.name", "optim.decay_embeddings",
 )
 # Keys that never matter for resuming.
 IGNORED_KEYS = ("out_dir", "resume")

@@ -26,7 +26,7 @@ COMMANDS: dict[str, str] = {
     "sample": "Generate text from a run directory's trained model (or an export).",
     "export": "Write a run's weights as safetensors + the model config as JSON.",
 }
-# Later commands (check, prepare, report, doctor, compare, export) register here.
+# Later commands (check, prepare, report, doctor, compare) register here.
 
 USAGE = """usage: llmtrain <command> [args]
 
@@ -77,7 +77,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         handlers[command](rest)
     except KeyboardInterrupt:
-        fail("aborted (a second Ctrl-C): the current step was not saved", EXIT_ABORTED)
+        fail("interrupted (Ctrl-C): stopped at once; checkpoints already written are intact", EXIT_ABORTED)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -253,7 +253,7 @@ def train_help() -> str:
     for group in GROUPS:
         options = sorted(p.stem for p in (root / group).glob("*.yaml"))
         shown = ", ".join(f"{o}*" if o == defaults.get(group) else o for o in options)
-        lines.append(f"  {group:<10} {shown}")
+        lines.append(f"  {group:<11} {shown}")
     lines += ["", "Keys (defaults of the schema; a group option sets its own values):"]
 
     def walk(schema: type, prefix: str, values: dict) -> None:

@@ -223,7 +223,7 @@ class Config:
     global_batch_size: int = _f(16, "Sequences per optimizer step; accumulation = global / (micro x world).")
     eval_interval: int = _f(100, "Evaluate every this many steps (and at the end); 0 disables.")
     eval_batches: int = _f(10, "Fixed validation batches per evaluation.")
-    log_interval: int = _f(10, "Log (and sync with the device) every this many steps.")
+    log_interval: int = _f(10, "Write metrics.jsonl and the console line every this many steps.")
     out_dir: str | None = _f(None, "Run directory; null uses Hydra's run dir.")
     device: str = _f("auto", "auto, cpu, cuda, cuda:N or mps.")
     threads: int | None = _f(None, "CPU threads per process; null = usable cores / local processes.")
@@ -510,6 +510,17 @@ def config_to_dict(cfg: Any) -> Any:
     if isinstance(cfg, Enum):
         return cfg.value
     return cfg
+
+
+def model_config_from_dict(data: dict) -> ModelConfig:
+    """Rebuild (and type-check) a `ModelConfig`, e.g. from an export's model_config.json."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), data))
+    except OmegaConfBaseException as err:
+        raise ConfigError(describe_omegaconf_error(err)) from None
 
 
 def config_from_dict(data: dict) -> Config:

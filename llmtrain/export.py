@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_model, save_model
 
-from llmtrain.checkpoint import MANIFEST, find_good_checkpoint
-from llmtrain.config import ModelConfig, config_to_dict
+from llmtrain.checkpoint import find_good_checkpoint
+from llmtrain.config import config_to_dict, model_config_from_dict
 from llmtrain.errors import UserError
 from llmtrain.model import GPT
 
@@ -23,13 +25,14 @@ WEIGHTS = "model.safetensors"
 MODEL_CONFIG = "model_config.json"
 
 
-def weights_file(run_dir: Path, warn: callable = print) -> Path:
-    """The final weights of a run, else those of its newest good checkpoint (an interrupted run)."""
-    if (run_dir / "model.pt").is_file():
-        return run_dir / "model.pt"
-    if (run_dir / MANIFEST).is_file():  # a checkpoint folder itself
-        return run_dir / "model.pt"
+def weights_file(run_dir: Path, warn: Callable[[str], None] | None = None) -> Path:
+    """The newest weights of a run: model.pt of a finished run, unless a checkpoint is newer (a run
+    extended and interrupted later), else its newest good checkpoint's (an interrupted run)."""
+    warn = warn or (lambda message: print(f"llmtrain: warning: {message}", file=sys.stderr))
+    final = run_dir / "model.pt"
     checkpoint = find_good_checkpoint(run_dir, warn)
+    if final.is_file() and (checkpoint is None or final.stat().st_mtime >= (checkpoint / "model.pt").stat().st_mtime):
+        return final
     if checkpoint is None:
         raise UserError(
             f"'{run_dir}' has no weights: neither model.pt (a finished run) nor a usable checkpoint "
@@ -50,10 +53,8 @@ def export_model(model: GPT, tokenizer_file: Path, context: int, out_dir: Path) 
 
 def load_exported(export_dir: Path, device: str = "cpu") -> tuple[GPT, int]:
     """(model in eval mode, training context) from an export folder."""
-    from omegaconf import OmegaConf
-
     meta = json.loads((export_dir / MODEL_CONFIG).read_text())
-    model_cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), meta["model"]))
+    model_cfg = model_config_from_dict(meta["model"])
     model = GPT(model_cfg, int(meta["vocab_size"]))
     load_model(model, str(export_dir / WEIGHTS), device=device)
     return model.to(device).eval(), int(meta["context"])

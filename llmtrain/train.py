@@ -45,8 +45,8 @@ from llmtrain.checkpoint import (
     find_good_checkpoint,
     load_checkpoint,
     remove_stale_temps,
-    resolve_resume_target,
     restore_rng,
+    resume_checkpoint,
     save_checkpoint,
 )
 from llmtrain.config import (
@@ -177,12 +177,9 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
         )
     config_dict = config_to_dict(cfg)
     remove_stale_temps(run_dir)  # one writer per run dir: leftovers are from a process that died
-    resume_from = resolve_resume_target(cfg.resume, run_dir, warn)
-    checkpoint = load_checkpoint(resume_from, device) if resume_from is not None else None
+    checkpoint = resume_checkpoint(cfg.resume, run_dir, warn, device)
     if checkpoint is not None:
-        check_resumable(checkpoint, config_dict)  # before anything in the run dir is rewritten
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(config_dict, sort_keys=False))
-    save_tokenizer(data.tokenizer(), run_dir / "tokenizer.json")
+        check_resumable(checkpoint, config_dict)
 
     model = GPT(cfg.model, vocab_size).to(device)
     model.train()
@@ -202,6 +199,10 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
     state = TrainState()
     if checkpoint is not None:
         state = restore(checkpoint, config_dict, model, optimizer, scaler, train_batches, sink)
+    resume_from = checkpoint.path if checkpoint is not None else None
+    # Only now, with any resume accepted, is the run dir's description rewritten.
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(config_dict, sort_keys=False))
+    save_tokenizer(data.tokenizer(), run_dir / "tokenizer.json")
 
     tokens_per_step = cfg.global_batch_size * seq_len
     sink.banner(
@@ -258,7 +259,7 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
                     loss, grad_norm = loss * math.nan, grad_norm * math.nan
                 # The step's one host sync: a NaN/Inf loss or gradient must never reach the weights.
                 # (Under fp16 an inf gradient is the loss scaler's business: it skips and rescales.)
-                finite = bool(torch.isfinite(loss)) and (scaler is not None or bool(torch.isfinite(grad_norm)))
+                finite = bool(torch.isfinite(loss) if scaler is not None else torch.isfinite(loss) & torch.isfinite(grad_norm))
                 if finite:
                     if scaler is not None:
                         scaler.step(optimizer)  # skips the step if the gradients overflowed
@@ -311,17 +312,16 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
                 if saving:
                     path = saver.save(state)
                     if stopping:
-                        raise Interrupted(
-                            f"stopped by {stop.signal_name} after step {state.step}; checkpoint saved to {path}",
-                            checkpoint=path, run_dir=run_dir,
-                        )
+                        saved = f"checkpoint saved to {path}" if path else "its checkpoint could NOT be saved (see above)"
+                        raise Interrupted(f"stopped by {stop.signal_name} after step {state.step}; {saved}",
+                                          checkpoint=path, run_dir=run_dir)
     finally:
         sink.stop()
         metrics.close()
 
     # ---- the end: the final weights on their own, for `sample` and `export` --------------------
     if cfg.checkpoint.final and saver.last_saved_step != state.step:
-        saver.save(state)  # a resumed run that had nothing left to do
+        saver.save(state)  # the in-loop final save failed, or a resumed run had no step left to take
     save_weights(model, run_dir / "model.pt")
     elapsed = time.perf_counter() - start
     trained = state.tokens - start_tokens
@@ -369,6 +369,7 @@ class CheckpointPolicy:
                 sampler_state=self.sampler.state_dict(), state=state, config=self.config_dict,
             )
         except CheckpointSaveError as err:
+            self.last_saved_time = time.monotonic()  # retry at the next due time, not at every step
             self.metrics.write({"kind": "checkpoint_error", "step": state.step, "error": str(err)})
             if self.policy.on_save_error is SaveErrorPolicy.stop:
                 raise RunStopped(f"{err}; stopping (checkpoint.on_save_error=stop)", run_dir=self.run_dir) from err
@@ -408,9 +409,10 @@ def handle_nonfinite(
          f"the update was not applied; action: {action.value}{f' ({why})' if why else ''}")
     if action is NonFinitePolicy.stop:
         path = saver.save(state)  # the weights are still the last good ones
+        saved = f"checkpoint: {path}" if path else "its checkpoint could NOT be saved (see above)"
         raise NonFiniteStop(
             f"non-finite loss or gradient at step {state.step}{f': {why}' if why else ''}. Nothing non-finite reached "
-            f"the weights; checkpoint: {path}. Likely causes: LR too high (optim.lr={cfg.optim.lr:g}), missing warmup, "
+            f"the weights; {saved}. Likely causes: LR too high (optim.lr={cfg.optim.lr:g}), missing warmup, "
             "no gradient clipping, fp16 without loss scaling, or bad data. Check the grad_norm history in metrics.jsonl.",
             checkpoint=path, run_dir=saver.run_dir,
         )

@@ -116,7 +116,7 @@ def test_resume_uses_the_older_checkpoint_when_the_latest_is_corrupt(tmp_path: P
     output = io.StringIO()
     result = train(tiny_config(tmp_path / "run", **overrides), console=ConsoleSink(6, Console(file=output, width=300)))
     text = output.getvalue()
-    assert "optimizer.pt" in text and "falling back" in text
+    assert "optimizer.pt" in text and "trying an older one" in text
     assert "resumed from" in text and "step_00000004" in text
     assert sorted(result.train_losses) == [5, 6]
     assert_bitwise_equal(params(tmp_path / "run"), train_reference(tmp_path, overrides))
@@ -269,3 +269,28 @@ def test_sample_and_export_work_on_an_interrupted_run(tmp_path: Path, monkeypatc
     exported = load_run(out).model.state_dict()
     saved = load_checkpoint(tmp_path / "run" / "checkpoints" / "step_00000003").model
     assert_bitwise_equal(exported, saved)
+
+
+def test_a_damaged_checkpoint_named_by_path_is_a_user_error(tmp_path: Path) -> None:
+    from llmtrain.errors import UserError
+
+    train(tiny_config(tmp_path / "run", max_steps=3))
+    target = tmp_path / "run" / "checkpoints" / "step_00000003"
+    (target / "rng.pt").write_bytes(b"not a tensor")
+    with pytest.raises(UserError, match=r"rng\.pt"):
+        train(tiny_config(tmp_path / "other", max_steps=4, resume=str(target)))
+
+
+def test_time_based_checkpoints(tmp_path: Path) -> None:
+    result = train(tiny_config(tmp_path / "run", max_steps=4, **{
+        "checkpoint.every_steps": None, "checkpoint.every_minutes": 1e-9, "checkpoint.keep_last": 10}))
+    assert result.steps == 4
+    assert [p.name for p in list_checkpoints(tmp_path / "run")] == [f"step_{s:08d}" for s in (4, 3, 2, 1)]
+
+
+def test_an_optimizer_grouping_change_is_refused_before_the_run_dir_changes(tmp_path: Path) -> None:
+    train(tiny_config(tmp_path / "run", max_steps=3))
+    before = (tmp_path / "run" / "config.yaml").read_text()
+    with pytest.raises(ConfigError, match="optim.decay_embeddings"):
+        train(tiny_config(tmp_path / "run", max_steps=4, **{"optim.decay_embeddings": False}))
+    assert (tmp_path / "run" / "config.yaml").read_text() == before
