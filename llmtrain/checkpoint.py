@@ -36,7 +36,8 @@ from typing import Any, BinaryIO
 import numpy as np
 import torch
 
-from llmtrain.errors import ConfigError, UserError
+from llmtrain.config import CheckpointConfig, SaveErrorPolicy
+from llmtrain.errors import ConfigError, RunStopped, UserError
 
 FORMAT_VERSION = 1
 CHECKPOINTS = "checkpoints"
@@ -233,6 +234,51 @@ def apply_retention(run_dir: Path, keep_last: int, keep_step: int | None = None)
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed
+
+
+class CheckpointPolicy:
+    """When to save (every N steps / M minutes), what to keep, and what a failed save does."""
+
+    def __init__(
+        self, policy: CheckpointConfig, run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+        scaler: torch.amp.GradScaler | None, sampler: Any, config_dict: dict,
+        metrics: Any, warn: Callable[[str], None],
+    ) -> None:
+        # sampler: anything with state_dict(); metrics: anything with write(record) (a JsonlSink)
+        self.policy, self.run_dir = policy, run_dir
+        self.model, self.optimizer, self.scaler, self.sampler = model, optimizer, scaler, sampler
+        self.config_dict, self.metrics, self.warn = config_dict, metrics, warn
+        self.last_saved_step: int | None = None
+        self.last_saved_time = time.monotonic()
+        self.last_val: tuple[int, float] | None = None  # (step, val loss) of the latest evaluation
+
+    def due(self, step: int) -> bool:
+        by_steps = self.policy.every_steps is not None and step % self.policy.every_steps == 0
+        by_time = self.policy.every_minutes is not None and time.monotonic() - self.last_saved_time >= 60 * self.policy.every_minutes
+        return by_steps or by_time
+
+    def save(self, state: TrainState) -> Path | None:
+        if self.last_val is not None and self.last_val[0] == state.step and self.policy.keep_best:
+            if state.best_val_loss is None or self.last_val[1] < state.best_val_loss:
+                state.best_val_loss, state.best_step = self.last_val[1], state.step
+        began = time.perf_counter()
+        try:
+            path = save_checkpoint(
+                self.run_dir, model=self.model, optimizer=self.optimizer, scaler=self.scaler,
+                sampler_state=self.sampler.state_dict(), state=state, config=self.config_dict,
+            )
+        except CheckpointSaveError as err:
+            self.last_saved_time = time.monotonic()  # retry at the next due time, not at every step
+            self.metrics.write({"kind": "checkpoint_error", "step": state.step, "error": str(err)})
+            if self.policy.on_save_error is SaveErrorPolicy.stop:
+                raise RunStopped(f"{err}; stopping (checkpoint.on_save_error=stop)", run_dir=self.run_dir) from err
+            self.warn(f"{err}; training goes on, the previous checkpoints are intact (checkpoint.on_save_error=warn)")
+            return None
+        self.last_saved_step, self.last_saved_time = state.step, time.monotonic()
+        removed = apply_retention(self.run_dir, self.policy.keep_last, state.best_step if self.policy.keep_best else None)
+        self.metrics.write({"kind": "checkpoint", "step": state.step, "path": str(path),
+                            "seconds": time.perf_counter() - began, "removed": [p.name for p in removed]})
+        return path
 
 
 # ---------------------------------------------------------------------------------------------

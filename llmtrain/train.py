@@ -38,22 +38,19 @@ import yaml
 from llmtrain.checkpoint import (
     SHAPE_KEYS,
     Checkpoint,
-    CheckpointSaveError,
+    CheckpointPolicy,
     TrainState,
-    apply_retention,
     config_changes,
     find_good_checkpoint,
     load_checkpoint,
     remove_stale_temps,
     restore_rng,
     resume_checkpoint,
-    save_checkpoint,
 )
 from llmtrain.config import (
     Config,
     ConfigError,
     NonFinitePolicy,
-    SaveErrorPolicy,
     accumulation_steps,
     config_to_dict,
     resolved_warmup_steps,
@@ -64,7 +61,7 @@ from llmtrain.config import (
 )
 from llmtrain.data import RandomWindowSampler, prepare_data
 from llmtrain.data.tokenizers import save_tokenizer
-from llmtrain.errors import Interrupted, NonFiniteStop, RunStopped
+from llmtrain.errors import Interrupted, NonFiniteStop
 from llmtrain.interrupts import StopRequest
 from llmtrain.model import GPT, flops_per_token, param_count
 from llmtrain.optim import build_optimizer, clip_gradients
@@ -235,7 +232,7 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
     flops_token = flops_per_token(model, seq_len)
     # Test-only hook: poison the loss at these steps, each listed occurrence once ("6,6": twice).
     nan_steps = [int(s) for s in os.environ.get("LLMTRAIN_TEST_NAN_AT_STEPS", "").split(",") if s]
-    saver = CheckpointPolicy(cfg, run_dir, model, optimizer, scaler, train_batches, config_dict, metrics, warn)
+    saver = CheckpointPolicy(cfg.checkpoint, run_dir, model, optimizer, scaler, train_batches, config_dict, metrics, warn)
     saver.last_saved_step = state.step if resume_from else None
     sink.start()
     sink.advance(state.step)
@@ -336,50 +333,6 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
         summary += f"; {state.skipped_steps} non-finite step(s) skipped, {state.rollbacks} rollback(s)"
     sink.print(f"{summary}. Weights: {run_dir / 'model.pt'}")
     return result
-
-
-class CheckpointPolicy:
-    """When to save (every N steps / M minutes), what to keep, and what a failed save does."""
-
-    def __init__(
-        self, cfg: Config, run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-        scaler: torch.amp.GradScaler | None, sampler: RandomWindowSampler, config_dict: dict,
-        metrics: JsonlSink, warn: Callable[[str], None],
-    ) -> None:
-        self.cfg, self.policy, self.run_dir = cfg, cfg.checkpoint, run_dir
-        self.model, self.optimizer, self.scaler, self.sampler = model, optimizer, scaler, sampler
-        self.config_dict, self.metrics, self.warn = config_dict, metrics, warn
-        self.last_saved_step: int | None = None
-        self.last_saved_time = time.monotonic()
-        self.last_val: tuple[int, float] | None = None  # (step, val loss) of the latest evaluation
-
-    def due(self, step: int) -> bool:
-        by_steps = self.policy.every_steps is not None and step % self.policy.every_steps == 0
-        by_time = self.policy.every_minutes is not None and time.monotonic() - self.last_saved_time >= 60 * self.policy.every_minutes
-        return by_steps or by_time
-
-    def save(self, state: TrainState) -> Path | None:
-        if self.last_val is not None and self.last_val[0] == state.step and self.policy.keep_best:
-            if state.best_val_loss is None or self.last_val[1] < state.best_val_loss:
-                state.best_val_loss, state.best_step = self.last_val[1], state.step
-        began = time.perf_counter()
-        try:
-            path = save_checkpoint(
-                self.run_dir, model=self.model, optimizer=self.optimizer, scaler=self.scaler,
-                sampler_state=self.sampler.state_dict(), state=state, config=self.config_dict,
-            )
-        except CheckpointSaveError as err:
-            self.last_saved_time = time.monotonic()  # retry at the next due time, not at every step
-            self.metrics.write({"kind": "checkpoint_error", "step": state.step, "error": str(err)})
-            if self.policy.on_save_error is SaveErrorPolicy.stop:
-                raise RunStopped(f"{err}; stopping (checkpoint.on_save_error=stop)", run_dir=self.run_dir) from err
-            self.warn(f"{err}; training goes on, the previous checkpoints are intact (checkpoint.on_save_error=warn)")
-            return None
-        self.last_saved_step, self.last_saved_time = state.step, time.monotonic()
-        removed = apply_retention(self.run_dir, self.policy.keep_last, state.best_step if self.policy.keep_best else None)
-        self.metrics.write({"kind": "checkpoint", "step": state.step, "path": str(path),
-                            "seconds": time.perf_counter() - began, "removed": [p.name for p in removed]})
-        return path
 
 
 def handle_nonfinite(
