@@ -164,6 +164,7 @@ def save_checkpoint(
     sampler_state: dict,
     state: TrainState,
     config: dict,
+    extra: dict | None = None,
 ) -> Path:
     """Write a checkpoint of the current step atomically; raises CheckpointSaveError on failure."""
     root = checkpoint_root(run_dir)
@@ -183,6 +184,7 @@ def save_checkpoint(
             "config": config,
             "versions": {"torch": torch.__version__, "numpy": np.__version__, "python": platform.python_version()},
             "saved_at": time.time(),
+            **(extra or {}),
         }
         files = {
             "model.pt": _write_file(tmp / "model.pt", lambda f: torch.save(model.state_dict(), f)),
@@ -242,12 +244,13 @@ class CheckpointPolicy:
     def __init__(
         self, policy: CheckpointConfig, run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         scaler: torch.amp.GradScaler | None, sampler: Any, config_dict: dict,
-        metrics: Any, warn: Callable[[str], None],
+        metrics: Any, warn: Callable[[str], None], extra_state: Callable[[], dict] = dict,
     ) -> None:
         # sampler: anything with state_dict(); metrics: anything with write(record) (a JsonlSink)
         self.policy, self.run_dir = policy, run_dir
         self.model, self.optimizer, self.scaler, self.sampler = model, optimizer, scaler, sampler
         self.config_dict, self.metrics, self.warn = config_dict, metrics, warn
+        self.extra_state = extra_state  # more JSON state to keep (the health monitor's)
         self.last_saved_step: int | None = None
         self.last_saved_time = time.monotonic()
         self.last_val: tuple[int, float] | None = None  # (step, val loss) of the latest evaluation
@@ -266,6 +269,7 @@ class CheckpointPolicy:
             path = save_checkpoint(
                 self.run_dir, model=self.model, optimizer=self.optimizer, scaler=self.scaler,
                 sampler_state=self.sampler.state_dict(), state=state, config=self.config_dict,
+                extra=self.extra_state(),
             )
         except CheckpointSaveError as err:
             self.last_saved_time = time.monotonic()  # retry at the next due time, not at every step

@@ -111,6 +111,21 @@ class SaveErrorPolicy(str, Enum):
     stop = "stop"
 
 
+class MonitorAction(str, Enum):
+    warn = "warn"
+    reduce_lr = "reduce_lr"
+    skip_step = "skip_step"
+    rollback = "rollback"
+    stop = "stop"
+
+
+ALARM_NAMES = (
+    "grad_norm_high", "grad_norm_low", "grad_norm_low_early_layers", "param_norm_jump", "param_norm_decrease",
+    "lr_zero", "lr_exploding", "activation_mean_drift", "activation_variance_growing",
+    "activation_variance_shrinking", "memory_leak", "loss_spike", "fp16_no_scaler",
+)
+
+
 class ParallelMode(str, Enum):
     single = "single"
 
@@ -181,6 +196,7 @@ class DataConfig:
 @dataclass
 class PrecisionConfig:
     name: Precision = _f(Precision.fp32, "fp32, bf16 (autocast) or fp16 (autocast + dynamic loss scaling).")
+    loss_scaling: bool = _f(True, "fp16 only: dynamic loss scaling (GradScaler); off lets small gradients underflow.")
     init_scale: float = _f(2.0**16, "fp16 only: initial loss scale.")
     growth_interval: int = _f(2000, "fp16 only: steps without overflow before the scale doubles.")
 
@@ -207,6 +223,34 @@ class CheckpointConfig:
 
 
 @dataclass
+class MonitorConfig:
+    enabled: bool = _f(True, "Watch the run's health (the seed's 8.2 table) and raise alarms.")
+    interval: int = _f(10, "Check every this many optimizer steps (one host sync per check).")
+    activation_interval: int = _f(100, "Sample block-output activations every this many steps (hooks only then).")
+    warmup_checks: int = _f(5, "Checks before the memory-leak trend is watched (allocator warm-up).")
+    patience: int = _f(3, "Consecutive checks outside a band before an alarm (grad norm, LR).")
+    grad_norm_high: float = _f(100.0, "Alarm when the gradient norm stays above this.")
+    grad_norm_low: float = _f(1e-3, "Alarm when the gradient norm stays below this.")
+    early_layer_ratio: float = _f(1e-3, "Alarm when the first block's grad norm / the largest block's stays below this.")
+    param_jump: float = _f(0.5, "Alarm when the parameter norm changes by more than this fraction between checks.")
+    param_decrease: float = _f(0.05, "Alarm when the parameter norm falls by more than this fraction over a trend window.")
+    trend_window: int = _f(20, "Checks in a trend window (parameter norm, memory).")
+    lr_explode_factor: float = _f(10.0, "Alarm when the applied LR exceeds the schedule's by this factor.")
+    activation_mean_max: float = _f(1.0, "Alarm when a block's output mean stays beyond +-this.")
+    activation_var_factor: float = _f(10.0, "Alarm when a block's output variance grows or shrinks by this factor.")
+    activation_window: int = _f(5, "Activation samples in the variance trend window.")
+    activation_patience: int = _f(2, "Consecutive activation samples with a drifting mean before an alarm.")
+    memory_leak_mb: float = _f(256.0, "Alarm when memory rises by more than this (MB) over a trend window.")
+    spike_z: float = _f(6.0, "Alarm when the loss's robust z-score over the spike window exceeds this.")
+    spike_window: int = _f(50, "Checks in the loss-spike window.")
+    reduce_lr_factor: float = _f(0.5, "reduce_lr: multiply the LR by this.")
+    cooldown_checks: int = _f(10, "reduce_lr: checks before another reduction.")
+    actions: dict[str, MonitorAction] = _f(
+        {"grad_norm_high": MonitorAction.reduce_lr}, "Action per alarm (warn, reduce_lr, skip_step, rollback, stop); unlisted: warn."
+    )
+
+
+@dataclass
 class Config:
     model: ModelConfig = _f(ModelConfig(), "Model shape and initialization.")
     optim: OptimConfig = _f(OptimConfig(), "Optimizer and gradient clipping.")
@@ -215,6 +259,7 @@ class Config:
     precision: PrecisionConfig = _f(PrecisionConfig(), "Numeric precision.")
     parallel: ParallelConfig = _f(ParallelConfig(), "Process layout.")
     checkpoint: CheckpointConfig = _f(CheckpointConfig(), "Checkpoint policy, retention and non-finite handling.")
+    monitor: MonitorConfig = _f(MonitorConfig(), "Health monitor: bands, windows and actions.")
     resume: str = _f("auto", "auto (newest good checkpoint of the run dir), never, or a checkpoint/run dir path.")
     seed: int = _f(1337, "Global seed: model init, dropout and (by default) data order.")
     max_steps: int | None = _f(1000, "Optimizer steps to run (ignored when max_tokens is set).")
@@ -466,6 +511,17 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     _require(c.max_consecutive_skips >= 1, f"'checkpoint.max_consecutive_skips' is {c.max_consecutive_skips}; it must be >= 1.")
     _require(0 < c.rollback_lr_factor <= 1, f"'checkpoint.rollback_lr_factor' is {c.rollback_lr_factor}; valid range is (0, 1].")
     _require(c.max_rollbacks >= 0, f"'checkpoint.max_rollbacks' is {c.max_rollbacks}; it must be >= 0.")
+    mon = cfg.monitor
+    for key in ("interval", "activation_interval", "patience", "trend_window", "activation_window",
+                "activation_patience", "spike_window", "cooldown_checks"):
+        _require(getattr(mon, key) >= 1, f"'monitor.{key}' is {getattr(mon, key)}; it must be >= 1.")
+    _require(mon.trend_window >= 3, f"'monitor.trend_window' is {mon.trend_window}; a trend needs >= 3 checks.")
+    _require(0 < mon.reduce_lr_factor < 1, f"'monitor.reduce_lr_factor' is {mon.reduce_lr_factor}; valid range is (0, 1).")
+    for name in mon.actions:
+        _require(
+            name in ALARM_NAMES,
+            f"'monitor.actions' names an unknown alarm '{name}'; valid alarms: {', '.join(ALARM_NAMES)}.",
+        )
     _require(cfg.resume.strip() != "", "'resume' is empty; use auto, never, or the path of a checkpoint or run dir.")
     _require(cfg.threads is None or cfg.threads >= 1, f"'threads' is {cfg.threads}; use a positive count or null.")
 
@@ -509,6 +565,8 @@ def config_to_dict(cfg: Any) -> Any:
         return {f.name: config_to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
     if isinstance(cfg, Enum):
         return cfg.value
+    if isinstance(cfg, dict):
+        return {k: config_to_dict(v) for k, v in cfg.items()}
     return cfg
 
 

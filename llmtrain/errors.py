@@ -13,6 +13,7 @@ class ConfigError(UserError, ValueError):
 EXIT_OK = 0
 EXIT_USER_ERROR = 2
 EXIT_NONFINITE_STOP = 3
+EXIT_HEALTH_STOP = 4
 EXIT_INTERRUPTED = 75  # EX_TEMPFAIL: stopped on request after saving; the same command resumes
 EXIT_ABORTED = 130  # a second Ctrl-C: stopped at once, nothing saved
 
@@ -38,3 +39,9 @@ class NonFiniteStop(RunStopped):
     """A NaN/Inf the on_nonfinite policy could not (or was told not to) recover from."""
 
     exit_code = EXIT_NONFINITE_STOP
+
+
+class HealthStop(RunStopped):
+    """A health alarm whose configured action is `stop` (monitor.actions)."""
+
+    exit_code = EXIT_HEALTH_STOP

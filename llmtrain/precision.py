@@ -23,6 +23,6 @@ def autocast_factory(cfg: PrecisionConfig, device_type: str) -> Callable[[], Con
 
 def build_grad_scaler(cfg: PrecisionConfig, device_type: str) -> torch.amp.GradScaler | None:
     """fp16 gradients underflow without loss scaling; bf16 and fp32 need none."""
-    if cfg.name is not Precision.fp16:
+    if cfg.name is not Precision.fp16 or not cfg.loss_scaling:
         return None
     return torch.amp.GradScaler(device_type, init_scale=cfg.init_scale, growth_interval=cfg.growth_interval)

@@ -9,7 +9,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
+from rich.console import Console, Group
+from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
@@ -46,6 +47,8 @@ class ConsoleSink:
         self.total_steps = total_steps
         self.progress: Progress | None = None
         self.task = None
+        self.live: Live | None = None
+        self.health_rows: list[tuple[str, str, str]] = []
         self.last_line = time.monotonic()
 
     def banner(self, title: str, rows: list[tuple[str, str]]) -> None:
@@ -70,7 +73,20 @@ class ConsoleSink:
             console=self.console,
         )
         self.task = self.progress.add_task("train", total=self.total_steps, status="")
-        self.progress.start()
+        self.live = Live(self._dashboard(), console=self.console, refresh_per_second=4)
+        self.live.start()
+
+    def _dashboard(self) -> Group:
+        assert self.progress is not None
+        if not self.health_rows:
+            return Group(self.progress)
+        table = Table(title="health (8.2)", title_justify="left", box=None, padding=(0, 2))
+        for col in ("metric", "value", "state"):
+            table.add_column(col)
+        for metric, value, state in self.health_rows:
+            color = {"ok": "green", "watch": "yellow", "alarm": "red"}[state]
+            table.add_row(metric, value, f"[{color}]{state}[/]")
+        return Group(self.progress, table)
 
     def advance(self, step: int) -> None:
         if self.progress is not None:
@@ -86,6 +102,18 @@ class ConsoleSink:
         else:
             self.console.print(f"step {record['step']:>6}/{self.total_steps}  {status}", highlight=False)
 
+    def alarm(self, alarm: Any) -> None:
+        """An alarm, printed once with its explanation (the monitor re-raises only after it cleared)."""
+        color = "red" if alarm.severity == "critical" else "yellow"
+        self.print(f"[bold {color}]alarm[/] {alarm.explain()}", markup=True, highlight=False)
+
+    def health(self, record: dict[str, Any], active: list[str]) -> None:
+        """The latest health check: the dashboard's panel on a terminal; nothing extra elsewhere
+        (the alarms themselves are printed once, and every value is in metrics.jsonl)."""
+        self.health_rows = health_rows(record, active)
+        if self.live is not None:
+            self.live.update(self._dashboard())
+
     def log_eval(self, record: dict[str, Any]) -> None:
         self.print(
             f"[bold green]eval[/] step {record['step']}: val loss {record['val_loss']:.4f}  "
@@ -93,10 +121,49 @@ class ConsoleSink:
         )
 
     def print(self, *args: Any, **kwargs: Any) -> None:
-        target = self.progress.console if self.progress is not None else self.console
-        target.print(*args, **kwargs)
+        self.console.print(*args, **kwargs)  # above the live display when there is one
 
     def stop(self) -> None:
-        if self.progress is not None:
-            self.progress.stop()
-            self.progress = None
+        if self.live is not None:
+            self.live.update(self._dashboard())
+            self.live.stop()
+            self.live = None
+        self.progress = None
+
+
+ALARMS_BY_METRIC = {
+    "gradient norm": ("grad_norm_high", "grad_norm_low", "grad_norm_low_early_layers"),
+    "parameter norm": ("param_norm_jump", "param_norm_decrease"),
+    "learning rate": ("lr_zero", "lr_exploding"),
+    "activation mean": ("activation_mean_drift",),
+    "activation variance": ("activation_variance_growing", "activation_variance_shrinking"),
+    "memory": ("memory_leak",),
+    "loss": ("loss_spike",),
+}
+
+
+def health_rows(record: dict[str, Any], active: list[str]) -> list[tuple[str, str, str]]:
+    """(metric, value, ok|watch|alarm) per 8.2 row of the latest check."""
+    grad = record["grad_norm"]
+    values = {
+        "gradient norm": f"{grad:.3g}",
+        "parameter norm": f"{record['param_norm']:.4g}",
+        "learning rate": f"{record['lr_applied']:.3g} (schedule {record['lr_schedule']:.3g})",
+        "activation mean": _spread(record.get("activation_mean")),
+        "activation variance": _spread(record.get("activation_var")),
+        "memory": f"{record['rss_mb']:,.0f} MB RSS",
+        "loss": f"{record['loss']:.4f}",
+    }
+    rows = []
+    for metric, alarms in ALARMS_BY_METRIC.items():
+        state = "alarm" if any(a in active for a in alarms) else "ok"
+        if state == "ok" and metric == "gradient norm" and not 0.1 <= grad <= 10:
+            state = "watch"  # outside the healthy 0.1-10 band, not (yet) persistently
+        rows.append((metric, values[metric], state))
+    return rows
+
+
+def _spread(values: list[float] | None) -> str:
+    if not values:
+        return "-"
+    return f"{min(values):.3g} .. {max(values):.3g} over {len(values)} blocks"

@@ -21,6 +21,7 @@ window with fewer micro-batches still step with the right scale.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import random
@@ -50,7 +51,9 @@ from llmtrain.checkpoint import (
 from llmtrain.config import (
     Config,
     ConfigError,
+    MonitorAction,
     NonFinitePolicy,
+    Precision,
     accumulation_steps,
     config_to_dict,
     resolved_warmup_steps,
@@ -61,9 +64,11 @@ from llmtrain.config import (
 )
 from llmtrain.data import RandomWindowSampler, prepare_data
 from llmtrain.data.tokenizers import save_tokenizer
-from llmtrain.errors import Interrupted, NonFiniteStop
+from llmtrain.errors import HealthStop, Interrupted, NonFiniteStop
+from llmtrain.health import HealthWatch
 from llmtrain.interrupts import StopRequest
 from llmtrain.model import GPT, flops_per_token, param_count
+from llmtrain.monitor import Alarm
 from llmtrain.optim import build_optimizer, clip_gradients
 from llmtrain.parallel import default_threads, resolve_device
 from llmtrain.precision import autocast_factory, build_grad_scaler
@@ -232,7 +237,12 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
     flops_token = flops_per_token(model, seq_len)
     # Test-only hook: poison the loss at these steps, each listed occurrence once ("6,6": twice).
     nan_steps = [int(s) for s in os.environ.get("LLMTRAIN_TEST_NAN_AT_STEPS", "").split(",") if s]
-    saver = CheckpointPolicy(cfg.checkpoint, run_dir, model, optimizer, scaler, train_batches, config_dict, metrics, warn)
+    fp16_unscaled = cfg.precision.name is Precision.fp16 and scaler is None
+    watch = HealthWatch(cfg.monitor, model, run_dir, sink, metrics, steps_total, fp16_unscaled) if cfg.monitor.enabled else None
+    if watch is not None and checkpoint is not None and checkpoint.trainer.get("monitor"):
+        watch.monitor.load_state_dict(checkpoint.trainer["monitor"])
+    saver = CheckpointPolicy(cfg.checkpoint, run_dir, model, optimizer, scaler, train_batches, config_dict, metrics, warn,
+                             extra_state=lambda: {"monitor": watch.monitor.state_dict()} if watch else {})
     saver.last_saved_step = state.step if resume_from else None
     sink.start()
     sink.advance(state.step)
@@ -242,12 +252,19 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
         with StopRequest() as stop:
             while state.step < steps_total:
                 step = state.step
+                fetch_start = time.perf_counter()
                 window = [train_batches.next_batch() for _ in range(min(accum, micro_total - step * accum))]
-                lr = lr_at(step, cfg.optim.lr, steps_total, cfg.schedule) * state.lr_scale
+                lr_schedule = lr_at(step, cfg.optim.lr, steps_total, cfg.schedule)
+                lr = lr_schedule * state.lr_scale
                 for group in optimizer.param_groups:
                     group["lr"] = lr
+                if watch is not None:
+                    watch.data_seconds += time.perf_counter() - fetch_start
+                    watch.before_forward(step + 1)
 
                 loss = accumulate_gradients(model, window, device, autocast, scaler)
+                if watch is not None:
+                    watch.after_forward()
                 if scaler is not None:
                     scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
                 grad_norm = clip_gradients(params, cfg.optim)
@@ -257,6 +274,17 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
                 # The step's one host sync: a NaN/Inf loss or gradient must never reach the weights.
                 # (Under fp16 an inf gradient is the loss scaler's business: it skips and rescales.)
                 finite = bool(torch.isfinite(loss) if scaler is not None else torch.isfinite(loss) & torch.isfinite(grad_norm))
+                skip_update = False
+                if finite and watch is not None and watch.is_check(step + 1):
+                    alarms = watch.check(step + 1, loss, grad_norm, optimizer.param_groups[0]["lr"], lr_schedule,
+                                         (state.tokens - last_log_tokens) / max(time.perf_counter() - last_log_time, 1e-9),
+                                         scaler.get_scale() if scaler is not None else None)
+                    for alarm in alarms:
+                        skip_update |= act_on_alarm(alarm, cfg, state, watch, saver, warn, model, optimizer, scaler)
+                    if state.step != step:  # an alarm rolled the run back to a checkpoint
+                        sink.advance(state.step)
+                        continue
+                finite = finite and not skip_update
                 if finite:
                     if scaler is not None:
                         scaler.step(optimizer)  # skips the step if the gradients overflowed
@@ -264,10 +292,12 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
                     else:
                         optimizer.step()
                     state.consecutive_skips = 0
+                if watch is not None:
+                    watch.after_step(applied=finite)
                 optimizer.zero_grad(set_to_none=True)
                 state.step += 1
                 state.tokens += sum(y.numel() for _, y in window)
-                if not finite:
+                if not finite and not skip_update:
                     state = handle_nonfinite(cfg, state, loss, grad_norm, saver, metrics, warn, model, optimizer, scaler)
                     if state.step == step:  # rolled back: the loop goes on from the checkpoint's step
                         sink.advance(state.step)
@@ -314,6 +344,8 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
                                           checkpoint=path, run_dir=run_dir)
     finally:
         sink.stop()
+        if watch is not None:
+            watch.close()
         metrics.close()
 
     # ---- the end: the final weights on their own, for `sample` and `export` --------------------
@@ -370,22 +402,61 @@ def handle_nonfinite(
             checkpoint=path, run_dir=saver.run_dir,
         )
     if action is NonFinitePolicy.rollback:
-        checkpoint = load_checkpoint(target, next(model.parameters()).device)
-        model.load_state_dict(checkpoint.model)
-        optimizer.load_state_dict(checkpoint.optimizer)
-        if scaler is not None and checkpoint.scaler is not None:
-            scaler.load_state_dict(checkpoint.scaler)
-        restore_rng(checkpoint.rng, checkpoint.trainer["rng"])
-        # The sampler is NOT rewound: the windows since the checkpoint (the bad one included) are skipped.
-        restored = checkpoint.state
-        restored.rollbacks = state.rollbacks + 1
-        restored.lr_scale = state.lr_scale * policy.rollback_lr_factor
-        restored.skipped_steps = state.skipped_steps
-        restored.consecutive_skips = 0
-        metrics.write({"kind": "rollback", "step": state.step, "to_step": restored.step, "path": str(target),
-                       "lr_scale": restored.lr_scale, "rollbacks": restored.rollbacks})
-        return restored
+        return roll_back(target, state, policy.rollback_lr_factor, model, optimizer, scaler, metrics)
     return state
+
+
+def roll_back(
+    target: Path, state: TrainState, lr_factor: float, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler | None, metrics: JsonlSink,
+) -> TrainState:
+    """Reload weights, optimizer, scaler and RNG from a checkpoint; the data sampler is NOT rewound,
+    so the windows since the checkpoint (the bad one included) are skipped."""
+    checkpoint = load_checkpoint(target, next(model.parameters()).device)
+    model.load_state_dict(checkpoint.model)
+    optimizer.load_state_dict(checkpoint.optimizer)
+    if scaler is not None and checkpoint.scaler is not None:
+        scaler.load_state_dict(checkpoint.scaler)
+    restore_rng(checkpoint.rng, checkpoint.trainer["rng"])
+    restored = checkpoint.state
+    restored.rollbacks = state.rollbacks + 1
+    restored.lr_scale = state.lr_scale * lr_factor
+    restored.skipped_steps = state.skipped_steps
+    restored.consecutive_skips = 0
+    metrics.write({"kind": "rollback", "step": state.step, "to_step": restored.step, "path": str(target),
+                   "lr_scale": restored.lr_scale, "rollbacks": restored.rollbacks})
+    return restored
+
+
+def act_on_alarm(
+    alarm: Alarm, cfg: Config, state: TrainState, watch: HealthWatch, saver: CheckpointPolicy,
+    warn: Callable[[str], None], model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler | None,
+) -> bool:
+    """Carry out an alarm's configured action; returns True when this step's update must be skipped.
+    A rollback replaces `state`'s fields in place (the loop sees the checkpoint's step)."""
+    action = MonitorAction(alarm.action)
+    if action is MonitorAction.reduce_lr:
+        state.lr_scale *= cfg.monitor.reduce_lr_factor
+        watch.action_taken(alarm, f"LR scale now {state.lr_scale:g} (x{cfg.monitor.reduce_lr_factor:g})")
+    elif action is MonitorAction.skip_step:
+        state.skipped_steps += 1
+        watch.action_taken(alarm, "this step's update was not applied")
+        return True
+    elif action is MonitorAction.rollback:
+        target = find_good_checkpoint(saver.run_dir, warn)
+        if target is None:
+            action = MonitorAction.stop
+            alarm.action = "stop"
+        else:
+            restored = roll_back(target, state, 1.0, model, optimizer, scaler, watch.metrics)
+            state.__dict__.update(dataclasses.asdict(restored))
+            watch.action_taken(alarm, f"rolled back to step {restored.step} ({target})")
+    if action is MonitorAction.stop:
+        path = saver.save(state)
+        watch.action_taken(alarm, f"stopped; checkpoint {path}")
+        raise HealthStop(f"health alarm: {alarm.explain()}\nCheckpoint: {path}", checkpoint=path, run_dir=saver.run_dir)
+    return False
 
 
 def check_resumable(checkpoint: Checkpoint, config_dict: dict) -> None:

@@ -27,6 +27,7 @@ from llmtrain.config import (
     DataConfig,
     DataSource,
     ModelConfig,
+    MonitorAction,
     NonFinitePolicy,
     NormPosition,
     OptimizerName,
@@ -165,6 +166,12 @@ def test_option_composes_converts_and_builds(group: str, option: str, tmp_path: 
             assert policy.on_nonfinite is NonFinitePolicy.stop
         else:
             assert policy.every_steps and policy.on_nonfinite is NonFinitePolicy.skip
+    elif group == "monitor":
+        from llmtrain.monitor import HealthMonitor
+
+        assert cfg.monitor.enabled == (option != "off")
+        monitor = HealthMonitor(cfg.monitor, n_blocks=2)
+        assert monitor.action_for("loss_spike") in set(MonitorAction)
     else:
         assert group == "parallel"
         assert cfg.parallel.mode.value == option

@@ -1,0 +1,78 @@
+"""Torch-side measurements for the health monitor, taken only on check steps.
+
+Everything here returns tensors on the device (no host sync); the loop turns one stacked tensor into
+floats once per check.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+
+import torch
+from torch import nn
+
+
+class ActivationProbe:
+    """Forward hooks on each block that record the output's mean and variance of the first call
+    (the step's first micro-batch). Installed for one sampled step, removed right after."""
+
+    def __init__(self, blocks: nn.ModuleList) -> None:
+        self.means: list[torch.Tensor | None] = [None] * len(blocks)
+        self.vars: list[torch.Tensor | None] = [None] * len(blocks)
+        self.handles = [block.register_forward_hook(self._hook(i)) for i, block in enumerate(blocks)]
+
+    def _hook(self, index: int):  # noqa: ANN202 - a torch hook
+        def record(module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
+            if self.means[index] is None:
+                out = output.detach().float()
+                self.means[index], self.vars[index] = out.mean(), out.var()
+
+        return record
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+    def stats(self) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+        if any(m is None for m in self.means):
+            return None
+        return list(self.means), list(self.vars)
+
+
+def block_norms(blocks: nn.ModuleList, grads: bool) -> torch.Tensor:
+    """L2 norm of each block's gradients (grads=True) or parameters, as one tensor of shape (blocks,)."""
+    norms = []
+    for block in blocks:
+        tensors = [p.grad if grads else p for p in block.parameters() if (p.grad is not None or not grads)]
+        if not tensors:
+            norms.append(torch.zeros((), device=next(block.parameters()).device))
+            continue
+        norms.append(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t.detach().float()) for t in tensors])))
+    return torch.stack(norms)
+
+
+def total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t.detach().float()) for t in tensors]))
+
+
+def rss_mb() -> float:
+    """Resident memory of this process in MB (current on Linux, peak elsewhere)."""
+    try:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak / 2**20 if sys.platform == "darwin" else peak / 2**10
+
+
+def cuda_memory_mb(device: torch.device) -> dict[str, float]:
+    if device.type != "cuda":
+        return {}
+    return {
+        "cuda_allocated_mb": torch.cuda.memory_allocated(device) / 2**20,
+        "cuda_reserved_mb": torch.cuda.memory_reserved(device) / 2**20,
+        "cuda_peak_mb": torch.cuda.max_memory_allocated(device) / 2**20,
+    }

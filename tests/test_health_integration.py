@@ -1,0 +1,126 @@
+"""Pathologies induced for real on tiny models: the matching alarm fires within a bounded number
+of steps, names its cause, and its action acts; a healthy run raises nothing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import llmtrain.train as train_module
+from llmtrain.config import MonitorAction, OptimizerName, Precision
+from llmtrain.errors import HealthStop
+from llmtrain.train import train
+
+from .conftest import tiny_config
+
+WATCH = {"monitor.interval": 2, "monitor.activation_interval": 4, "checkpoint.every_steps": None, "max_steps": 40}
+
+
+def events(run_dir: Path) -> list[dict]:
+    path = run_dir / "events.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def alarms(run_dir: Path) -> dict[str, int]:
+    first: dict[str, int] = {}
+    for e in events(run_dir):
+        if e["kind"] == "alarm":
+            first.setdefault(e["alarm"], e["step"])
+    return first
+
+
+def health(run_dir: Path) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == "health"]
+
+
+def test_a_healthy_300_step_run_raises_no_alarm(tmp_path: Path) -> None:
+    result = train(tiny_config(tmp_path / "run", max_steps=300, eval_interval=100, eval_batches=2))
+    assert result.steps == 300
+    assert alarms(tmp_path / "run") == {}
+    checks = health(tmp_path / "run")
+    assert len(checks) == 30 and sum("activation_mean" in c for c in checks) == 3
+    assert all(c["update_ratio"] > 0 and 0 <= c["data_wait_share"] < 1 for c in checks)
+
+
+def test_lr_far_too_high_raises_grad_norm_high_and_reduce_lr_acts(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    train(tiny_config(run, **WATCH, **{"optim.lr": 3.0, "optim.clip_grad_norm": None, "monitor.grad_norm_high": 10.0}))
+    assert alarms(run).get("grad_norm_high", 99) <= 10
+    acted = [e for e in events(run) if e["kind"] == "action" and e["alarm"] == "grad_norm_high"]
+    assert acted and acted[0]["action"] == "reduce_lr"
+    after = [c for c in health(run) if c["step"] > acted[0]["step"]]
+    assert after and all(c["lr_applied"] == pytest.approx(0.5 * c["lr_schedule"]) for c in after[:3])
+
+
+def test_no_warmup_at_a_high_lr_is_caught_early(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    train(tiny_config(run, **WATCH, **{"optim.lr": 1.0, "schedule.warmup_steps": 0, "optim.clip_grad_norm": None,
+                                       "monitor.grad_norm_high": 10.0}))
+    raised = alarms(run)
+    assert min(raised.get("param_norm_jump", 99), raised.get("grad_norm_high", 99)) <= 6, raised
+
+
+def test_near_zero_init_starves_the_gradients(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    train(tiny_config(run, **WATCH, **{"model.init_std": 1e-10, "model.bias": False, "optim.name": OptimizerName.sgd,
+                                       "optim.lr": 0.1}))
+    assert alarms(run).get("grad_norm_low", 99) <= 8
+    alarm = next(e for e in events(run) if e.get("alarm") == "grad_norm_low")
+    assert alarm["blocks"] == [0, 1]
+
+
+def test_a_schedule_hitting_zero_mid_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = train_module.lr_at
+    monkeypatch.setattr(train_module, "lr_at", lambda step, *a: 0.0 if step >= 10 else real(step, *a))
+    run = tmp_path / "run"
+    train(tiny_config(run, **WATCH))
+    assert 12 <= alarms(run).get("lr_zero", 99) <= 16
+
+
+def test_a_memory_leak(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LLMTRAIN_TEST_LEAK_MB_PER_STEP", "8")
+    run = tmp_path / "run"
+    train(tiny_config(run, **{**WATCH, "monitor.interval": 1, "monitor.trend_window": 10, "monitor.warmup_checks": 2,
+                              "monitor.memory_leak_mb": 40.0, "max_steps": 30}))
+    assert alarms(run).get("memory_leak", 99) <= 15
+
+
+def test_fp16_without_a_scaler(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    train(tiny_config(run, **{**WATCH, "max_steps": 6}, **{"precision.name": Precision.fp16,
+                                                             "precision.loss_scaling": False}))
+    assert alarms(run).get("fp16_no_scaler") == 2
+
+
+def test_stop_action_saves_and_exits_with_the_alarm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = train_module.lr_at
+    monkeypatch.setattr(train_module, "lr_at", lambda step, *a: 0.0 if step >= 10 else real(step, *a))
+    run = tmp_path / "run"
+    cfg = tiny_config(run, **WATCH)
+    cfg.monitor.actions = {"lr_zero": MonitorAction.stop}
+    with pytest.raises(HealthStop) as stopped:
+        train(cfg)
+    assert stopped.value.exit_code == 4
+    assert "lr_zero" in str(stopped.value) and "schedule" in str(stopped.value).lower()
+    assert stopped.value.checkpoint is not None and Path(stopped.value.checkpoint).is_dir()
+    assert [e["action"] for e in events(run) if e["kind"] == "action"] == ["stop"]
+
+
+def test_monitor_state_survives_a_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from llmtrain.checkpoint import load_checkpoint
+    from llmtrain.errors import Interrupted
+
+    run = tmp_path / "run"
+    overrides = {**WATCH, "checkpoint.every_steps": 4}
+    monkeypatch.setenv("LLMTRAIN_TEST_STOP_AT_STEP", "10")
+    with pytest.raises(Interrupted) as stopped:
+        train(tiny_config(run, **overrides))
+    saved = load_checkpoint(Path(stopped.value.checkpoint)).trainer["monitor"]
+    assert saved["checks"] == 5 and len(saved["history"]["loss"]) == 5
+    monkeypatch.delenv("LLMTRAIN_TEST_STOP_AT_STEP")
+    train(tiny_config(run, **overrides))
+    final = load_checkpoint(run / "checkpoints" / "step_00000040").trainer["monitor"]
+    assert final["checks"] == 20, "the resumed monitor continued counting from the checkpoint"
