@@ -260,6 +260,7 @@ class Config:
     parallel: ParallelConfig = _f(ParallelConfig(), "Process layout.")
     checkpoint: CheckpointConfig = _f(CheckpointConfig(), "Checkpoint policy, retention and non-finite handling.")
     monitor: MonitorConfig = _f(MonitorConfig(), "Health monitor: bands, windows and actions.")
+    tensorboard: bool = _f(False, "Also write every metric as TensorBoard scalars to RUN_DIR/tensorboard (extra: tensorboard).")
     resume: str = _f("auto", "auto (newest good checkpoint of the run dir), never, or a checkpoint/run dir path.")
     seed: int = _f(1337, "Global seed: model init, dropout and (by default) data order.")
     max_steps: int | None = _f(1000, "Optimizer steps to run (ignored when max_tokens is set).")
@@ -521,6 +522,14 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         _require(
             name in ALARM_NAMES,
             f"'monitor.actions' names an unknown alarm '{name}'; valid alarms: {', '.join(ALARM_NAMES)}.",
+        )
+    if cfg.tensorboard:
+        import importlib.util
+
+        _require(
+            importlib.util.find_spec("tensorboard") is not None,
+            "tensorboard=true, but the tensorboard package is not installed; pip install 'llmtrain[tensorboard]' "
+            "(or pip install tensorboard), or set tensorboard=false.",
         )
     _require(cfg.resume.strip() != "", "'resume' is empty; use auto, never, or the path of a checkpoint or run dir.")
     _require(cfg.threads is None or cfg.threads >= 1, f"'threads' is {cfg.threads}; use a positive count or null.")

@@ -20,12 +20,12 @@ import torch
 from llmtrain.config import MonitorConfig
 from llmtrain.monitor import Alarm, HealthMonitor, Sample
 from llmtrain.probes import ActivationProbe, block_norms, cuda_memory_mb, rss_mb, total_norm
-from llmtrain.sinks import ConsoleSink, JsonlSink
+from llmtrain.sinks import ConsoleSink, JsonlSink, MetricsSink
 
 
 class HealthWatch:
     def __init__(self, cfg: MonitorConfig, model: torch.nn.Module, run_dir: Path, sink: ConsoleSink,
-                 metrics: JsonlSink, steps_total: int, fp16_without_scaler: bool = False) -> None:
+                 metrics: MetricsSink, steps_total: int, fp16_without_scaler: bool = False) -> None:
         self.cfg, self.model, self.sink, self.metrics = cfg, model, sink, metrics
         self.fp16_without_scaler = fp16_without_scaler
         # Test-only hook: keep this many MB alive per step, a leak the monitor must see.
@@ -41,6 +41,7 @@ class HealthWatch:
         self.record: dict | None = None
         self.data_seconds = 0.0
         self.interval_start = time.perf_counter()
+        self.last_activations: dict[str, list[float]] = {}
 
     def is_check(self, step: int) -> bool:
         """`step` is the 1-based number of the step being taken."""
@@ -96,7 +97,10 @@ class HealthWatch:
             self.events.write(alarm.to_record())
             self.metrics.write(alarm.to_record())
             self.sink.alarm(alarm)
-        self.sink.health(self.record, sorted(self.monitor.active))
+        if act_mean is not None:
+            self.last_activations = {"activation_mean": act_mean, "activation_var": act_var}
+        # The dashboard shows the latest activation sample until the next one (every activation_interval).
+        self.sink.health({**self.last_activations, **self.record}, sorted(self.monitor.active))
         self.before = [p.detach().clone() for p in self.params]  # for the update-to-parameter ratio
         return alarms
 

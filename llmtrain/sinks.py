@@ -39,6 +39,55 @@ def _default_console() -> Console:
     return console
 
 
+class TensorBoardSink:
+    """Scalars of every metrics record for TensorBoard (`pip install 'llmtrain[tensorboard]'`).
+
+    Non-finite values are written as they are: TensorBoard shows a NaN where one happened."""
+
+    SKIP = {"kind", "step", "time", "alarm", "action", "path", "removed", "error", "band", "severity", "metric", "detail"}
+
+    def __init__(self, log_dir: Path) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(log_dir))
+
+    def write(self, record: dict[str, Any]) -> None:
+        step, kind = record.get("step"), record.get("kind", "")
+        if step is None or kind in ("start", "checkpoint", "checkpoint_error"):
+            return
+        for key, value in record.items():
+            if key in self.SKIP:
+                continue
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.writer.add_scalar(f"{kind}/{key}", value, step)
+            elif isinstance(value, list) and value and all(isinstance(v, (int, float)) for v in value):
+                for i, v in enumerate(value):
+                    self.writer.add_scalar(f"{kind}/{key}/{i}", v, step)
+            elif kind == "alarm" and key == "values":
+                self.writer.add_text("alarms", f"step {step}: {record.get('alarm')} ({record.get('action')})", step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class MetricsSink:
+    """metrics.jsonl, plus TensorBoard when asked for: one `write` feeds both."""
+
+    def __init__(self, run_dir: Path, tensorboard: bool) -> None:
+        self.jsonl = JsonlSink(run_dir / "metrics.jsonl")
+        self.tensorboard = TensorBoardSink(run_dir / "tensorboard") if tensorboard else None
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.jsonl.write(record)
+        if self.tensorboard is not None:
+            self.tensorboard.write(record)
+
+    def close(self) -> None:
+        self.jsonl.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+
+
 class ConsoleSink:
     """Banner, a live progress bar on a terminal (plain log lines elsewhere), and a summary."""
 

@@ -73,7 +73,7 @@ from llmtrain.optim import build_optimizer, clip_gradients
 from llmtrain.parallel import default_threads, resolve_device
 from llmtrain.precision import autocast_factory, build_grad_scaler
 from llmtrain.schedule import lr_at
-from llmtrain.sinks import ConsoleSink, JsonlSink
+from llmtrain.sinks import ConsoleSink, MetricsSink
 
 IGNORE_INDEX = -100
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -229,7 +229,7 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
     )
 
     # ---- the loop ------------------------------------------------------------------------------
-    metrics = JsonlSink(run_dir / "metrics.jsonl")
+    metrics = MetricsSink(run_dir, cfg.tensorboard)
     # Appending (never truncating) keeps earlier records (a resumed run continues the same file).
     metrics.write({"kind": "start", "time": time.time(), "steps": steps_total, "tokens_per_step": tokens_per_step,
                    "resumed_from": str(resume_from) if resume_from else None, "step": state.step})
@@ -369,7 +369,7 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
 
 def handle_nonfinite(
     cfg: Config, state: TrainState, loss: torch.Tensor, grad_norm: torch.Tensor, saver: CheckpointPolicy,
-    metrics: JsonlSink, warn: Callable[[str], None], model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+    metrics: MetricsSink, warn: Callable[[str], None], model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     scaler: torch.amp.GradScaler | None,
 ) -> TrainState:
     """The update of this step was not applied. Skip it, roll back, or stop, as configured."""
@@ -408,7 +408,7 @@ def handle_nonfinite(
 
 def roll_back(
     target: Path, state: TrainState, lr_factor: float, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-    scaler: torch.amp.GradScaler | None, metrics: JsonlSink,
+    scaler: torch.amp.GradScaler | None, metrics: MetricsSink,
 ) -> TrainState:
     """Reload weights, optimizer, scaler and RNG from a checkpoint; the data sampler is NOT rewound,
     so the windows since the checkpoint (the bad one included) are skipped."""

@@ -124,3 +124,19 @@ def test_monitor_state_survives_a_resume(tmp_path: Path, monkeypatch: pytest.Mon
     train(tiny_config(run, **overrides))
     final = load_checkpoint(run / "checkpoints" / "step_00000040").trainer["monitor"]
     assert final["checks"] == 20, "the resumed monitor continued counting from the checkpoint"
+
+
+def test_tensorboard_scalars(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = tmp_path / "run"
+    train(tiny_config(run, **{**WATCH, "max_steps": 6, "eval_interval": 3, "eval_batches": 1}, tensorboard=True))
+    events_dir = run / "tensorboard"
+    accumulator = EventAccumulator(str(events_dir))
+    accumulator.Reload()
+    tags = set(accumulator.Tags()["scalars"])
+    assert {"train/loss", "train/grad_norm", "eval/val_loss", "health/param_norm", "health/block_grad_norms/0"} <= tags
+    losses = [e.value for e in accumulator.Scalars("train/loss")]
+    logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert losses == pytest.approx([r["loss"] for r in logged if r["kind"] == "train"])
