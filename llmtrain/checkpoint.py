@@ -66,6 +66,7 @@ class TrainState:
     rollbacks: int = 0
     skipped_steps: int = 0
     consecutive_skips: int = 0
+    alarm_skipped_steps: int = 0  # updates dropped by a health alarm's skip_step action
 
 
 @dataclass

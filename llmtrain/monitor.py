@@ -203,11 +203,14 @@ class HealthMonitor:
                     "activation_mean_drift", s.step, "warning", "activation mean",
                     [s.activation_mean[i] for i in drifting], f"|mean| <= {cfg.activation_mean_max:g}", drifting)
             if len(self.act_var) >= cfg.activation_window:
-                first, last = self.act_var[0], self.act_var[-1]
-                growing = [i for i in range(len(last)) if first[i] > 0 and last[i] / first[i] > cfg.activation_var_factor
-                           and theil_sen_slope([v[i] for v in self.act_var]) > 0]
-                shrinking = [i for i in range(len(last)) if last[i] > 0 and first[i] / last[i] > cfg.activation_var_factor
-                             and theil_sen_slope([v[i] for v in self.act_var]) < 0]
+                # A trend that keeps going: the factor over the window, and still the root of it over
+                # its second half (growth from a small init that levels off is learning, not a fault).
+                first, mid, last = self.act_var[0], self.act_var[len(self.act_var) // 2], self.act_var[-1]
+                keep = cfg.activation_var_factor ** 0.5
+                growing = [i for i in range(len(last)) if first[i] > 0 and mid[i] > 0
+                           and last[i] / first[i] > cfg.activation_var_factor and last[i] / mid[i] > keep]
+                shrinking = [i for i in range(len(last)) if last[i] > 0
+                             and first[i] / last[i] > cfg.activation_var_factor and mid[i] / last[i] > keep]
                 band = f"within x/÷{cfg.activation_var_factor:g} over {cfg.activation_window} samples"
                 if growing:
                     found["activation_variance_growing"] = Alarm(

@@ -11,8 +11,19 @@ from typing import Any
 
 from rich.console import Console, Group
 from rich.live import Live
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
+
+
+def _finite_or_string(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _finite_or_string(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_or_string(v) for v in value]
+    return value
 
 
 class JsonlSink:
@@ -23,8 +34,7 @@ class JsonlSink:
 
     def write(self, record: dict[str, Any]) -> None:
         # Strict JSON has no NaN/Infinity: write them as the strings "nan", "inf", "-inf".
-        clean = {k: str(v) if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
-        self.file.write(json.dumps(clean, allow_nan=False) + "\n")
+        self.file.write(json.dumps(_finite_or_string(record), allow_nan=False) + "\n")
         self.file.flush()
 
     def close(self) -> None:
@@ -55,6 +65,10 @@ class TensorBoardSink:
         step, kind = record.get("step"), record.get("kind", "")
         if step is None or kind in ("start", "checkpoint", "checkpoint_error"):
             return
+        if kind in ("alarm", "action"):  # events are text, not scalars
+            what = record.get("alarm", "")
+            self.writer.add_text(f"events/{kind}", f"step {step}: {what} -> {record.get('action')} {record.get('detail', '')}", step)
+            return
         for key, value in record.items():
             if key in self.SKIP:
                 continue
@@ -63,8 +77,6 @@ class TensorBoardSink:
             elif isinstance(value, list) and value and all(isinstance(v, (int, float)) for v in value):
                 for i, v in enumerate(value):
                     self.writer.add_scalar(f"{kind}/{key}/{i}", v, step)
-            elif kind == "alarm" and key == "values":
-                self.writer.add_text("alarms", f"step {step}: {record.get('alarm')} ({record.get('action')})", step)
 
     def close(self) -> None:
         self.writer.close()
@@ -154,7 +166,7 @@ class ConsoleSink:
     def alarm(self, alarm: Any) -> None:
         """An alarm, printed once with its explanation (the monitor re-raises only after it cleared)."""
         color = "red" if alarm.severity == "critical" else "yellow"
-        self.print(f"[bold {color}]alarm[/] {alarm.explain()}", markup=True, highlight=False)
+        self.print(f"[bold {color}]alarm[/] {escape(alarm.explain())}", markup=True, highlight=False)
 
     def health(self, record: dict[str, Any], active: list[str]) -> None:
         """The latest health check: the dashboard's panel on a terminal; nothing extra elsewhere

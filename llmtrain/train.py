@@ -279,11 +279,14 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
                     alarms = watch.check(step + 1, loss, grad_norm, optimizer.param_groups[0]["lr"], lr_schedule,
                                          (state.tokens - last_log_tokens) / max(time.perf_counter() - last_log_time, 1e-9),
                                          scaler.get_scale() if scaler is not None else None)
-                    for alarm in alarms:
-                        skip_update |= act_on_alarm(alarm, cfg, state, watch, saver, warn, model, optimizer, scaler)
-                    if state.step != step:  # an alarm rolled the run back to a checkpoint
+                    verdicts = [act_on_alarm(alarm, cfg, state, watch, saver, warn, model, optimizer, scaler)
+                                for alarm in alarms]
+                    if "rolled_back" in verdicts:  # the run goes on from the checkpoint's step
+                        watch.after_step(applied=False)
+                        optimizer.zero_grad(set_to_none=True)
                         sink.advance(state.step)
                         continue
+                    skip_update = "skip" in verdicts
                 finite = finite and not skip_update
                 if finite:
                     if scaler is not None:
@@ -361,8 +364,9 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
             f"; final val loss {result.final_val_loss:.4f} is {abs(below):.0%} {'below' if below >= 0 else 'ABOVE'} "
             f"the unigram entropy {data.unigram_entropy:.4f}"
         )
-    if state.skipped_steps or state.rollbacks:
-        summary += f"; {state.skipped_steps} non-finite step(s) skipped, {state.rollbacks} rollback(s)"
+    if state.skipped_steps or state.rollbacks or state.alarm_skipped_steps:
+        summary += (f"; {state.skipped_steps} non-finite step(s) skipped, {state.alarm_skipped_steps} skipped by "
+                    f"alarms, {state.rollbacks} rollback(s)")
     sink.print(f"{summary}. Weights: {run_dir / 'model.pt'}")
     return result
 
@@ -432,31 +436,38 @@ def act_on_alarm(
     alarm: Alarm, cfg: Config, state: TrainState, watch: HealthWatch, saver: CheckpointPolicy,
     warn: Callable[[str], None], model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     scaler: torch.amp.GradScaler | None,
-) -> bool:
-    """Carry out an alarm's configured action; returns True when this step's update must be skipped.
-    A rollback replaces `state`'s fields in place (the loop sees the checkpoint's step)."""
+) -> str:
+    """Carry out an alarm's configured action: "apply" (the update goes ahead), "skip" (this step's
+    update is dropped) or "rolled_back" (`state` now holds the checkpoint's step and counters)."""
     action = MonitorAction(alarm.action)
     if action is MonitorAction.reduce_lr:
         state.lr_scale *= cfg.monitor.reduce_lr_factor
         watch.action_taken(alarm, f"LR scale now {state.lr_scale:g} (x{cfg.monitor.reduce_lr_factor:g})")
     elif action is MonitorAction.skip_step:
-        state.skipped_steps += 1
+        state.alarm_skipped_steps += 1
         watch.action_taken(alarm, "this step's update was not applied")
-        return True
+        return "skip"
     elif action is MonitorAction.rollback:
         target = find_good_checkpoint(saver.run_dir, warn)
-        if target is None:
-            action = MonitorAction.stop
-            alarm.action = "stop"
+        if target is None or state.rollbacks >= cfg.checkpoint.max_rollbacks:
+            why = "no checkpoint to roll back to" if target is None else "checkpoint.max_rollbacks reached"
+            action, alarm.action = MonitorAction.stop, f"stop ({why})"
         else:
-            restored = roll_back(target, state, 1.0, model, optimizer, scaler, watch.metrics)
+            restored = roll_back(target, state, cfg.checkpoint.rollback_lr_factor, model, optimizer, scaler, watch.metrics)
+            restored.alarm_skipped_steps = state.alarm_skipped_steps
             state.__dict__.update(dataclasses.asdict(restored))
+            monitor_state = load_checkpoint(target).trainer.get("monitor")
+            if monitor_state:  # the monitor goes back too: a recurring pattern is raised again
+                watch.monitor.load_state_dict(monitor_state)
             watch.action_taken(alarm, f"rolled back to step {restored.step} ({target})")
+            return "rolled_back"
     if action is MonitorAction.stop:
+        # Not saved as active: a resumed run that still shows the pattern raises (and stops) again.
+        watch.monitor.active.discard(alarm.name)
         path = saver.save(state)
         watch.action_taken(alarm, f"stopped; checkpoint {path}")
         raise HealthStop(f"health alarm: {alarm.explain()}\nCheckpoint: {path}", checkpoint=path, run_dir=saver.run_dir)
-    return False
+    return "apply"
 
 
 def check_resumable(checkpoint: Checkpoint, config_dict: dict) -> None:

@@ -140,3 +140,43 @@ def test_tensorboard_scalars(tmp_path: Path) -> None:
     losses = [e.value for e in accumulator.Scalars("train/loss")]
     logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert losses == pytest.approx([r["loss"] for r in logged if r["kind"] == "train"])
+
+
+def test_dense_activation_sampling_on_a_healthy_run_stays_silent(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    train(tiny_config(run, **{**WATCH, "max_steps": 60}))  # activations sampled every 4 steps: 15 samples
+    assert alarms(run) == {}
+
+
+def test_rollback_action_then_stop_when_it_recurs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = train_module.lr_at
+    monkeypatch.setattr(train_module, "lr_at", lambda step, *a: 0.0 if step >= 10 else real(step, *a))
+    run = tmp_path / "run"
+    cfg = tiny_config(run, **{**WATCH, "checkpoint.every_steps": 4, "checkpoint.max_rollbacks": 1})
+    cfg.monitor.actions = {"lr_zero": MonitorAction.rollback}
+    with pytest.raises(HealthStop, match="max_rollbacks"):
+        train(cfg)
+    actions = [(e["action"], e["step"]) for e in events(run) if e["kind"] == "action"]
+    assert [a for a, _ in actions] == ["rollback", "stop (checkpoint.max_rollbacks reached)"]
+
+
+def test_a_resumed_run_that_still_shows_the_pattern_stops_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = train_module.lr_at
+    monkeypatch.setattr(train_module, "lr_at", lambda step, *a: 0.0 if step >= 10 else real(step, *a))
+    run = tmp_path / "run"
+    for _ in range(2):  # the first run stops; its resume shows the same pattern and stops again
+        cfg = tiny_config(run, **WATCH)
+        cfg.monitor.actions = {"lr_zero": MonitorAction.stop}
+        with pytest.raises(HealthStop):
+            train(cfg)
+    assert [e["action"] for e in events(run) if e["kind"] == "action"] == ["stop", "stop"]
+
+
+def test_non_finite_values_nested_in_records_stay_strict_json(tmp_path: Path) -> None:
+    from llmtrain.sinks import JsonlSink
+
+    sink = JsonlSink(tmp_path / "m.jsonl")
+    sink.write({"kind": "health", "block_grad_norms": [float("inf"), 1.0], "nested": {"x": float("nan")}})
+    sink.close()
+    record = json.loads((tmp_path / "m.jsonl").read_text(), parse_constant=lambda c: pytest.fail(f"non-strict {c}"))
+    assert record["block_grad_norms"] == ["inf", 1.0] and record["nested"] == {"x": "nan"}
