@@ -126,6 +126,12 @@ ALARM_NAMES = (
 )
 
 
+class WandbMode(str, Enum):
+    off = "off"
+    offline = "offline"
+    online = "online"
+
+
 class ParallelMode(str, Enum):
     single = "single"
 
@@ -261,6 +267,8 @@ class Config:
     checkpoint: CheckpointConfig = _f(CheckpointConfig(), "Checkpoint policy, retention and non-finite handling.")
     monitor: MonitorConfig = _f(MonitorConfig(), "Health monitor: bands, windows and actions.")
     tensorboard: bool = _f(False, "Also write every metric as TensorBoard scalars to RUN_DIR/tensorboard (extra: tensorboard).")
+    wandb: WandbMode = _f(WandbMode.off, "Weights & Biases: off, offline (files in RUN_DIR/wandb, no network) or online (extra: wandb).")
+    wandb_project: str = _f("llmtrain", "W&B project name.")
     resume: str = _f("auto", "auto (newest good checkpoint of the run dir), never, or a checkpoint/run dir path.")
     seed: int = _f(1337, "Global seed: model init, dropout and (by default) data order.")
     max_steps: int | None = _f(1000, "Optimizer steps to run (ignored when max_tokens is set).")
@@ -530,6 +538,14 @@ def validate(cfg: Config, world_size: int = 1) -> None:
             importlib.util.find_spec("tensorboard") is not None,
             "tensorboard=true, but the tensorboard package is not installed; pip install 'llmtrain[tensorboard]' "
             "(or pip install tensorboard), or set tensorboard=false.",
+        )
+    if cfg.wandb is not WandbMode.off:
+        import importlib.util
+
+        _require(
+            importlib.util.find_spec("wandb") is not None,
+            f"wandb={cfg.wandb.value}, but the wandb package is not installed; pip install 'llmtrain[wandb]' "
+            "(or pip install wandb), or set wandb=off.",
         )
     _require(cfg.resume.strip() != "", "'resume' is empty; use auto, never, or the path of a checkpoint or run dir.")
     _require(cfg.threads is None or cfg.threads >= 1, f"'threads' is {cfg.threads}; use a positive count or null.")

@@ -19,13 +19,16 @@ import torch
 
 from llmtrain.config import MonitorConfig
 from llmtrain.monitor import Alarm, HealthMonitor, Sample
-from llmtrain.probes import ActivationProbe, block_norms, cuda_memory_mb, rss_mb, total_norm
+from llmtrain.probes import ActivationProbe, block_norms, cuda_memory_mb, matmul_peak_flops, rss_mb, total_norm
 from llmtrain.sinks import ConsoleSink, JsonlSink, MetricsSink
 
 
 class HealthWatch:
     def __init__(self, cfg: MonitorConfig, model: torch.nn.Module, run_dir: Path, sink: ConsoleSink,
-                 metrics: MetricsSink, steps_total: int, fp16_without_scaler: bool = False) -> None:
+                 metrics: MetricsSink, steps_total: int, fp16_without_scaler: bool = False,
+                 flops_per_token: float = 0.0) -> None:
+        self.flops_per_token = flops_per_token
+        self.peak_flops: float | None = None  # measured at the first check, for MFU
         self.cfg, self.model, self.sink, self.metrics = cfg, model, sink, metrics
         self.fp16_without_scaler = fp16_without_scaler
         # Test-only hook: keep this many MB alive per step, a leak the monitor must see.
@@ -41,6 +44,7 @@ class HealthWatch:
         self.record: dict | None = None
         self.data_seconds = 0.0
         self.interval_start = time.perf_counter()
+        self.interval_tokens = 0
         self.last_activations: dict[str, list[float]] = {}
 
     def is_check(self, step: int) -> bool:
@@ -58,7 +62,7 @@ class HealthWatch:
             self.probe.remove()
 
     def check(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr_applied: float, lr_schedule: float,
-              tokens_per_s: float, loss_scale: float | None) -> list[Alarm]:
+              tokens: int, loss_scale: float | None) -> list[Alarm]:
         """Measure (one host sync), judge, report. Call after clipping, before the optimizer step."""
         device = loss.device
         grads = block_norms(self.blocks, grads=True)
@@ -76,6 +80,9 @@ class HealthWatch:
         act_mean = values[3 + 2 * n:3 + 3 * n] if stats is not None else None
         act_var = values[3 + 3 * n:3 + 4 * n] if stats is not None else None
         now = time.perf_counter()
+        tokens_per_s = (tokens - self.interval_tokens) / max(now - self.interval_start, 1e-9)
+        if self.peak_flops is None:
+            self.peak_flops = matmul_peak_flops(device)
         sample = Sample(step=step, loss=loss_v, grad_norm=grad_v, block_grad_norms=block_grads, param_norm=param_v,
                         lr_applied=lr_applied, lr_schedule=lr_schedule, rss_mb=rss_mb(), steps_total=self.steps_total,
                         fp16_without_scaler=self.fp16_without_scaler,
@@ -85,13 +92,15 @@ class HealthWatch:
             "param_norm": param_v, "block_param_norms": block_params, "lr_applied": lr_applied,
             "lr_schedule": lr_schedule, "rss_mb": sample.rss_mb, "tokens_per_s": tokens_per_s,
             "data_wait_share": self.data_seconds / max(now - self.interval_start, 1e-9),
+            "mfu": tokens_per_s * self.flops_per_token / self.peak_flops, "peak_flops_per_s": self.peak_flops,
             **cuda_memory_mb(device),
         }
         if act_mean is not None:
             self.record["activation_mean"], self.record["activation_var"] = act_mean, act_var
         if loss_scale is not None:
             self.record["loss_scale"] = loss_scale
-        self.data_seconds, self.interval_start = 0.0, now
+        self.data_seconds, self.interval_tokens = 0.0, tokens
+        self.interval_start = time.perf_counter()  # the peak measurement is not training time
         alarms = self.monitor.check(sample)
         for alarm in alarms:
             self.events.write(alarm.to_record())

@@ -76,3 +76,23 @@ def cuda_memory_mb(device: torch.device) -> dict[str, float]:
         "cuda_reserved_mb": torch.cuda.memory_reserved(device) / 2**20,
         "cuda_peak_mb": torch.cuda.max_memory_allocated(device) / 2**20,
     }
+
+
+def matmul_peak_flops(device: torch.device, size: int = 1024, repeats: int = 8) -> float:
+    """This device's achievable fp32 matmul rate (FLOP/s), measured in a fraction of a second: the
+    reference for MFU (model FLOPs utilization)."""
+    import time
+
+    # A private generator: measuring must not move the training RNG (dropout, exact resume).
+    generator = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(size, size, device=device, generator=generator)
+    b = torch.randn(size, size, device=device, generator=generator)
+    for _ in range(2):  # warm-up: kernels, caches, clocks
+        a @ b
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        c = a @ b
+    c.sum().item()  # waits for the device
+    return 2 * size**3 * repeats / (time.perf_counter() - start)

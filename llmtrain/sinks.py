@@ -49,12 +49,29 @@ def _default_console() -> Console:
     return console
 
 
+SKIP_KEYS = {"kind", "step", "time", "alarm", "action", "path", "removed", "error", "band", "severity", "metric", "detail",
+             "resumed_from"}
+
+
+def scalars(record: dict[str, Any]) -> dict[str, float]:
+    """A metrics record as flat `kind/key[/index]` scalars (NaN kept: a dashboard shows where it happened)."""
+    kind, out = record.get("kind", ""), {}
+    for key, value in record.items():
+        if key in SKIP_KEYS:
+            continue
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[f"{kind}/{key}"] = float(value)
+        elif isinstance(value, list) and value and all(isinstance(v, (int, float)) for v in value):
+            out.update({f"{kind}/{key}/{i}": float(v) for i, v in enumerate(value)})
+    return out
+
+
+def event_text(record: dict[str, Any]) -> str:
+    return f"step {record.get('step')}: {record.get('alarm', '')} -> {record.get('action')} {record.get('detail', '')}"
+
+
 class TensorBoardSink:
-    """Scalars of every metrics record for TensorBoard (`pip install 'llmtrain[tensorboard]'`).
-
-    Non-finite values are written as they are: TensorBoard shows a NaN where one happened."""
-
-    SKIP = {"kind", "step", "time", "alarm", "action", "path", "removed", "error", "band", "severity", "metric", "detail"}
+    """Scalars of every metrics record for TensorBoard (`pip install 'llmtrain[tensorboard]'`)."""
 
     def __init__(self, log_dir: Path) -> None:
         from torch.utils.tensorboard import SummaryWriter
@@ -66,38 +83,53 @@ class TensorBoardSink:
         if step is None or kind in ("start", "checkpoint", "checkpoint_error"):
             return
         if kind in ("alarm", "action"):  # events are text, not scalars
-            what = record.get("alarm", "")
-            self.writer.add_text(f"events/{kind}", f"step {step}: {what} -> {record.get('action')} {record.get('detail', '')}", step)
+            self.writer.add_text(f"events/{kind}", event_text(record), step)
             return
-        for key, value in record.items():
-            if key in self.SKIP:
-                continue
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                self.writer.add_scalar(f"{kind}/{key}", value, step)
-            elif isinstance(value, list) and value and all(isinstance(v, (int, float)) for v in value):
-                for i, v in enumerate(value):
-                    self.writer.add_scalar(f"{kind}/{key}/{i}", v, step)
+        for tag, value in scalars(record).items():
+            self.writer.add_scalar(tag, value, step)
 
     def close(self) -> None:
         self.writer.close()
 
 
-class MetricsSink:
-    """metrics.jsonl, plus TensorBoard when asked for: one `write` feeds both."""
+class WandbSink:
+    """Weights & Biases (`pip install 'llmtrain[wandb]'`); `offline` writes RUN_DIR/wandb/ with no network,
+    to upload later with `wandb sync`."""
 
-    def __init__(self, run_dir: Path, tensorboard: bool) -> None:
-        self.jsonl = JsonlSink(run_dir / "metrics.jsonl")
-        self.tensorboard = TensorBoardSink(run_dir / "tensorboard") if tensorboard else None
+    def __init__(self, run_dir: Path, mode: str, project: str, config: dict) -> None:
+        import wandb
+
+        self.run = wandb.init(mode=mode, dir=str(run_dir), project=project, config=config, name=Path(run_dir).name)
 
     def write(self, record: dict[str, Any]) -> None:
-        self.jsonl.write(record)
-        if self.tensorboard is not None:
-            self.tensorboard.write(record)
+        step, kind = record.get("step"), record.get("kind", "")
+        if step is None or kind in ("start", "checkpoint", "checkpoint_error"):
+            return
+        values: dict[str, Any] = scalars(record) if kind not in ("alarm", "action") else {f"events/{kind}": event_text(record)}
+        self.run.log(values, step=step)
 
     def close(self) -> None:
-        self.jsonl.close()
-        if self.tensorboard is not None:
-            self.tensorboard.close()
+        self.run.finish()
+
+
+class MetricsSink:
+    """metrics.jsonl, plus TensorBoard and W&B when asked for: one `write` feeds them all."""
+
+    def __init__(self, run_dir: Path, tensorboard: bool = False, wandb: str = "off", wandb_project: str = "llmtrain",
+                 config: dict | None = None) -> None:
+        self.sinks: list[Any] = [JsonlSink(run_dir / "metrics.jsonl")]
+        if tensorboard:
+            self.sinks.append(TensorBoardSink(run_dir / "tensorboard"))
+        if wandb != "off":
+            self.sinks.append(WandbSink(run_dir, wandb, wandb_project, config or {}))
+
+    def write(self, record: dict[str, Any]) -> None:
+        for sink in self.sinks:
+            sink.write(record)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
 
 
 class ConsoleSink:

@@ -229,7 +229,7 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
     )
 
     # ---- the loop ------------------------------------------------------------------------------
-    metrics = MetricsSink(run_dir, cfg.tensorboard)
+    metrics = MetricsSink(run_dir, cfg.tensorboard, cfg.wandb.value, cfg.wandb_project, config_dict)
     # Appending (never truncating) keeps earlier records (a resumed run continues the same file).
     metrics.write({"kind": "start", "time": time.time(), "steps": steps_total, "tokens_per_step": tokens_per_step,
                    "resumed_from": str(resume_from) if resume_from else None, "step": state.step})
@@ -238,7 +238,10 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
     # Test-only hook: poison the loss at these steps, each listed occurrence once ("6,6": twice).
     nan_steps = [int(s) for s in os.environ.get("LLMTRAIN_TEST_NAN_AT_STEPS", "").split(",") if s]
     fp16_unscaled = cfg.precision.name is Precision.fp16 and scaler is None
-    watch = HealthWatch(cfg.monitor, model, run_dir, sink, metrics, steps_total, fp16_unscaled) if cfg.monitor.enabled else None
+    watch = (HealthWatch(cfg.monitor, model, run_dir, sink, metrics, steps_total, fp16_unscaled, flops_token)
+             if cfg.monitor.enabled else None)
+    if watch is not None:
+        watch.interval_tokens = state.tokens
     if watch is not None and checkpoint is not None and checkpoint.trainer.get("monitor"):
         watch.monitor.load_state_dict(checkpoint.trainer["monitor"])
     saver = CheckpointPolicy(cfg.checkpoint, run_dir, model, optimizer, scaler, train_batches, config_dict, metrics, warn,
@@ -277,7 +280,7 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
                 skip_update = False
                 if finite and watch is not None and watch.is_check(step + 1):
                     alarms = watch.check(step + 1, loss, grad_norm, optimizer.param_groups[0]["lr"], lr_schedule,
-                                         (state.tokens - last_log_tokens) / max(time.perf_counter() - last_log_time, 1e-9),
+                                         state.tokens + sum(y.numel() for _, y in window),
                                          scaler.get_scale() if scaler is not None else None)
                     verdicts = [act_on_alarm(alarm, cfg, state, watch, saver, warn, model, optimizer, scaler)
                                 for alarm in alarms]

@@ -180,3 +180,29 @@ def test_non_finite_values_nested_in_records_stay_strict_json(tmp_path: Path) ->
     sink.close()
     record = json.loads((tmp_path / "m.jsonl").read_text(), parse_constant=lambda c: pytest.fail(f"non-strict {c}"))
     assert record["block_grad_norms"] == ["inf", 1.0] and record["nested"] == {"x": "nan"}
+
+
+def test_wandb_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("wandb")
+    from llmtrain.config import WandbMode
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run = tmp_path / "run"
+    train(tiny_config(run, **{**WATCH, "max_steps": 4}, wandb=WandbMode.offline))
+    files = list((run / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(files) == 1 and files[0].stat().st_size > 0
+
+
+def test_mfu_is_reported_against_this_devices_measured_matmul_rate(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    train(tiny_config(run, **{**WATCH, "max_steps": 4}))
+    checks = health(run)
+    assert all(c["peak_flops_per_s"] > 1e8 and 0 < c["mfu"] < 1.5 for c in checks)
+
+
+def test_the_monitor_does_not_change_training(tmp_path: Path) -> None:
+    """Same seed, monitor on or off: identical losses (its probes use no training RNG and touch no state)."""
+    on = train(tiny_config(tmp_path / "on", max_steps=12, **{"model.dropout": 0.1, "monitor.interval": 2,
+                                                              "monitor.activation_interval": 4}))
+    off = train(tiny_config(tmp_path / "off", max_steps=12, **{"model.dropout": 0.1, "monitor.enabled": False}))
+    assert on.train_losses == off.train_losses
