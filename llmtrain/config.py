@@ -231,7 +231,7 @@ class CheckpointConfig:
 @dataclass
 class MonitorConfig:
     enabled: bool = _f(True, "Watch the run's health (the seed's 8.2 table) and raise alarms.")
-    interval: int = _f(10, "Check every this many optimizer steps (one host sync per check).")
+    interval: int = _f(10, "Check every this many optimizer steps (a few host syncs per check).")
     activation_interval: int = _f(100, "Sample block-output activations every this many steps (hooks only then).")
     warmup_checks: int = _f(5, "Checks before the memory-leak trend is watched (allocator warm-up).")
     patience: int = _f(3, "Consecutive checks outside a band before an alarm (grad norm, LR).")

@@ -11,6 +11,7 @@ completes the step's `health` record in `metrics.jsonl`.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from pathlib import Path
@@ -101,6 +102,11 @@ class HealthWatch:
             self.record["loss_scale"] = loss_scale
         self.data_seconds, self.interval_tokens = 0.0, tokens
         self.interval_start = time.perf_counter()  # the peak measurement is not training time
+        if not math.isfinite(grad_v):
+            # fp16: the loss scaler found an overflow and skips this step; it is not the run's gradient.
+            self.sink.health({**self.last_activations, **self.record}, sorted(self.monitor.active))
+            self.before = [p.detach().clone() for p in self.params]
+            return []
         alarms = self.monitor.check(sample)
         for alarm in alarms:
             self.events.write(alarm.to_record())
@@ -112,6 +118,10 @@ class HealthWatch:
         self.sink.health({**self.last_activations, **self.record}, sorted(self.monitor.active))
         self.before = [p.detach().clone() for p in self.params]  # for the update-to-parameter ratio
         return alarms
+
+    def restart_interval(self, tokens: int) -> None:
+        """After a rollback the token count went back: tokens/s starts over from here."""
+        self.interval_tokens, self.interval_start, self.data_seconds = tokens, time.perf_counter(), 0.0
 
     def after_step(self, applied: bool) -> None:
         """Finish the check step's record with the update-to-parameter ratio ||dW|| / ||W||."""

@@ -286,10 +286,13 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
                                 for alarm in alarms]
                     if "rolled_back" in verdicts:  # the run goes on from the checkpoint's step
                         watch.after_step(applied=False)
+                        watch.restart_interval(state.tokens)
                         optimizer.zero_grad(set_to_none=True)
                         sink.advance(state.step)
                         continue
                     skip_update = "skip" in verdicts
+                elif watch is not None:
+                    watch.probe = None  # a sampled step that was not checked: its activations are not reported later
                 finite = finite and not skip_update
                 if finite:
                     if scaler is not None:
@@ -306,6 +309,8 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
                 if not finite and not skip_update:
                     state = handle_nonfinite(cfg, state, loss, grad_norm, saver, metrics, warn, model, optimizer, scaler)
                     if state.step == step:  # rolled back: the loop goes on from the checkpoint's step
+                        if watch is not None:
+                            watch.restart_interval(state.tokens)
                         sink.advance(state.step)
                         continue
 
@@ -429,6 +434,7 @@ def roll_back(
     restored.rollbacks = state.rollbacks + 1
     restored.lr_scale = state.lr_scale * lr_factor
     restored.skipped_steps = state.skipped_steps
+    restored.alarm_skipped_steps = state.alarm_skipped_steps
     restored.consecutive_skips = 0
     metrics.write({"kind": "rollback", "step": state.step, "to_step": restored.step, "path": str(target),
                    "lr_scale": restored.lr_scale, "rollbacks": restored.rollbacks})
@@ -457,7 +463,6 @@ def act_on_alarm(
             action, alarm.action = MonitorAction.stop, f"stop ({why})"
         else:
             restored = roll_back(target, state, cfg.checkpoint.rollback_lr_factor, model, optimizer, scaler, watch.metrics)
-            restored.alarm_skipped_steps = state.alarm_skipped_steps
             state.__dict__.update(dataclasses.asdict(restored))
             monitor_state = load_checkpoint(target).trainer.get("monitor")
             if monitor_state:  # the monitor goes back too: a recurring pattern is raised again
@@ -465,6 +470,7 @@ def act_on_alarm(
             watch.action_taken(alarm, f"rolled back to step {restored.step} ({target})")
             return "rolled_back"
     if action is MonitorAction.stop:
+        watch.after_step(applied=False)  # the check step's health record, before the run ends
         # Not saved as active: a resumed run that still shows the pattern raises (and stops) again.
         watch.monitor.active.discard(alarm.name)
         path = saver.save(state)
