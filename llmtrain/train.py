@@ -241,9 +241,9 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
     watch = (HealthWatch(cfg.monitor, model, run_dir, sink, metrics, steps_total, fp16_unscaled, flops_token)
              if cfg.monitor.enabled else None)
     if watch is not None:
-        watch.interval_tokens = state.tokens
-    if watch is not None and checkpoint is not None and checkpoint.trainer.get("monitor"):
-        watch.monitor.load_state_dict(checkpoint.trainer["monitor"])
+        watch.restart_interval(state.tokens)
+        if checkpoint is not None and checkpoint.trainer.get("monitor"):
+            watch.monitor.load_state_dict(checkpoint.trainer["monitor"])  # windows, counts, active alarms
     saver = CheckpointPolicy(cfg.checkpoint, run_dir, model, optimizer, scaler, train_batches, config_dict, metrics, warn,
                              extra_state=lambda: {"monitor": watch.monitor.state_dict()} if watch else {})
     saver.last_saved_step = state.step if resume_from else None
