@@ -84,6 +84,12 @@ class ScheduleName(str, Enum):
     wsd = "wsd"
 
 
+class LRScaling(str, Enum):
+    none = "none"
+    linear = "linear"
+    sqrt = "sqrt"
+
+
 class TokenizerKind(str, Enum):
     byte = "byte"
     char = "char"
@@ -185,6 +191,10 @@ class ScheduleConfig:
     warmup_fraction: float = _f(0.05, "Warmup length as a fraction of the run (used when warmup_steps is null).")
     min_lr_ratio: float = _f(0.1, "Floor of the decay as a fraction of the peak LR.")
     decay_fraction: float = _f(0.2, "wsd only: fraction of the run spent in the final decay.")
+    lr_scaling: LRScaling = _f(
+        LRScaling.none, "Scale optim.lr with the global batch: none, linear (batch xk -> lr xk) or sqrt (lr x sqrt k)."
+    )
+    reference_batch_size: int | None = _f(None, "lr_scaling: the global batch (sequences) optim.lr was tuned for.")
 
 
 @dataclass
@@ -464,6 +474,12 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     _require(0 <= s.min_lr_ratio <= 1, f"'schedule.min_lr_ratio' is {s.min_lr_ratio}; valid range is [0, 1].")
     _require(0 <= s.warmup_fraction < 1, f"'schedule.warmup_fraction' is {s.warmup_fraction}; valid range is [0, 1).")
     _require(0 < s.decay_fraction <= 1, f"'schedule.decay_fraction' is {s.decay_fraction}; valid range is (0, 1].")
+    if s.lr_scaling is not LRScaling.none:
+        _require(
+            s.reference_batch_size is not None and s.reference_batch_size >= 1,
+            f"schedule.lr_scaling={s.lr_scaling.value} needs 'schedule.reference_batch_size', the global batch "
+            f"(in sequences) optim.lr was tuned for, e.g. schedule.reference_batch_size={cfg.global_batch_size}.",
+        )
     _require(s.warmup_steps is None or s.warmup_steps >= 0, f"'schedule.warmup_steps' is {s.warmup_steps}; it must be >= 0.")
 
     _require(
@@ -576,6 +592,16 @@ def total_micro_batches(cfg: Config, world_size: int = 1) -> int:
 def total_steps(cfg: Config, world_size: int = 1) -> int:
     accum = accumulation_steps(cfg, world_size)
     return -(-total_micro_batches(cfg, world_size) // accum) if accum else 0
+
+
+def effective_lr(cfg: Config) -> float:
+    """The peak LR the run uses: optim.lr, scaled with the global batch when schedule.lr_scaling asks
+    (seed 003 §3: linear, batch xk -> lr xk; sqrt, lr x sqrt(k))."""
+    s = cfg.schedule
+    if s.lr_scaling is LRScaling.none or s.reference_batch_size is None:
+        return cfg.optim.lr
+    ratio = cfg.global_batch_size / s.reference_batch_size
+    return cfg.optim.lr * (ratio if s.lr_scaling is LRScaling.linear else math.sqrt(ratio))
 
 
 def resolved_warmup_steps(schedule: ScheduleConfig, total: int) -> int:

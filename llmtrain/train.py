@@ -56,6 +56,7 @@ from llmtrain.config import (
     Precision,
     accumulation_steps,
     config_to_dict,
+    effective_lr,
     resolved_warmup_steps,
     seq_len_of,
     total_micro_batches,
@@ -207,6 +208,10 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
     save_tokenizer(data.tokenizer(), run_dir / "tokenizer.json")
 
     tokens_per_step = cfg.global_batch_size * seq_len
+    peak_lr = effective_lr(cfg)
+    scaled = "" if peak_lr == cfg.optim.lr else (
+        f" -> {peak_lr:g} ({cfg.schedule.lr_scaling.value} scaling from batch {cfg.schedule.reference_batch_size} "
+        f"to {cfg.global_batch_size})")
     sink.banner(
         f"llmtrain: {cfg.model.name} on {cfg.data.source.value} -> {run_dir}",
         [
@@ -215,7 +220,7 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
             ("accumulation", f"{accum} micro-batch{'es' if accum > 1 else ''} of {cfg.micro_batch_size} (world size 1)"),
             ("steps", f"{steps_total:,} (warmup {resolved_warmup_steps(cfg.schedule, steps_total)}, {cfg.schedule.name.value}), "
                       f"{micro_total * cfg.micro_batch_size * seq_len:,} tokens"),
-            ("optimizer", f"{cfg.optim.name.value} lr {cfg.optim.lr:g}, {type(optimizer).__name__}"
+            ("optimizer", f"{cfg.optim.name.value} lr {cfg.optim.lr:g}{scaled}, {type(optimizer).__name__}"
                           f"{' (fused)' if optimizer.defaults.get('fused') else ''}"),
             ("device", f"{device}, {cfg.precision.name.value}, {threads} threads"),
             ("data", f"{data.meta['train_tokens']:,} train / {data.meta['val_tokens']:,} val tokens, "
@@ -257,7 +262,7 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
                 step = state.step
                 fetch_start = time.perf_counter()
                 window = [train_batches.next_batch() for _ in range(min(accum, micro_total - step * accum))]
-                lr_schedule = lr_at(step, cfg.optim.lr, steps_total, cfg.schedule)
+                lr_schedule = lr_at(step, peak_lr, steps_total, cfg.schedule)
                 lr = lr_schedule * state.lr_scale
                 for group in optimizer.param_groups:
                     group["lr"] = lr

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from llmtrain.config import ScheduleConfig, ScheduleName
@@ -57,3 +59,40 @@ def test_short_runs_still_end_on_the_floor(name: ScheduleName, total: int, warmu
     assert lrs[-1] == pytest.approx(0.1)
     assert all(0.1 - 1e-12 <= lr <= 1.0 + 1e-12 for lr in lrs)
     assert lrs[0] > 0
+
+
+@pytest.mark.parametrize(("scaling", "expected"), [("none", 1e-3), ("linear", 4e-3), ("sqrt", 2e-3)])
+def test_batch_size_lr_scaling(scaling: str, expected: float) -> None:
+    from llmtrain.config import Config, LRScaling, effective_lr, validate
+
+    cfg = Config(global_batch_size=64)
+    cfg.optim.lr = 1e-3
+    cfg.schedule.lr_scaling = LRScaling(scaling)
+    cfg.schedule.reference_batch_size = 16
+    validate(cfg)
+    assert effective_lr(cfg) == pytest.approx(expected)
+
+
+def test_lr_scaling_needs_a_reference_batch() -> None:
+    from llmtrain.config import Config, ConfigError, LRScaling, validate
+
+    cfg = Config()
+    cfg.schedule.lr_scaling = LRScaling.linear
+    with pytest.raises(ConfigError, match="schedule.reference_batch_size"):
+        validate(cfg)
+
+
+def test_train_uses_the_scaled_lr(tmp_path: Path) -> None:
+    import json
+
+    from llmtrain.config import LRScaling
+    from llmtrain.train import train
+
+    from .conftest import tiny_config
+
+    cfg = tiny_config(tmp_path / "run", max_steps=6, **{"schedule.warmup_steps": 1, "schedule.name": ScheduleName.constant})
+    cfg.schedule.lr_scaling, cfg.schedule.reference_batch_size = LRScaling.linear, 4  # global batch 8: lr x2
+    train(cfg)
+    lrs = [json.loads(line)["lr"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+           if json.loads(line)["kind"] == "train"]
+    assert lrs[-1] == pytest.approx(2 * cfg.optim.lr)
