@@ -37,7 +37,7 @@ class HealthWatch:
         self.leaked: list[bytearray] = []
         self.blocks = model.blocks
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.monitor = HealthMonitor(cfg, len(self.blocks))
+        self.monitor = HealthMonitor(cfg)
         self.events = JsonlSink(run_dir / "events.jsonl")
         self.steps_total = steps_total
         self.probe: ActivationProbe | None = None

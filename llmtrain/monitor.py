@@ -100,19 +100,17 @@ def robust_z(value: float, window: list[float]) -> float:
 
 
 class HealthMonitor:
-    def __init__(self, cfg: MonitorConfig, n_blocks: int) -> None:
+    def __init__(self, cfg: MonitorConfig) -> None:
         self.cfg = cfg
-        self.n_blocks = n_blocks
         window = max(cfg.trend_window, cfg.spike_window)
         self.history: dict[str, deque] = {
-            key: deque(maxlen=window) for key in ("loss", "grad_norm", "param_norm", "rss_mb", "early_ratio")
+            key: deque(maxlen=window) for key in ("loss", "grad_norm", "param_norm", "rss_mb")
         }
         self.act_mean: deque = deque(maxlen=cfg.activation_window)
         self.act_var: deque = deque(maxlen=cfg.activation_window)
         self.counts: dict[str, int] = {}  # consecutive checks outside a band, per detector
         self.active: set[str] = set()  # alarms raised and not yet cleared (raised once per episode)
         self.checks = 0
-        self.raised: list[Alarm] = []
         self.cooldown_until = -1  # check index before which reduce_lr does not act again
 
     # ---- state for checkpoints -----------------------------------------------------------------
@@ -121,11 +119,13 @@ class HealthMonitor:
             "history": {k: list(v) for k, v in self.history.items()},
             "act_mean": list(self.act_mean), "act_var": list(self.act_var),
             "counts": self.counts, "active": sorted(self.active), "checks": self.checks,
-            "cooldown_until": self.cooldown_until, "raised": [a.to_record() for a in self.raised],
+            "cooldown_until": self.cooldown_until,
         }
 
     def load_state_dict(self, state: dict) -> None:
         for key, values in state["history"].items():
+            if key not in self.history:  # a window this version no longer keeps
+                continue
             self.history[key].clear()
             self.history[key].extend(values)
         self.act_mean.clear()
@@ -134,8 +134,6 @@ class HealthMonitor:
         self.act_var.extend(state["act_var"])
         self.counts, self.active = dict(state["counts"]), set(state["active"])
         self.checks, self.cooldown_until = state["checks"], state["cooldown_until"]
-        self.raised = [Alarm(**{k: v for k, v in r.items() if k != "kind" and k != "alarm"}, name=r["alarm"])
-                       for r in state["raised"]]
 
     # ---- detection -----------------------------------------------------------------------------
     def check(self, s: Sample) -> list[Alarm]:
@@ -233,14 +231,13 @@ class HealthMonitor:
                                         f"robust z-score <= {cfg.spike_z:g} over the last {len(losses)} checks")
 
         for key, value in (("loss", s.loss), ("grad_norm", s.grad_norm), ("param_norm", s.param_norm),
-                           ("rss_mb", s.rss_mb), ("early_ratio", early)):
+                           ("rss_mb", s.rss_mb)):
             self.history[key].append(value)
         new = [a for name, a in found.items() if name not in self.active]
         # An alarm stays active (silent) until a check that evaluated its detector no longer finds it.
         self.active = set(found) | {name for name in self.active if name not in evaluated}
         for alarm in new:
             alarm.action = self.action_for(alarm.name).value
-        self.raised.extend(new)
         return new
 
     def action_for(self, name: str) -> MonitorAction:

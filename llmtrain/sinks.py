@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -99,7 +98,15 @@ class WandbSink:
     def __init__(self, run_dir: Path, mode: str, project: str, config: dict) -> None:
         import wandb
 
-        self.run = wandb.init(mode=mode, dir=str(run_dir), project=project, config=config, name=Path(run_dir).name)
+        from llmtrain.errors import UserError
+
+        try:
+            self.run = wandb.init(mode=mode, dir=str(run_dir), project=project, config=config, name=Path(run_dir).name)
+        except Exception as err:  # no network, no API key, ...: the user's setting, said in one paragraph
+            raise UserError(
+                f"W&B could not start (wandb={mode}): {' '.join(str(err).split())[:300].rstrip('.')}. Use wandb=offline (no network; "
+                "upload later with `wandb sync`), log in with `wandb login`, or set wandb=off."
+            ) from None
 
     def write(self, record: dict[str, Any]) -> None:
         step, kind = record.get("step"), record.get("kind", "")
@@ -142,7 +149,6 @@ class ConsoleSink:
         self.task = None
         self.live: Live | None = None
         self.health_rows: list[tuple[str, str, str]] = []
-        self.last_line = time.monotonic()
 
     def banner(self, title: str, rows: list[tuple[str, str]]) -> None:
         table = Table(title=title, show_header=False, title_justify="left", box=None, padding=(0, 2))

@@ -262,6 +262,7 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
                 step = state.step
                 fetch_start = time.perf_counter()
                 window = [train_batches.next_batch() for _ in range(min(accum, micro_total - step * accum))]
+                window_tokens = sum(y.numel() for _, y in window)
                 lr_schedule = lr_at(step, peak_lr, steps_total, cfg.schedule)
                 lr = lr_schedule * state.lr_scale
                 for group in optimizer.param_groups:
@@ -285,7 +286,7 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
                 skip_update = False
                 if finite and watch is not None and watch.is_check(step + 1):
                     alarms = watch.check(step + 1, loss, grad_norm, optimizer.param_groups[0]["lr"], lr_schedule,
-                                         state.tokens + sum(y.numel() for _, y in window),
+                                         state.tokens + window_tokens,
                                          scaler.get_scale() if scaler is not None else None)
                     verdicts = [act_on_alarm(alarm, cfg, state, watch, saver, warn, model, optimizer, scaler)
                                 for alarm in alarms]
@@ -310,7 +311,7 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
                     watch.after_step(applied=finite)
                 optimizer.zero_grad(set_to_none=True)
                 state.step += 1
-                state.tokens += sum(y.numel() for _, y in window)
+                state.tokens += window_tokens
                 if not finite and not skip_update:
                     state = handle_nonfinite(cfg, state, loss, grad_norm, saver, metrics, warn, model, optimizer, scaler)
                     if state.step == step:  # rolled back: the loop goes on from the checkpoint's step

@@ -170,7 +170,7 @@ def test_option_composes_converts_and_builds(group: str, option: str, tmp_path: 
         from llmtrain.monitor import HealthMonitor
 
         assert cfg.monitor.enabled == (option != "off")
-        monitor = HealthMonitor(cfg.monitor, n_blocks=2)
+        monitor = HealthMonitor(cfg.monitor)
         assert monitor.action_for("loss_spike") in set(MonitorAction)
     else:
         assert group == "parallel"

@@ -20,7 +20,7 @@ def sample(step: int, **kw: object) -> Sample:
 
 def run(stream: list[Sample], cfg: MonitorConfig | None = None) -> dict[str, int]:
     """Feed a stream; return {alarm name: step it was first raised}."""
-    monitor = HealthMonitor(cfg or MonitorConfig(), n_blocks=3)
+    monitor = HealthMonitor(cfg or MonitorConfig())
     first: dict[str, int] = {}
     for s in stream:
         for alarm in monitor.check(s):
@@ -70,7 +70,7 @@ def test_starved_blocks_raise_grad_norm_low_with_the_blocks_named() -> None:
     stream = noisy(10)
     for s in stream:
         s.block_grad_norms = [1e-9, 1e-9, 1e-9]
-    monitor = HealthMonitor(MonitorConfig(), 3)
+    monitor = HealthMonitor(MonitorConfig())
     alarms = [a for s in stream for a in monitor.check(s)]
     assert [a.name for a in alarms] == ["grad_norm_low"] and alarms[0].blocks == [0, 1, 2]
 
@@ -114,7 +114,7 @@ def test_activation_mean_drift_and_variance_trends() -> None:
     for s in drift:
         if s.activation_mean is not None:
             s.activation_mean = [0.0, 3.0, 0.0]
-    monitor = HealthMonitor(cfg, 3)
+    monitor = HealthMonitor(cfg)
     raised = [a for s in drift for a in monitor.check(s)]
     assert [a.name for a in raised] == ["activation_mean_drift"], "raised once, not at every sample"
     assert raised[0].blocks == [1]
@@ -153,7 +153,7 @@ def test_fp16_without_scaler_fires_at_once() -> None:
 
 
 def test_reduce_lr_has_a_cooldown() -> None:
-    monitor = HealthMonitor(MonitorConfig(cooldown_checks=10), 3)
+    monitor = HealthMonitor(MonitorConfig(cooldown_checks=10))
     first = monitor.action_for("grad_norm_high")
     second = monitor.action_for("grad_norm_high")
     assert (first, second) == (MonitorAction.reduce_lr, MonitorAction.warn)
@@ -163,10 +163,10 @@ def test_state_round_trip_keeps_windows_and_active_alarms() -> None:
     stream = noisy(30)
     for s in stream[10:]:
         s.grad_norm = 500.0
-    a = HealthMonitor(MonitorConfig(), 3)
+    a = HealthMonitor(MonitorConfig())
     for s in stream[:20]:
         a.check(s)
-    b = HealthMonitor(MonitorConfig(), 3)
+    b = HealthMonitor(MonitorConfig())
     b.load_state_dict(a.state_dict())
     assert b.active == a.active == {"grad_norm_high"} and b.checks == 20
     assert [x.name for s in stream[20:] for x in b.check(s)] == [], "an active alarm is not raised again after resume"

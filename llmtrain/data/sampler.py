@@ -31,12 +31,6 @@ class RandomWindowSampler:
         windows = torch.from_numpy(self.tokens[starts[:, None] + self._offsets].astype(np.int64))
         return windows[:, :-1], windows[:, 1:]
 
-    def __iter__(self) -> RandomWindowSampler:
-        return self
-
-    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.next_batch()
-
     def state_dict(self) -> dict:
         return {"bit_generator": self.rng.bit_generator.state}
 
