@@ -17,16 +17,20 @@ import shlex
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from llmtrain.errors import EXIT_ABORTED, EXIT_USER_ERROR
 
+if TYPE_CHECKING:
+    from llmtrain.config import Config
+
 COMMANDS: dict[str, str] = {
     "train": "Train a model from the composed config groups (Hydra overrides, -m sweeps).",
+    "check": "Pre-flight checklist (seed 8.1) + memory/compute estimate for a config; exit 0 pass, 1 warn, 2 fail.",
     "sample": "Generate text from a run directory's trained model (or an export).",
     "export": "Write a run's weights as safetensors + the model config as JSON.",
 }
-# Later commands (check, prepare, report, doctor, compare) register here.
+# Later commands (prepare, report, doctor, compare) register here.
 
 USAGE = """usage: llmtrain <command> [args]
 
@@ -70,7 +74,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     command, rest = args[0], args[1:]
     handlers: dict[str, Callable[[list[str]], None]] = {
-        "train": train_command, "sample": sample_command, "export": export_command,
+        "train": train_command, "check": check_command, "sample": sample_command, "export": export_command,
     }
     if command not in handlers:
         fail(f"unknown command '{command}'; valid commands: {', '.join(COMMANDS)}. See `llmtrain --help`.")
@@ -106,7 +110,8 @@ def train_command(args: list[str]) -> None:
 
         try:
             validate_overrides(
-                parsed.overrides, multirun=parsed.multirun, extra_dir=parsed.config_dir, config_name=parsed.config_name
+                parsed.overrides, multirun=parsed.multirun, extra_dir=parsed.config_dir, config_name=parsed.config_name,
+                preflight=not (parsed.cfg or parsed.info),
             )
         except UserError as err:
             fail(str(err))
@@ -145,38 +150,56 @@ def _train_task(node) -> None:  # node: the composed OmegaConf DictConfig (untyp
 
 
 def validate_overrides(
-    overrides: list[str], multirun: bool = False, extra_dir: str | None = None, config_name: str | None = None
+    overrides: list[str], multirun: bool = False, extra_dir: str | None = None, config_name: str | None = None,
+    preflight: bool = False,
 ) -> None:
-    """Compose every configuration the command line asks for and validate it; raises ConfigError.
+    """Compose every configuration the command line asks for and validate it; raises ConfigError,
+    or CheckFailed (after printing the check's table) when `preflight` finds FAIL rows.
 
     A sweep (`-m a=1,2 b=x,y`) is expanded the way Hydra's basic sweeper does, so a bad value in
     any job fails before the first job starts. `extra_dir` is `--config-dir`: searched like Hydra does.
     """
+    from llmtrain.data.corpus import text_file
+
+    jobs = _expand_sweep(overrides) if multirun else [overrides]
+    for job in jobs:
+        cfg = compose_config(job, extra_dir, config_name)
+        if cfg.data.path is not None:
+            text_file(cfg.data.path)  # a missing corpus fails now, not after Hydra made a run dir
+        if preflight:
+            from llmtrain.check import CheckFailed, render, run_check
+
+            report = run_check(cfg, measure_compute=False)
+            if report.failures and not cfg.allow_check_failures:
+                from rich.console import Console
+
+                render(report, Console(stderr=True, width=180), estimates=True)
+                raise CheckFailed(report.refusal(), report)
+
+
+def compose_config(overrides: list[str], extra_dir: str | None = None, config_name: str | None = None) -> Config:
+    """Compose the shipped config (plus `extra_dir`, like --config-dir) with `overrides` and validate
+    it, without starting Hydra's job machinery (no run dir); raises ConfigError."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
     from llmtrain.config import register_configs, to_config
-    from llmtrain.data.corpus import text_file
     from llmtrain.errors import ConfigError
 
     register_configs()
-    jobs = _expand_sweep(overrides) if multirun else [overrides]
     search = [f"hydra.searchpath=[file://{Path(extra_dir).expanduser().resolve()}]"] if extra_dir else []
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3", job_name="train"):
-        for job in jobs:
-            try:
-                node = compose(config_name=config_name or "config", overrides=[*search, *job])
-            except Exception as err:  # Hydra wraps the cause; turn it into one paragraph
-                raise _composition_error(err) from None
-            try:
-                cfg = to_config(node)
-                if cfg.data.path is not None:
-                    text_file(cfg.data.path)  # a missing corpus fails now, not after Hydra made a run dir
-            except ConfigError as err:
-                if "Unknown config key" in str(err) and any(o.startswith("+") for o in job):
-                    raise ConfigError(f"{err} ('+key=value' cannot add keys the schema does not define.)") from None
-                raise
+        try:
+            node = compose(config_name=config_name or "config", overrides=[*search, *overrides])
+        except Exception as err:  # Hydra wraps the cause; turn it into one paragraph
+            raise _composition_error(err) from None
+    try:
+        return to_config(node)
+    except ConfigError as err:
+        if "Unknown config key" in str(err) and any(o.startswith("+") for o in overrides):
+            raise ConfigError(f"{err} ('+key=value' cannot add keys the schema does not define.)") from None
+        raise
 
 
 def _expand_sweep(overrides: list[str]) -> list[list[str]]:
@@ -247,10 +270,11 @@ def train_help() -> str:
         "  llmtrain train model=gpt_small optim=sgd optim.lr=0.05",
         "  llmtrain train -m optim.lr=1e-3,3e-4 max_steps=20      # a sweep: one run dir per job",
         "  llmtrain train data=text data.path=corpus.txt data.tokenizer=char --cfg job",
+        "  llmtrain train preset=[stable,fast]                     # presets: checklist items switched on",
         "",
         "Config groups (default marked *):",
     ]
-    for group in GROUPS:
+    for group in (*GROUPS, "preset"):
         options = sorted(p.stem for p in (root / group).glob("*.yaml"))
         shown = ", ".join(f"{o}*" if o == defaults.get(group) else o for o in options)
         lines.append(f"  {group:<11} {shown}")
@@ -274,6 +298,40 @@ def train_help() -> str:
         "Full Hydra help: llmtrain train --hydra-help",
     ]
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# check
+# ---------------------------------------------------------------------------------------------
+
+
+def check_command(args: list[str]) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="llmtrain check",
+        description="Run the pre-flight checklist (seed 8.1 and tables 5.1-5.3) on a config, with a memory and "
+        "compute estimate for this machine. Takes the same overrides as `llmtrain train`. "
+        "Exit code: 0 all items pass, 1 warnings, 2 failures (or a bad config).",
+        epilog="example: llmtrain check model=gpt_small optim=adamw precision=fp16",
+    )
+    parser.add_argument("overrides", nargs="*", help="config overrides, as for `llmtrain train` (GROUP=OPTION, KEY=VALUE)")
+    parser.add_argument("--config-dir", "-cd", default=None, help="a folder of your own group options (as for train)")
+    parser.add_argument("--no-compute", action="store_true", help="skip the matmul measurement and the time estimate")
+    opts = parser.parse_args(args)
+    if opts.config_dir and not Path(opts.config_dir).expanduser().is_dir():
+        fail(f"--config-dir is '{opts.config_dir}', which is not a folder; give a folder of group options like conf/.")
+
+    from llmtrain.check import render, run_check
+    from llmtrain.errors import UserError
+
+    try:
+        cfg = compose_config(opts.overrides, opts.config_dir)
+        report = run_check(cfg, measure_compute=not opts.no_compute)
+    except UserError as err:
+        fail(str(err))
+    render(report)
+    sys.exit(report.exit_code)
 
 
 # ---------------------------------------------------------------------------------------------

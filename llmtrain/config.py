@@ -104,6 +104,13 @@ class Precision(str, Enum):
     fp32 = "fp32"
     bf16 = "bf16"
     fp16 = "fp16"
+    auto = "auto"
+
+
+class CompileMode(str, Enum):
+    off = "off"
+    on = "on"
+    auto = "auto"
 
 
 class NonFinitePolicy(str, Enum):
@@ -207,11 +214,15 @@ class DataConfig:
     max_bytes: int | None = _f(None, "Read at most this many bytes of the corpus; null reads all.")
     cache_dir: str | None = _f(None, "Where prepared tokens go; null uses $LLMTRAIN_CACHE or ~/.cache/llmtrain.")
     seed: int | None = _f(None, "Seed of the batch sampler; null derives it from the run seed.")
+    shuffle: bool = _f(True, "Random windows; false reads consecutive windows in corpus order (debugging only).")
+    overfit_batches: int = _f(0, "Debugging: cycle through the first N micro-batches forever (the overfit check); 0 = off.")
 
 
 @dataclass
 class PrecisionConfig:
-    name: Precision = _f(Precision.fp32, "fp32, bf16 (autocast) or fp16 (autocast + dynamic loss scaling).")
+    name: Precision = _f(
+        Precision.fp32, "fp32, bf16 (autocast), fp16 (autocast + dynamic loss scaling), or auto (bf16/fp16 on CUDA, else fp32)."
+    )
     loss_scaling: bool = _f(True, "fp16 only: dynamic loss scaling (GradScaler); off lets small gradients underflow.")
     init_scale: float = _f(2.0**16, "fp16 only: initial loss scale.")
     growth_interval: int = _f(2000, "fp16 only: steps without overflow before the scale doubles.")
@@ -280,7 +291,10 @@ class Config:
     wandb: WandbMode = _f(WandbMode.off, "Weights & Biases: off, offline (files in RUN_DIR/wandb, no network) or online (extra: wandb).")
     wandb_project: str = _f("llmtrain", "W&B project name.")
     resume: str = _f("auto", "auto (newest good checkpoint of the run dir), never, or a checkpoint/run dir path.")
-    seed: int = _f(1337, "Global seed: model init, dropout and (by default) data order.")
+    seed: int | None = _f(1337, "Global seed: model init, dropout and (by default) data order; null draws one (logged).")
+    deterministic: bool = _f(False, "Deterministic algorithms only (torch.use_deterministic_algorithms): bitwise repeatable, maybe slower.")
+    compile: CompileMode = _f(CompileMode.off, "torch.compile each block: off, on, or auto (CUDA only; on CPU it costs ~30 s, gains nothing).")
+    allow_check_failures: bool = _f(False, "Train even when the pre-flight check (llmtrain check) reports FAIL rows.")
     max_steps: int | None = _f(1000, "Optimizer steps to run (ignored when max_tokens is set).")
     max_tokens: int | None = _f(None, "Train on this many tokens instead; the last step may be partial.")
     micro_batch_size: int = _f(16, "Sequences per forward/backward pass.")
@@ -503,6 +517,7 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         f"use data.seq_len<={m.block_size} or raise model.block_size.",
     )
     _require(0 < d.val_fraction < 1, f"'data.val_fraction' is {d.val_fraction}; valid range is (0, 1).")
+    _require(d.overfit_batches >= 0, f"'data.overfit_batches' is {d.overfit_batches}; use 0 (off) or a batch count >= 1.")
     _require(d.max_bytes is None or d.max_bytes > 0, f"'data.max_bytes' is {d.max_bytes}; use a positive size or null.")
     if d.source is DataSource.text:
         _require(d.path is not None, "Missing required value 'data.path': data=text needs your file, e.g. data.path=corpus.txt.")

@@ -25,6 +25,7 @@ import dataclasses
 import math
 import os
 import random
+import secrets
 import time
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager as ContextManager
@@ -36,6 +37,7 @@ import torch
 import torch.nn.functional as F
 import yaml
 
+from llmtrain.check import CheckFailed, run_check
 from llmtrain.checkpoint import (
     SHAPE_KEYS,
     Checkpoint,
@@ -49,6 +51,7 @@ from llmtrain.checkpoint import (
     resume_checkpoint,
 )
 from llmtrain.config import (
+    CompileMode,
     Config,
     ConfigError,
     MonitorAction,
@@ -72,7 +75,7 @@ from llmtrain.model import GPT, flops_per_token, param_count
 from llmtrain.monitor import Alarm
 from llmtrain.optim import build_optimizer, clip_gradients
 from llmtrain.parallel import default_threads, resolve_device
-from llmtrain.precision import autocast_factory, build_grad_scaler
+from llmtrain.precision import autocast_factory, build_grad_scaler, resolve_precision
 from llmtrain.schedule import lr_at
 from llmtrain.sinks import ConsoleSink, MetricsSink
 
@@ -143,6 +146,14 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)  # seeds CUDA too
 
 
+def use_deterministic_algorithms(device: torch.device) -> None:
+    """Only deterministic kernels from here on (an op without one raises instead of varying)."""
+    if device.type == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS reductions
+        torch.backends.cudnn.benchmark = False
+    torch.use_deterministic_algorithms(True)
+
+
 def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
     # ---- set-up: everything that can fail on user input fails here, before any compute --------
     validate(cfg)
@@ -150,10 +161,15 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
         raise ConfigError("'out_dir' is not set; give a run directory, e.g. out_dir=runs/first.")
     run_dir = Path(cfg.out_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    seed_everything(cfg.seed)
+    # seed=null: draw one, and log it, so even an unseeded run can be repeated.
+    run_seed = cfg.seed if cfg.seed is not None else secrets.randbelow(2**31)
+    seed_everything(run_seed)
     threads = cfg.threads or default_threads()
     torch.set_num_threads(threads)
     device = resolve_device(cfg.device)
+    if cfg.deterministic:
+        use_deterministic_algorithms(device)
+    precision = dataclasses.replace(cfg.precision, name=resolve_precision(cfg.precision.name, device))
 
     steps_total = total_steps(cfg)
     micro_total = total_micro_batches(cfg)
@@ -178,6 +194,10 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
             f"'model.vocab_size' ({vocab_size}) is smaller than the data's vocabulary ({data.vocab_size} tokens, "
             f"{cfg.data.tokenizer.value} tokenizer); use model.vocab_size>={data.vocab_size} or model.vocab_size=null."
         )
+    # The pre-flight checklist (`llmtrain check`), now with the data's real size: FAIL refuses.
+    check = run_check(cfg, measure_compute=False, data_meta=data.meta)
+    if check.failures and not cfg.allow_check_failures:
+        raise CheckFailed(check.refusal(), check)
     config_dict = config_to_dict(cfg)
     remove_stale_temps(run_dir)  # one writer per run dir: leftovers are from a process that died
     checkpoint = resume_checkpoint(cfg.resume, run_dir, warn, device)
@@ -186,14 +206,18 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
 
     model = GPT(cfg.model, vocab_size).to(device)
     model.train()
+    if cfg.compile is CompileMode.on or (cfg.compile is CompileMode.auto and device.type == "cuda"):
+        for block in model.blocks:  # in place, per block: parameter names (and checkpoints) stay the same
+            block.compile()
     optimizer = build_optimizer(model, cfg.optim, device.type)
-    autocast = autocast_factory(cfg.precision, device.type)
-    scaler = build_grad_scaler(cfg.precision, device.type)
+    autocast = autocast_factory(precision, device.type)
+    scaler = build_grad_scaler(precision, device.type)
     params = [p for p in model.parameters() if p.requires_grad]
 
     # The sampler owns its RNG, so the data order is independent of init and dropout.
-    data_seed = cfg.data.seed if cfg.data.seed is not None else cfg.seed
-    train_batches = RandomWindowSampler(data.tokens("train"), cfg.micro_batch_size, seq_len, data_seed)
+    data_seed = cfg.data.seed if cfg.data.seed is not None else run_seed
+    train_batches = RandomWindowSampler(data.tokens("train"), cfg.micro_batch_size, seq_len, data_seed,
+                                        cfg.data.shuffle, cfg.data.overfit_batches)
     val_batches = []
     if cfg.eval_interval:
         val_sampler = RandomWindowSampler(data.tokens("val"), cfg.micro_batch_size, seq_len, data_seed + 1)
@@ -222,7 +246,9 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
                       f"{micro_total * cfg.micro_batch_size * seq_len:,} tokens"),
             ("optimizer", f"{cfg.optim.name.value} lr {cfg.optim.lr:g}{scaled}, {type(optimizer).__name__}"
                           f"{' (fused)' if optimizer.defaults.get('fused') else ''}"),
-            ("device", f"{device}, {cfg.precision.name.value}, {threads} threads"),
+            ("device", f"{device}, {precision.name.value}{' (auto)' if cfg.precision.name is Precision.auto else ''}, "
+                       f"{threads} threads, seed {run_seed}{' (drawn)' if cfg.seed is None else ''}"
+                       f"{', deterministic' if cfg.deterministic else ''}"),
             ("data", f"{data.meta['train_tokens']:,} train / {data.meta['val_tokens']:,} val tokens, "
                      f"vocab {data.vocab_size}, {cfg.data.tokenizer.value} tokens"),
             ("baseline", f"unigram entropy {data.unigram_entropy:.4f} nats/token: the loss to beat"),
@@ -230,6 +256,10 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
                             f"keep {cfg.checkpoint.keep_last}{' + best' if cfg.checkpoint.keep_best else ''}; "
                             f"non-finite: {cfg.checkpoint.on_nonfinite.value}"
                             + (f"; resumed at step {state.step}" if resume_from else "")),
+            ("check", f"{len(check.rows) - len(check.warnings) - len(check.failures)} of {len(check.rows)} pre-flight "
+                      f"items pass" + ("" if check.warnings or check.failures else " (llmtrain check)")),
+            *[(f"  {row.status.value.lower()}", f"{row.item}: {row.seen}" + (f" -> {row.fix}" if row.fix else ""))
+              for row in check.failures + check.warnings],
         ],
     )
 
@@ -237,12 +267,13 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
     metrics = MetricsSink(run_dir, cfg.tensorboard, cfg.wandb.value, cfg.wandb_project, config_dict)
     # Appending (never truncating) keeps earlier records (a resumed run continues the same file).
     metrics.write({"kind": "start", "time": time.time(), "steps": steps_total, "tokens_per_step": tokens_per_step,
-                   "resumed_from": str(resume_from) if resume_from else None, "step": state.step})
+                   "resumed_from": str(resume_from) if resume_from else None, "step": state.step, "seed": run_seed,
+                   "check": {row.item: row.status.value for row in check.rows}})
     result = TrainResult(run_dir=run_dir, steps=state.step, tokens=state.tokens, unigram_entropy=data.unigram_entropy)
     flops_token = flops_per_token(model, seq_len)
     # Test-only hook: poison the loss at these steps, each listed occurrence once ("6,6": twice).
     nan_steps = [int(s) for s in os.environ.get("LLMTRAIN_TEST_NAN_AT_STEPS", "").split(",") if s]
-    fp16_unscaled = cfg.precision.name is Precision.fp16 and scaler is None
+    fp16_unscaled = precision.name is Precision.fp16 and scaler is None
     watch = (HealthWatch(cfg.monitor, model, run_dir, sink, metrics, steps_total, fp16_unscaled, flops_token)
              if cfg.monitor.enabled else None)
     if watch is not None:

@@ -74,8 +74,8 @@ def source_files(cfg: DataConfig) -> list[SourceFile]:
     return [SourceFile(path.name, path)]
 
 
-def prepare_data(cfg: DataConfig, log: Callable[[str], None] = print) -> PreparedData:
-    """Return the prepared data for `cfg`, building it only when missing or stale."""
+def _location(cfg: DataConfig) -> tuple[list[SourceFile], Path]:
+    """The source files and the cache folder of the prepared data for `cfg`."""
     files = source_files(cfg)
     identity = {
         "format": FORMAT_VERSION,
@@ -86,7 +86,22 @@ def prepare_data(cfg: DataConfig, log: Callable[[str], None] = print) -> Prepare
         "max_bytes": cfg.max_bytes,
     }
     key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
-    directory = cache_root(cfg) / "data" / f"{cfg.source.value}-{cfg.tokenizer.value}-{key}"
+    return files, cache_root(cfg) / "data" / f"{cfg.source.value}-{cfg.tokenizer.value}-{key}"
+
+
+def cached_meta(cfg: DataConfig) -> dict | None:
+    """The metadata of already prepared, up-to-date data for `cfg`, or None (nothing is built)."""
+    files, directory = _location(cfg)
+    meta_path = directory / "meta.json"
+    if not meta_path.is_file():
+        return None
+    meta = json.loads(meta_path.read_text())
+    return meta if meta.get("fingerprint") == fingerprint(files) else None
+
+
+def prepare_data(cfg: DataConfig, log: Callable[[str], None] = print) -> PreparedData:
+    """Return the prepared data for `cfg`, building it only when missing or stale."""
+    files, directory = _location(cfg)
     meta_path = directory / "meta.json"
     quick = fingerprint(files)
     if meta_path.is_file():

@@ -1,0 +1,235 @@
+"""The pre-flight checklist: every item has a config that trips it and one that passes; the CLI's
+exit codes; `train` refusing on FAIL; the presets composing and `stable` passing every item."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import llmtrain.check as check
+from llmtrain.check import Status, run_check
+from llmtrain.cli import compose_config
+from llmtrain.config import NormPosition, OptimizerName, Precision, ResidualInit
+
+from .conftest import TINY_CORPUS, tiny_config
+
+PRESETS = sorted(p.stem for p in (Path(__file__).parents[1] / "conf" / "preset").glob("*.yaml"))
+
+
+def status(cfg, item: str) -> Status:
+    return run_check(cfg, measure_compute=False).row(item).status
+
+
+def base(tmp_path: Path, **overrides):
+    """The tiny test config with a 5% warmup of a 100-step run: every item passes."""
+    return tiny_config(tmp_path, **{"max_steps": 100, "schedule.warmup_steps": 5, **overrides})
+
+
+def test_the_base_config_passes_every_item(tmp_path: Path) -> None:
+    report = run_check(base(tmp_path), measure_compute=False)
+    assert [r.item for r in report.rows if r.status is not Status.PASS] == []
+    assert report.exit_code == 0
+
+
+@pytest.mark.parametrize(
+    ("item", "bad", "expected"),
+    [
+        ("data order", {"data.shuffle": False}, Status.WARN),
+        ("data order", {"seed": None}, Status.WARN),
+        ("data order", {"data.overfit_batches": 1}, Status.WARN),
+        ("warmup", {"schedule.warmup_steps": 0}, Status.WARN),
+        ("warmup", {"schedule.warmup_steps": 50}, Status.WARN),  # half the run
+        ("gradient clipping", {"optim.clip_grad_norm": None}, Status.WARN),
+        ("gradient clipping", {"optim.clip_grad_norm": None, "optim.clip_grad_value": 1.0}, Status.WARN),
+        ("gradient clipping", {"optim.clip_grad_norm": 100.0}, Status.WARN),
+        ("mixed precision", {"precision.name": Precision.fp16, "precision.loss_scaling": False}, Status.FAIL),
+        ("mixed precision", {"precision.name": Precision.bf16}, Status.WARN),  # slower on CPU
+        ("train/eval mode", {"model.dropout": 0.5}, Status.WARN),
+        ("global seed", {"seed": None}, Status.WARN),
+        ("effective batch", {"micro_batch_size": 1, "global_batch_size": 128}, Status.WARN),
+        ("learning rate", {"optim.lr": 0.1}, Status.FAIL),
+        ("learning rate", {"optim.lr": 1e-6}, Status.WARN),
+        ("learning rate", {"optim.name": OptimizerName.sgd, "optim.lr": 3e-5}, Status.WARN),
+        ("residual / norm", {"model.norm_position": NormPosition.post, "model.n_layer": 8}, Status.WARN),
+        ("init variance", {"model.init_std": 0.5}, Status.WARN),
+        ("init variance", {"model.init_std": 1e-4}, Status.WARN),
+        ("init variance", {"model.residual_init": ResidualInit.plain, "model.n_layer": 12}, Status.WARN),
+        ("token budget", {"max_steps": 20000, "schedule.warmup_steps": 1000}, Status.WARN),  # > 20 epochs
+        ("memory", {"model.n_layer": 48, "model.n_embd": 4096, "model.n_head": 32}, Status.FAIL),
+    ],
+)
+def test_item_trips_on_a_bad_config(tmp_path: Path, item: str, bad: dict, expected: Status) -> None:
+    row = run_check(base(tmp_path, **bad), measure_compute=False).row(item)
+    assert row.status is expected, row
+    assert row.fix, "a WARN or FAIL row names the override that fixes it"
+
+
+@pytest.mark.parametrize(
+    ("item", "good"),
+    [
+        ("learning rate", {"optim.name": OptimizerName.sgd, "optim.lr": 0.05}),
+        ("learning rate", {"optim.name": OptimizerName.adafactor, "optim.lr": 1e-3}),
+        ("warmup", {"max_steps": 100_000, "schedule.warmup_steps": 600}),  # long run: 0.6% but 600 steps
+        ("mixed precision", {"precision.name": Precision.auto}),  # auto -> fp32 on CPU
+        ("residual / norm", {"model.norm_position": NormPosition.post, "model.n_layer": 2}),
+        ("init variance", {"model.init": "kaiming"}),
+    ],
+)
+def test_item_passes_a_good_variant(tmp_path: Path, item: str, good: dict) -> None:
+    assert status(base(tmp_path, **good), item) is Status.PASS
+
+
+def test_memory_warns_near_the_budget_and_suggests_a_fitting_micro_batch(tmp_path: Path, monkeypatch) -> None:
+    cfg = base(tmp_path, **{"micro_batch_size": 64, "global_batch_size": 128, "model.block_size": 256,
+                            "model.n_embd": 128, "model.n_head": 4, "model.n_layer": 4})  # activations dominate
+    peak = run_check(cfg, measure_compute=False).facts.memory.peak
+    runtime = run_check(cfg, measure_compute=False).facts.memory.runtime
+    monkeypatch.setattr(check, "available_memory", lambda device: (peak / 0.9 - runtime, "test budget"))
+    assert status(cfg, "memory") is Status.WARN
+    monkeypatch.setattr(check, "available_memory", lambda device: (peak * 0.8 - runtime, "test budget"))
+    row = run_check(cfg, measure_compute=False).row("memory")
+    assert row.status is Status.FAIL
+    assert "micro_batch_size=" in row.fix and "keeps the global batch 128" in row.fix
+    assert "activation_checkpointing=true" in row.fix
+
+
+def test_train_mode_check_catches_an_evaluate_that_leaves_eval_mode(tmp_path: Path, monkeypatch) -> None:
+    import llmtrain.train
+
+    def broken_evaluate(model, batches, device, autocast):
+        model.eval()
+        return 0.0
+
+    monkeypatch.setattr(llmtrain.train, "evaluate", broken_evaluate)
+    row = run_check(base(tmp_path), measure_compute=False).row("train/eval mode")
+    assert row.status is Status.FAIL and "left the model in eval mode" in row.seen
+
+
+def test_check_does_not_move_the_global_rng(tmp_path: Path) -> None:
+    import torch
+
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    run_check(base(tmp_path), measure_compute=False)
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_run_time_warns_when_the_run_needs_more_than_a_night(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr("llmtrain.probes.matmul_peak_flops", lambda device: 1e6)  # a very slow device
+    report = run_check(base(tmp_path, max_steps=10_000, **{"schedule.warmup_steps": 500}), measure_compute=True)
+    assert report.row("run time").status is Status.WARN
+    assert report.facts.compute.run_seconds > 8 * 3600
+
+
+# ---------------------------------------------------------------------------------------------
+# presets
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_preset_composes_with_other_groups(preset: str) -> None:
+    cfg = compose_config([f"preset={preset}", "model=modern_tiny", "optim=adamw"])
+    assert cfg.model.name in ("modern_tiny", "debug_tiny")
+
+
+def test_presets_compose_together_and_command_line_wins() -> None:
+    cfg = compose_config(["preset=[stable,fast]", "optim.clip_grad_norm=2.0"])
+    assert cfg.precision.name is Precision.auto and cfg.optim.fused is True and cfg.optim.clip_grad_norm == 2.0
+    assert compose_config(["preset=memory_saver", "micro_batch_size=8"]).micro_batch_size == 8
+
+
+def test_stable_preset_passes_every_item() -> None:
+    report = run_check(compose_config(["preset=stable"]), measure_compute=True)
+    assert [(r.item, r.status.value, r.seen) for r in report.rows if r.status is not Status.PASS] == []
+
+
+def test_debug_overfit_preset_drives_the_loss_near_zero(tmp_path: Path) -> None:
+    """The seed's sanity check on the real model: one repeated batch is memorized."""
+    from llmtrain.train import train
+
+    cfg = compose_config(["preset=debug_overfit", "data=text", f"data.path={TINY_CORPUS}", "data.tokenizer=char",
+                          f"out_dir={tmp_path / 'run'}", "threads=1"])
+    result = train(cfg)
+    assert result.train_losses[max(result.train_losses)] < 0.05
+
+
+# ---------------------------------------------------------------------------------------------
+# the command line
+# ---------------------------------------------------------------------------------------------
+
+
+def llmtrain(tmp_path: Path, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "COLUMNS": "200"}
+    return subprocess.run([sys.executable, "-m", "llmtrain", *args], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def bad_config_dir(tmp_path: Path) -> Path:
+    """A user's own group options that switch the checklist items off."""
+    root = tmp_path / "myconf"
+    for group in ("schedule", "optim", "precision"):
+        (root / group).mkdir(parents=True, exist_ok=True)
+    (root / "schedule" / "nowarmup.yaml").write_text("name: cosine\nwarmup_steps: 0\n")
+    (root / "optim" / "reckless.yaml").write_text("name: adamw\nlr: 3e-3\nclip_grad_norm: null\n")
+    (root / "precision" / "fp16_unscaled.yaml").write_text(
+        "# @package _global_\nprecision:\n  name: fp16\n  loss_scaling: false\nseed: null\n")
+    return root
+
+
+BAD = ["schedule=nowarmup", "optim=reckless", "precision=fp16_unscaled"]
+
+
+def test_cli_bad_config_shows_matching_rows_and_exits_2(tmp_path: Path) -> None:
+    proc = llmtrain(tmp_path, "check", "-cd", str(bad_config_dir(tmp_path)), *BAD, "--no-compute")
+    assert proc.returncode == 2, proc.stderr
+    rows = {line.split("│")[1].strip(): line.split("│")[2].strip() for line in proc.stdout.splitlines()
+            if line.startswith("│") and line.split("│")[1].strip()}
+    assert rows["warmup"] == "WARN" and rows["gradient clipping"] == "WARN"
+    assert rows["mixed precision"] == "FAIL" and rows["global seed"] == "WARN"
+    fixed = llmtrain(tmp_path, "check", "-cd", str(bad_config_dir(tmp_path)), *BAD, "preset=stable", "--no-compute")
+    assert fixed.returncode == 0, fixed.stdout
+    assert "13 pass" not in fixed.stdout and "0 warn, 0 fail -> exit 0" in fixed.stdout
+
+
+def test_cli_acceptance_gpt_small_fp16_on_cpu(tmp_path: Path) -> None:
+    proc = llmtrain(tmp_path, "check", "model=gpt_small", "optim=adamw", "precision=fp16")
+    assert proc.returncode in (1, 2), proc.stderr  # 2 where the host memory is too small for it
+    out = proc.stdout
+    assert "mixed precision │ WARN" in out.replace("  ", " ") or "WARN │ fp16 on cpu" in out
+    assert "precision=fp32" in out and "optim.lr=" in out  # the fixes: fp32 on CPU, a smaller LR for 768 wide
+    assert "predicted peak" in out and "GFLOP/s" in out
+    assert proc.stdout.strip().endswith(f"-> exit {proc.returncode}")
+
+
+def test_cli_check_bad_value_is_a_one_paragraph_error(tmp_path: Path) -> None:
+    proc = llmtrain(tmp_path, "check", "optim.lr=fast")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "optim.lr" in proc.stderr
+
+
+def test_train_refuses_a_failing_config_before_making_a_run_dir(tmp_path: Path) -> None:
+    args = ["train", "precision=fp16", "precision.loss_scaling=false", "max_steps=2", f"hydra.run.dir={tmp_path / 'run'}"]
+    proc = llmtrain(tmp_path, *args)
+    assert proc.returncode == 2
+    assert "pre-flight check failed" in proc.stderr and "allow_check_failures=true" in proc.stderr
+    assert "precision.loss_scaling=true" in proc.stderr  # the table with the fix went to stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_train_with_the_override_runs_and_shows_the_failure_in_the_banner(tmp_path: Path) -> None:
+    corpus = ["data=text", f"data.path={TINY_CORPUS}", "data.tokenizer=char", "model.n_layer=1", "model.n_embd=32",
+              "model.n_head=2", "model.block_size=32", "micro_batch_size=4", "global_batch_size=4", "eval_interval=0"]
+    run = tmp_path / "run"
+    proc = llmtrain(tmp_path, "train", *corpus, "max_steps=3", "schedule.warmup_steps=0", "precision=fp16",
+                    "precision.loss_scaling=false", "allow_check_failures=true", f"hydra.run.dir={run}")
+    assert proc.returncode == 0, proc.stderr
+    assert "fail" in proc.stdout and "mixed precision" in proc.stdout  # FAIL row in the banner
+    assert "warmup: none" in proc.stdout  # WARN row in the banner
+    start = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+    assert start["check"]["mixed precision"] == "FAIL" and start["check"]["warmup"] == "WARN"

@@ -1,0 +1,63 @@
+"""Options the checklist and presets rely on: an unseeded run, unshuffled and replayed data,
+deterministic algorithms, precision=auto and compile=auto on CPU."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from llmtrain.config import CompileMode, Precision
+from llmtrain.data.sampler import RandomWindowSampler
+from llmtrain.precision import resolve_precision
+from llmtrain.train import train
+
+from .conftest import tiny_config
+
+TOKENS = np.arange(1000, dtype=np.uint16)
+
+
+def test_unshuffled_windows_follow_the_corpus_and_split_like_one_batch() -> None:
+    one = RandomWindowSampler(TOKENS, 4, 10, seed=0, shuffle=False)
+    x, y = one.next_batch()
+    assert x[:, 0].tolist() == [0, 10, 20, 30] and torch.equal(y[:, :-1], x[:, 1:])
+    two = RandomWindowSampler(TOKENS, 2, 10, seed=0, shuffle=False)
+    assert torch.equal(torch.cat([two.next_batch()[0], two.next_batch()[0]]), x)
+
+
+def test_overfit_batches_replays_the_first_batches_and_resumes_exactly() -> None:
+    sampler = RandomWindowSampler(TOKENS, 3, 8, seed=5, overfit_batches=2)
+    first, second = sampler.next_batch()[0], sampler.next_batch()[0]
+    assert not torch.equal(first, second)
+    assert torch.equal(sampler.next_batch()[0], first) and torch.equal(sampler.next_batch()[0], second)
+    state = json.loads(json.dumps(sampler.state_dict()))
+    resumed = RandomWindowSampler(TOKENS, 3, 8, seed=5, overfit_batches=2)
+    resumed.load_state_dict(state)
+    assert torch.equal(resumed.next_batch()[0], sampler.next_batch()[0])
+
+
+def test_unseeded_run_draws_a_seed_and_logs_it(tmp_path: Path) -> None:
+    train(tiny_config(tmp_path / "a", seed=None, max_steps=3))
+    train(tiny_config(tmp_path / "b", seed=None, max_steps=3))
+    seeds = [json.loads((tmp_path / run / "metrics.jsonl").read_text().splitlines()[0])["seed"] for run in "ab"]
+    assert all(isinstance(s, int) for s in seeds) and seeds[0] != seeds[1]
+
+
+def test_deterministic_run_repeats_bit_for_bit(tmp_path: Path) -> None:
+    try:
+        a = train(tiny_config(tmp_path / "a", deterministic=True, max_steps=4, **{"model.dropout": 0.1}))
+        b = train(tiny_config(tmp_path / "b", deterministic=True, max_steps=4, **{"model.dropout": 0.1}))
+    finally:
+        torch.use_deterministic_algorithms(False)  # process-wide: do not leak into other tests
+    assert a.train_losses == b.train_losses
+
+
+def test_auto_precision_and_compile_on_cpu_train_in_plain_fp32(tmp_path: Path) -> None:
+    assert resolve_precision(Precision.auto, torch.device("cpu")) is Precision.fp32
+    result = train(tiny_config(tmp_path / "run", max_steps=3, compile=CompileMode.auto,
+                               **{"precision.name": Precision.auto}))
+    assert result.steps == 3
+    reference = train(tiny_config(tmp_path / "ref", max_steps=3))
+    assert result.train_losses == reference.train_losses  # auto on CPU == fp32, no compile
