@@ -29,8 +29,10 @@ assumed utilization give the step time and the run time.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,9 +53,12 @@ from llmtrain.config import (
 
 MB = 2**20
 LAYOUTS = ("single", "ddp", "zero1", "fsdp")
-# Model FLOPs utilization assumed for the time estimate: what llmtrain measures on small models
-# (docs/performance.md); the health records in metrics.jsonl carry the measured one ("mfu").
-ASSUMED_MFU = {"cpu": 0.6, "cuda": 0.4, "mps": 0.3}
+# Model FLOPs utilization assumed for the time estimate (the health records in metrics.jsonl carry
+# the measured one, "mfu"). CPU, measured here against the same 1024^2 matmul probe: 0.33 for the
+# 4x128 default (small matmuls, per-op overhead), 0.6 for 6x384; in between, linear in log2(width).
+# CUDA and MPS: typical figures for small models, not measured here.
+ASSUMED_MFU = {"cuda": 0.4, "mps": 0.3}
+CPU_MFU_BY_WIDTH = ((128, 0.33), (384, 0.6))
 # Memory the allocator holds beyond the live activations: forward temporaries already freed but not
 # yet reused, and backward's gradients of activations. Measured on CPU (glibc malloc): resident
 # memory peaks 1.2-1.4x above the saved activations, on models from 4x128 to 6x768 wide. Not
@@ -80,7 +85,7 @@ def model_shape(cfg: Config, vocab_size: int) -> ModelShape:
 
     from llmtrain.model import GPT, flops_per_token
 
-    with torch.device("meta"):
+    with torch.device("meta"), _values_not_initialized():
         model = GPT(cfg.model, vocab_size)
     params = {id(p): p for p in model.parameters()}.values()
     matmul = {id(m.weight): m.weight for m in model.modules() if isinstance(m, nn.Linear)}
@@ -95,6 +100,23 @@ def model_shape(cfg: Config, vocab_size: int) -> ModelShape:
         largest_block_params=max(sum(p.numel() for p in b.parameters()) for b in model.blocks),
         n_layers=len(model.blocks),
     )
+
+
+@contextlib.contextmanager
+def _values_not_initialized() -> Iterator[None]:
+    """Meta tensors have shapes but no values, so initializing them is pointless, and slow: torch's
+    meta `normal_` imports torch._dynamo (~1.3 s). Shapes are all the estimate reads."""
+    from torch.nn import init
+
+    names = ("normal_", "xavier_normal_", "kaiming_normal_", "kaiming_uniform_", "uniform_", "zeros_", "ones_")
+    saved = {name: getattr(init, name) for name in names}
+    try:
+        for name in names:
+            setattr(init, name, lambda tensor, *args, **kwargs: tensor)
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(init, name, fn)
 
 
 def optimizer_state_elements(cfg: Config, shape: torch.Size) -> int:
@@ -371,10 +393,18 @@ def estimate_compute(cfg: Config, shape: ModelShape, device: torch.device, matmu
         tokens_per_step=cfg.global_batch_size * seq_len_of(cfg) // world_size,
         steps=total_steps(cfg, world_size),
         matmul_flops=rate,
-        assumed_mfu=ASSUMED_MFU.get(device.type, 0.3),
+        assumed_mfu=assumed_mfu(device.type, cfg.model.n_embd),
         n_params=shape.n_params,
         n_non_embedding=shape.n_params - shape.n_embedding_params,
     )
+
+
+def assumed_mfu(device_type: str, width: int) -> float:
+    if device_type != "cpu":
+        return ASSUMED_MFU.get(device_type, 0.3)
+    (w0, m0), (w1, m1) = CPU_MFU_BY_WIDTH
+    t = min(1.0, max(0.0, (math.log2(width) - math.log2(w0)) / (math.log2(w1) - math.log2(w0))))
+    return m0 + t * (m1 - m0)
 
 
 def format_bytes(n: float) -> str:

@@ -214,6 +214,9 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
     scaler = build_grad_scaler(precision, device.type)
     params = [p for p in model.parameters() if p.requires_grad]
 
+    if checkpoint is not None and cfg.seed is None:
+        # A drawn seed stays the run's seed on resume: the validation batches derive from it.
+        run_seed = checkpoint.trainer.get("run_seed", run_seed)
     # The sampler owns its RNG, so the data order is independent of init and dropout.
     data_seed = cfg.data.seed if cfg.data.seed is not None else run_seed
     train_batches = RandomWindowSampler(data.tokens("train"), cfg.micro_batch_size, seq_len, data_seed,
@@ -281,7 +284,8 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
         if checkpoint is not None and checkpoint.trainer.get("monitor"):
             watch.monitor.load_state_dict(checkpoint.trainer["monitor"])  # windows, counts, active alarms
     saver = CheckpointPolicy(cfg.checkpoint, run_dir, model, optimizer, scaler, train_batches, config_dict, metrics, warn,
-                             extra_state=lambda: {"monitor": watch.monitor.state_dict()} if watch else {})
+                             extra_state=lambda: {"run_seed": run_seed,
+                                                  **({"monitor": watch.monitor.state_dict()} if watch else {})})
     saver.last_saved_step = state.step if resume_from else None
     sink.start()
     sink.advance(state.step)

@@ -61,3 +61,20 @@ def test_auto_precision_and_compile_on_cpu_train_in_plain_fp32(tmp_path: Path) -
     assert result.steps == 3
     reference = train(tiny_config(tmp_path / "ref", max_steps=3))
     assert result.train_losses == reference.train_losses  # auto on CPU == fp32, no compile
+
+
+def test_a_drawn_seed_survives_a_resume(tmp_path: Path, monkeypatch) -> None:
+    import pytest
+
+    from llmtrain.errors import Interrupted
+
+    run = tmp_path / "run"
+    monkeypatch.setenv("LLMTRAIN_TEST_STOP_AT_STEP", "3")
+    with pytest.raises(Interrupted):
+        train(tiny_config(run, seed=None, max_steps=6, eval_interval=3, eval_batches=1))
+    monkeypatch.delenv("LLMTRAIN_TEST_STOP_AT_STEP")
+    resumed = train(tiny_config(run, seed=None, max_steps=6, eval_interval=3, eval_batches=1))
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    starts = [r for r in records if r["kind"] == "start"]
+    assert len(starts) == 2 and starts[0]["seed"] == starts[1]["seed"]  # same validation batches after resume
+    assert resumed.steps == 6
