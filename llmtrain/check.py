@@ -21,6 +21,8 @@ import torch
 
 from llmtrain.config import (
     Config,
+    ConfigError,
+    HeadInit,
     NormPosition,
     OptimizerName,
     Precision,
@@ -146,6 +148,8 @@ def gather_facts(cfg: Config, measure_compute: bool = True, data_meta: dict | No
     else:
         vocab, train_tokens, itemsize = 256, _estimated_train_tokens(cfg), 2
         note = "data not prepared yet: sizes estimated from the source (byte-sized vocabulary)"
+    if meta is not None and cfg.model.vocab_size is not None and cfg.model.vocab_size < vocab:
+        raise ConfigError(vocab_too_small(cfg, vocab))
     vocab = cfg.model.vocab_size or vocab
     shape = model_shape(cfg, vocab)
     seq = seq_len_of(cfg)
@@ -166,6 +170,13 @@ def gather_facts(cfg: Config, measure_compute: bool = True, data_meta: dict | No
                                           runtime_bytes=runtime, data_bytes=data_bytes).peak
     return Facts(device, precision, vocab, train_tokens, note, shape, memory, budget, source, compute, fitting,
                  layouts, world)
+
+
+def vocab_too_small(cfg: Config, data_vocab: int) -> str:
+    return (
+        f"'model.vocab_size' ({cfg.model.vocab_size}) is smaller than the data's vocabulary ({data_vocab} tokens, "
+        f"{cfg.data.tokenizer.value} tokenizer); use model.vocab_size>={data_vocab} or model.vocab_size=null."
+    )
 
 
 def _estimated_train_tokens(cfg: Config) -> int | None:
@@ -208,7 +219,7 @@ def check_warmup(cfg: Config, facts: Facts) -> Row:
     share = warmup / max(1, total)
     seen = f"{warmup} of {total} steps ({share:.1%})"
     why = "Early gradients of a random model are large and unreliable; a full LR on them can push weights to extremes."
-    suggestion = f"schedule.warmup_fraction=0.05 (here {max(1, round(0.05 * total))} steps)"
+    suggestion = f"schedule.warmup_steps={max(1, round(0.05 * total))} (5% of the run)"
     if warmup == 0:
         return Row("warmup", Status.WARN, "none", why, suggestion)
     if 0.01 <= share <= 0.10:
@@ -223,7 +234,7 @@ def check_warmup(cfg: Config, facts: Facts) -> Row:
 
 def check_clipping(cfg: Config, facts: Facts) -> Row:
     o = cfg.optim
-    why = "Clipping caps the update when one batch's gradient explodes; the seed's range is 1.0-5.0."
+    why = ("Clipping caps the update when one batch's gradient explodes; the seed uses 1.0-5.0 (PASS: 0.5-10).")
     if o.clip_grad_value is not None:
         return Row("gradient clipping", Status.WARN, f"by value {o.clip_grad_value:g}",
                    "Per-element clipping changes the gradient's direction; clipping the norm keeps it.",
@@ -250,7 +261,9 @@ def check_precision(cfg: Config, facts: Facts) -> Row:
                    "fp16 has 5 exponent bits: without a dynamic loss scale small gradients underflow to zero and large "
                    "ones overflow to inf.", "precision.loss_scaling=true (or precision=bf16)")
     if device.type == "cuda":
-        bf16_ok = torch.cuda.is_bf16_supported()
+        from llmtrain.precision import native_bf16
+
+        bf16_ok = native_bf16()
         if chosen is Precision.fp32:
             return Row("mixed precision", Status.WARN, seen,
                        "bf16/fp16 halve activation memory and run on tensor cores (~30%+ faster).",
@@ -340,6 +353,10 @@ def verify_train_eval_modes(cfg: Config) -> list[str]:
     small.n_embd = 16 * small.n_head
     small.dropout = max(cfg.model.dropout, 0.1)  # something to switch on and off
     small.activation_checkpointing = False
+    # The mode switching is under test, not the init: a zero head or zero residual branches would
+    # make every output equal whether dropout is on or not.
+    small.init, small.init_std, small.residual_init = "normal_0.02", 0.02, ResidualInit.scaled
+    small.head_init, small.tie_weights = HeadInit.plain, True
     generator_state = torch.random.get_rng_state()
     try:
         model = GPT(small, 32)
@@ -384,8 +401,10 @@ def check_effective_batch(cfg: Config, facts: Facts) -> Row:
         return Row("effective batch", Status.WARN, seen + f" > the {facts.train_tokens:,} train tokens",
                    "Each step sees the whole training set more than once.", "a smaller global_batch_size, or more data")
     if accum > 64:
+        micro = facts.fitting_micro_batch or max(d for d in range(1, cfg.global_batch_size // 8 + 1)
+                                                 if cfg.global_batch_size % d == 0)
         return Row("effective batch", Status.WARN, seen, "Over 64 micro-batches per step: the micro-batch is probably "
-                   "too small to use the device.", f"micro_batch_size={cfg.global_batch_size // 8}")
+                   "too small to use the device.", f"micro_batch_size={micro}")
     return Row("effective batch", Status.PASS, seen, why)
 
 
@@ -407,12 +426,13 @@ def check_learning_rate(cfg: Config, facts: Facts) -> Row:
     seen = f"{lr:g} ({name}" + (f", {cfg.schedule.lr_scaling.value}-scaled from {cfg.optim.lr:g}" if lr != cfg.optim.lr else "") + ")"
     why = "Too high diverges (NaN after warmup); too low stalls. The sane range depends on the optimizer and the width."
     adam_like = cfg.optim.name in (OptimizerName.adamw, OptimizerName.adam)
+    target = math.sqrt(low * high) if not adam_like else high / 3
+    fix = f"optim.lr={_round_lr(target * cfg.optim.lr / lr)}"  # optim.lr is scaled again by lr_scaling
     if (adam_like and lr >= 0.05) or (not adam_like and lr >= 10 * high):
-        return Row("learning rate", Status.FAIL, seen + " - diverges", why, f"optim.lr={_round_lr(math.sqrt(low * high))}")
+        return Row("learning rate", Status.FAIL, seen + " - diverges", why, fix)
     if lr > high or lr < low:
         width = f" for a {cfg.model.n_embd}-wide model" if adam_like else ""
-        return Row("learning rate", Status.WARN, f"{seen} outside {low:.1g}-{high:.1g}{width}", why,
-                   f"optim.lr={_round_lr(math.sqrt(low * high) if not adam_like else high / 3)}")
+        return Row("learning rate", Status.WARN, f"{seen} outside {low:.1g}-{high:.1g}{width}", why, fix)
     return Row("learning rate", Status.PASS, seen, why)
 
 
@@ -444,7 +464,8 @@ def check_init(cfg: Config, facts: Facts) -> Row:
         return Row("init variance", Status.WARN, seen + " - activations grow layer by layer", why,
                    f"model.init_std={_round_lr(math.sqrt(1 / m.n_embd))}")
     if gain < 0.005:
-        return Row("init variance", Status.WARN, seen + " - signals vanish", why, "model.init_std=0.02")
+        return Row("init variance", Status.WARN, seen + " - signals vanish", why,
+                   f"model.init_std={_round_lr(math.sqrt(1 / m.n_embd))}")
     if m.residual_init is ResidualInit.plain and m.n_layer >= 12:
         return Row("init variance", Status.WARN, seen, "With plain residual outputs the stream's variance grows with "
                    "depth (2 branches per block).", "model.residual_init=scaled")
@@ -465,8 +486,9 @@ def check_token_budget(cfg: Config, facts: Facts) -> Row:
             return Row("token budget", Status.WARN, seen, "Over 20 passes over the data: the model memorizes it.",
                        "more data, or fewer steps")
     if per_param < 1:
-        return Row("token budget", Status.WARN, seen, why, f"max_steps={max(steps, int(20 * n / max(1, tokens / steps)))} "
-                   "or a smaller model")
+        more = (f"max_tokens={20 * n}" if cfg.max_tokens is not None
+                else f"max_steps={max(steps, int(20 * n / max(1, tokens / steps)))}")
+        return Row("token budget", Status.WARN, seen, why, f"{more} (20 tokens/param) or a smaller model")
     return Row("token budget", Status.PASS, seen, why)
 
 

@@ -300,7 +300,10 @@ def available_memory(device: torch.device) -> tuple[float, str]:
     """Bytes this process can still use on `device`, and where the figure comes from."""
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        return float(free), f"free on {torch.cuda.get_device_name(device)} ({total / 2**30:.0f} GiB total)"
+        # Blocks the caching allocator holds but no tensor uses (e.g. from an earlier job of an
+        # in-process sweep) are not "free" to the driver, yet this run can use them.
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return float(free + cached), f"free on {torch.cuda.get_device_name(device)} ({total / 2**30:.0f} GiB total)"
     available = _meminfo_available()
     limit = _cgroup_headroom()
     if limit is not None and (available is None or limit < available):

@@ -13,13 +13,21 @@ from llmtrain.config import Precision, PrecisionConfig
 _DTYPES = {Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}
 
 
+def native_bf16() -> bool:
+    """Whether the current GPU computes in bf16 natively (Ampere and newer); emulation is slow."""
+    try:
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+    except TypeError:  # torch without the keyword
+        return torch.cuda.is_bf16_supported()
+
+
 def resolve_precision(name: Precision, device: torch.device) -> Precision:
     """`auto`: mixed precision where the hardware gains from it. On CUDA bf16 when supported (no loss
     scaling needed), else fp16 with its scaler; on CPU and MPS fp32, measured fastest there."""
     if name is not Precision.auto:
         return name
     if device.type == "cuda":
-        return Precision.bf16 if torch.cuda.is_bf16_supported() else Precision.fp16
+        return Precision.bf16 if native_bf16() else Precision.fp16
     return Precision.fp32
 
 

@@ -37,7 +37,8 @@ import torch
 import torch.nn.functional as F
 import yaml
 
-from llmtrain.check import CheckFailed, run_check
+from llmtrain.check import CheckFailed, run_check, vocab_too_small
+from llmtrain.check import render as render_check
 from llmtrain.checkpoint import (
     SHAPE_KEYS,
     Checkpoint,
@@ -146,12 +147,13 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)  # seeds CUDA too
 
 
-def use_deterministic_algorithms(device: torch.device) -> None:
-    """Only deterministic kernels from here on (an op without one raises instead of varying)."""
-    if device.type == "cuda":
+def use_deterministic_algorithms(device: torch.device, on: bool) -> None:
+    """Deterministic kernels only (an op without one raises instead of varying), or the default.
+    Set on every run: the switch is process-wide, and an in-process sweep must not inherit it."""
+    if on and device.type == "cuda":
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS reductions
         torch.backends.cudnn.benchmark = False
-    torch.use_deterministic_algorithms(True)
+    torch.use_deterministic_algorithms(on)
 
 
 def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
@@ -167,8 +169,7 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
     threads = cfg.threads or default_threads()
     torch.set_num_threads(threads)
     device = resolve_device(cfg.device)
-    if cfg.deterministic:
-        use_deterministic_algorithms(device)
+    use_deterministic_algorithms(device, cfg.deterministic)
     precision = dataclasses.replace(cfg.precision, name=resolve_precision(cfg.precision.name, device))
 
     steps_total = total_steps(cfg)
@@ -190,13 +191,11 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
             )
     vocab_size = cfg.model.vocab_size or data.vocab_size
     if vocab_size < data.vocab_size:
-        raise ConfigError(
-            f"'model.vocab_size' ({vocab_size}) is smaller than the data's vocabulary ({data.vocab_size} tokens, "
-            f"{cfg.data.tokenizer.value} tokenizer); use model.vocab_size>={data.vocab_size} or model.vocab_size=null."
-        )
+        raise ConfigError(vocab_too_small(cfg, data.vocab_size))
     # The pre-flight checklist (`llmtrain check`), now with the data's real size: FAIL refuses.
     check = run_check(cfg, measure_compute=False, data_meta=data.meta)
     if check.failures and not cfg.allow_check_failures:
+        render_check(check, sink.console, estimates=True)
         raise CheckFailed(check.refusal(), check)
     config_dict = config_to_dict(cfg)
     remove_stale_temps(run_dir)  # one writer per run dir: leftovers are from a process that died
@@ -216,7 +215,7 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
 
     if checkpoint is not None and cfg.seed is None:
         # A drawn seed stays the run's seed on resume: the validation batches derive from it.
-        run_seed = checkpoint.trainer.get("run_seed", run_seed)
+        run_seed = checkpoint.trainer.get("run_seed") or checkpoint.trainer["config"].get("seed") or run_seed
     # The sampler owns its RNG, so the data order is independent of init and dropout.
     data_seed = cfg.data.seed if cfg.data.seed is not None else run_seed
     train_batches = RandomWindowSampler(data.tokens("train"), cfg.micro_batch_size, seq_len, data_seed,

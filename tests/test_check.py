@@ -233,3 +233,34 @@ def test_train_with_the_override_runs_and_shows_the_failure_in_the_banner(tmp_pa
     assert "warmup: none" in proc.stdout  # WARN row in the banner
     start = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
     assert start["check"]["mixed precision"] == "FAIL" and start["check"]["warmup"] == "WARN"
+
+
+def test_train_eval_check_is_not_fooled_by_a_zero_head(tmp_path: Path) -> None:
+    from llmtrain.config import HeadInit
+
+    cfg = base(tmp_path, **{"model.tie_weights": False, "model.head_init": HeadInit.zero,
+                            "model.residual_init": ResidualInit.zero})
+    assert status(cfg, "train/eval mode") is Status.PASS
+
+
+def test_fixes_are_overrides_that_work(tmp_path: Path) -> None:
+    from llmtrain.config import LRScaling
+
+    scaled = base(tmp_path, **{"schedule.lr_scaling": LRScaling.linear, "schedule.reference_batch_size": 1,
+                               "model.n_embd": 128, "model.n_head": 4})
+    row = run_check(scaled, measure_compute=False).row("learning rate")  # 3e-3 x 8 = 0.024 for 128 wide
+    assert row.status is Status.WARN and row.fix.startswith("optim.lr=")
+    scaled.optim.lr = float(row.fix.removeprefix("optim.lr="))  # the suggestion is scaled x8 again ...
+    assert status(scaled, "learning rate") is Status.PASS  # ... and lands inside the range
+    assert run_check(base(tmp_path, **{"schedule.warmup_steps": 0}), measure_compute=False).row("warmup").fix.startswith(
+        "schedule.warmup_steps=5")
+
+
+def test_check_refuses_a_model_vocabulary_smaller_than_the_data(tmp_path: Path) -> None:
+    from llmtrain.config import ConfigError
+    from llmtrain.data import prepare_data
+
+    cfg = base(tmp_path, **{"model.vocab_size": 8})
+    prepare_data(cfg.data, log=lambda message: None)
+    with pytest.raises(ConfigError, match="smaller than the data's vocabulary"):
+        run_check(cfg, measure_compute=False)

@@ -50,7 +50,7 @@ def test_deterministic_run_repeats_bit_for_bit(tmp_path: Path) -> None:
         a = train(tiny_config(tmp_path / "a", deterministic=True, max_steps=4, **{"model.dropout": 0.1}))
         b = train(tiny_config(tmp_path / "b", deterministic=True, max_steps=4, **{"model.dropout": 0.1}))
     finally:
-        torch.use_deterministic_algorithms(False)  # process-wide: do not leak into other tests
+        torch.use_deterministic_algorithms(False)  # belt and braces: the next train() resets it anyway
     assert a.train_losses == b.train_losses
 
 
@@ -78,3 +78,10 @@ def test_a_drawn_seed_survives_a_resume(tmp_path: Path, monkeypatch) -> None:
     starts = [r for r in records if r["kind"] == "start"]
     assert len(starts) == 2 and starts[0]["seed"] == starts[1]["seed"]  # same validation batches after resume
     assert resumed.steps == 6
+
+
+def test_deterministic_mode_does_not_leak_into_the_next_run(tmp_path: Path) -> None:
+    train(tiny_config(tmp_path / "a", deterministic=True, max_steps=3))
+    assert torch.are_deterministic_algorithms_enabled()
+    train(tiny_config(tmp_path / "b", max_steps=3))
+    assert not torch.are_deterministic_algorithms_enabled()
