@@ -26,11 +26,12 @@ if TYPE_CHECKING:
 
 COMMANDS: dict[str, str] = {
     "train": "Train a model from the composed config groups (Hydra overrides, -m sweeps).",
+    "prepare": "Tokenize a corpus (text files, folders, globs, JSONL) into cached memory-mapped token files.",
     "check": "Pre-flight checklist (seed 8.1) + memory/compute estimate for a config; exit 0 pass, 1 warn, 2 fail.",
     "sample": "Generate text from a run directory's trained model (or an export).",
     "export": "Write a run's weights as safetensors + the model config as JSON.",
 }
-# Later commands (prepare, report, doctor, compare) register here.
+# Later commands (report, doctor, compare) register here.
 
 USAGE = """usage: llmtrain <command> [args]
 
@@ -74,7 +75,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     command, rest = args[0], args[1:]
     handlers: dict[str, Callable[[list[str]], None]] = {
-        "train": train_command, "check": check_command, "sample": sample_command, "export": export_command,
+        "train": train_command, "prepare": prepare_command, "check": check_command, "sample": sample_command, "export": export_command,
     }
     if command not in handlers:
         fail(f"unknown command '{command}'; valid commands: {', '.join(COMMANDS)}. See `llmtrain --help`.")
@@ -159,13 +160,13 @@ def validate_overrides(
     A sweep (`-m a=1,2 b=x,y`) is expanded the way Hydra's basic sweeper does, so a bad value in
     any job fails before the first job starts. `extra_dir` is `--config-dir`: searched like Hydra does.
     """
-    from llmtrain.data.corpus import text_file
+    from llmtrain.data.corpus import input_files
 
     jobs = _expand_sweep(overrides) if multirun else [overrides]
     for job in jobs:
         cfg = compose_config(job, extra_dir, config_name)
-        if cfg.data.path is not None:
-            text_file(cfg.data.path)  # a missing corpus fails now, not after Hydra made a run dir
+        if cfg.data.path is not None and cfg.data.source.value in ("text", "jsonl"):
+            input_files(cfg.data.path, cfg.data.source.value)  # a missing corpus fails now, before any run dir
         if preflight:
             from llmtrain.check import CheckFailed, render, run_check
 
@@ -298,6 +299,49 @@ def train_help() -> str:
         "Full Hydra help: llmtrain train --hydra-help",
     ]
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# prepare
+# ---------------------------------------------------------------------------------------------
+
+
+def prepare_command(args: list[str]) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="llmtrain prepare",
+        description="Tokenize the data a config names into cached memory-mapped token files (train and val), once: "
+        "unchanged inputs are reused, changed inputs rebuilt. `llmtrain train` does this itself when needed.",
+        epilog="examples: llmtrain prepare data=text data.path=corpus/ data.tokenizer=bpe data.bpe_vocab_size=8192\n"
+        "          llmtrain prepare data=jsonl data.path='dumps/*.jsonl' data.text_field=content",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("overrides", nargs="*", help="config overrides, as for `llmtrain train` (data=..., data.path=...)")
+    parser.add_argument("--config-dir", "-cd", default=None, help="a folder of your own group options (as for train)")
+    opts = parser.parse_args(args)
+    if opts.config_dir and not Path(opts.config_dir).expanduser().is_dir():
+        fail(f"--config-dir is '{opts.config_dir}', which is not a folder; give a folder of group options like conf/.")
+
+    from rich.console import Console
+
+    from llmtrain.data.prepare import prepare_data
+    from llmtrain.errors import UserError
+
+    console = Console()
+    try:
+        cfg = compose_config(opts.overrides, opts.config_dir)
+        data = prepare_data(cfg.data, log=lambda message: console.print(f"[dim]{message}[/]"))
+    except UserError as err:
+        fail(str(err))
+    m = data.meta
+    console.print(
+        f"prepared [bold]{cfg.data.source.value}[/] data in {data.directory}\n"
+        f"  {m['documents']:,} document{'s' if m['documents'] != 1 else ''}, {m['source_bytes']:,} bytes -> {m['train_tokens']:,} train / "
+        f"{m['val_tokens']:,} val tokens ({m['dtype']})\n"
+        f"  tokenizer {m['tokenizer']}, vocabulary {m['vocab_size']:,}; unigram entropy "
+        f"{m['unigram_entropy_nats']:.4f} nats/token (the loss to beat)"
+    )
 
 
 # ---------------------------------------------------------------------------------------------

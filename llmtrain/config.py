@@ -93,11 +93,18 @@ class LRScaling(str, Enum):
 class TokenizerKind(str, Enum):
     byte = "byte"
     char = "char"
+    bpe = "bpe"
 
 
 class DataSource(str, Enum):
     python_stdlib = "python_stdlib"
     text = "text"
+    jsonl = "jsonl"
+
+
+class DecodeErrors(str, Enum):
+    replace = "replace"
+    skip = "skip"
 
 
 class Precision(str, Enum):
@@ -206,11 +213,20 @@ class ScheduleConfig:
 
 @dataclass
 class DataConfig:
-    source: DataSource = _f(DataSource.python_stdlib, "python_stdlib (embedded, no download) or text (your file).")
-    path: str | None = _f(None, "text only: path to a UTF-8 text file.")
-    tokenizer: TokenizerKind = _f(TokenizerKind.byte, "byte (vocab 256) or char (vocabulary from the corpus).")
+    source: DataSource = _f(
+        DataSource.python_stdlib, "python_stdlib (embedded, no download), text (your files) or jsonl (a text field per line)."
+    )
+    path: str | None = _f(None, "text/jsonl: a file, a folder (its .txt/.md or .jsonl files, recursively) or a glob.")
+    text_field: str = _f("text", "jsonl only: the field of each JSON line that holds the document's text.")
+    decode_errors: DecodeErrors = _f(
+        DecodeErrors.replace, "Bytes that are not UTF-8: replace them (U+FFFD) or skip the documents that have them."
+    )
+    tokenizer: TokenizerKind = _f(
+        TokenizerKind.byte, "byte (vocab 256), char (vocabulary from the corpus) or bpe (byte-level BPE trained on it)."
+    )
+    bpe_vocab_size: int = _f(4096, "bpe only: the vocabulary size to train (>= 257: the 256 bytes + end-of-text).")
     seq_len: int | None = _f(None, "Tokens per training sequence; null uses model.block_size.")
-    val_fraction: float = _f(0.05, "Share held out for validation: whole documents (stdlib) or a file's tail (text).")
+    val_fraction: float = _f(0.05, "Share held out for validation: whole documents (several files, JSON lines, stdlib) or a single file's tail.")
     max_bytes: int | None = _f(None, "Read at most this many bytes of the corpus; null reads all.")
     cache_dir: str | None = _f(None, "Where prepared tokens go; null uses $LLMTRAIN_CACHE or ~/.cache/llmtrain.")
     seed: int | None = _f(None, "Seed of the batch sampler; null derives it from the run seed.")
@@ -519,8 +535,14 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     _require(0 < d.val_fraction < 1, f"'data.val_fraction' is {d.val_fraction}; valid range is (0, 1).")
     _require(d.overfit_batches >= 0, f"'data.overfit_batches' is {d.overfit_batches}; use 0 (off) or a batch count >= 1.")
     _require(d.max_bytes is None or d.max_bytes > 0, f"'data.max_bytes' is {d.max_bytes}; use a positive size or null.")
-    if d.source is DataSource.text:
-        _require(d.path is not None, "Missing required value 'data.path': data=text needs your file, e.g. data.path=corpus.txt.")
+    if d.source in (DataSource.text, DataSource.jsonl):
+        _require(
+            d.path is not None,
+            f"Missing required value 'data.path': data={d.source.value} needs your files, e.g. "
+            f"data.path={'corpus/' if d.source is DataSource.text else 'docs.jsonl'}.",
+        )
+    _require(d.bpe_vocab_size >= 257, f"'data.bpe_vocab_size' is {d.bpe_vocab_size}; it must be >= 257 (256 bytes + end-of-text).")
+    _require(d.text_field.strip() != "", "'data.text_field' is empty; name the JSON field that holds the text, e.g. text.")
     total = total_steps(cfg, world_size)
     warmup = resolved_warmup_steps(cfg.schedule, total)
     source = (

@@ -214,7 +214,7 @@ def test_bad_value_in_sweep_fails_before_any_job(tmp_path: Path, sweep: list[str
 def test_empty_or_missing_text_file_fails_before_any_run_dir(tmp_path: Path) -> None:
     empty = tmp_path / "empty.txt"
     empty.write_text("")
-    for path, piece in ((empty, "which is empty"), (tmp_path / "absent.txt", "not a readable file")):
+    for path, piece in ((empty, "all empty"), (tmp_path / "absent.txt", "not a file, a folder or a glob")):
         proc = run_llmtrain(tmp_path, "train", "data=text", f"data.path={path}")
         assert_user_error(proc, "'data.path'", piece)
         assert not (tmp_path / "cwd" / "outputs").exists()
@@ -222,7 +222,7 @@ def test_empty_or_missing_text_file_fails_before_any_run_dir(tmp_path: Path) -> 
 
 def test_unknown_command_lists_valid_commands(tmp_path: Path) -> None:
     proc = run_llmtrain(tmp_path, "bogus")
-    assert_user_error(proc, "'bogus'", "train, check, sample")
+    assert_user_error(proc, "'bogus'", "train, prepare, check, sample")
 
 
 def test_data_vocab_larger_than_model_vocab_fails_before_training(tmp_path: Path) -> None:

@@ -71,6 +71,10 @@ def load_option(group: str, option: str, tmp_path: Path) -> Config:
         corpus = tmp_path / "corpus.txt"
         corpus.write_text("a tiny corpus, for composing the text data option.\n" * 50, encoding="utf-8")
         overrides.append(f"data.path={corpus}")
+    if group == "data" and option == "jsonl":
+        corpus = tmp_path / "docs.jsonl"
+        corpus.write_text("".join(f'{{"text": "document {i} of a tiny corpus."}}\n' for i in range(40)), encoding="utf-8")
+        overrides.append(f"data.path={corpus}")
     return to_config(compose_config(overrides))
 
 
@@ -102,7 +106,7 @@ def test_option_composes_converts_and_builds(group: str, option: str, tmp_path: 
     # The option file's values arrived in the typed section (the file names its own option).
     raw = yaml.safe_load((CONF / group / f"{option}.yaml").read_text())
     for key, value in raw.items():
-        if group == "data" and key == "path" and option == "text":
+        if group == "data" and key == "path" and option in ("text", "jsonl"):
             continue  # required, so the test set it
         got = getattr(section, key)
         got = got.value if hasattr(got, "value") else got
@@ -155,7 +159,7 @@ def test_option_composes_converts_and_builds(group: str, option: str, tmp_path: 
             assert scaler.get_scale() == cfg.precision.init_scale
     elif group == "data":
         assert cfg.data.source is DataSource(option)
-        if cfg.data.source is DataSource.text:  # the embedded stdlib corpus is too big to prepare here
+        if cfg.data.source is not DataSource.python_stdlib:  # the embedded stdlib corpus is too big to prepare here
             data = prepare_data(dataclasses.replace(cfg.data, cache_dir=str(tmp_path / "cache")), log=lambda _: None)
             assert data.vocab_size == 256
             assert data.meta["train_tokens"] > 0 and data.meta["val_tokens"] > 0

@@ -22,19 +22,77 @@ class SourceFile:
     path: Path
 
 
-def text_file(path: str) -> Path:
-    """The user's text file, or a ConfigError that says what was looked for."""
+# What a folder contributes, per source: plain text files, or JSON lines.
+SUFFIXES = {"text": (".txt", ".md", ".text"), "jsonl": (".jsonl",)}
+
+
+def input_files(path: str, source: str) -> list[SourceFile]:
+    """The files `data.path` names: one file, every matching file under a folder (recursively), or
+    a glob (`corpus/*.txt`, `data/**/*.jsonl`). Names are relative to the folder or the glob's
+    fixed prefix, so moving the corpus does not change the split. Raises ConfigError (one
+    paragraph) when nothing usable is found."""
+    import glob as globbing
+
     from llmtrain.errors import ConfigError
 
-    resolved = Path(path).expanduser()
-    if not resolved.is_file():
+    expanded = Path(path).expanduser()
+    suffixes = SUFFIXES[source]
+    if globbing.has_magic(path):
+        root = Path(globbing.escape(path).split("*")[0]).expanduser()
+        root = root if root.is_dir() else root.parent
+        paths = sorted(Path(p) for p in globbing.glob(str(expanded), recursive=True) if Path(p).is_file())
+        what = f"the glob '{path}' matches no file"
+    elif expanded.is_dir():
+        root = expanded
+        paths = sorted(p for p in expanded.rglob("*") if p.is_file() and p.suffix.lower() in suffixes)
+        what = f"the folder '{path}' has no {' / '.join(suffixes)} file (searched recursively)"
+    elif expanded.is_file():
+        root = expanded.parent
+        paths = [expanded]
+        what = ""
+    else:
         raise ConfigError(
-            f"'data.path' is '{path}', which is not a readable file (resolved to {resolved.resolve()}); "
-            "give the path of a UTF-8 text file, e.g. data.path=/data/corpus.txt."
+            f"'data.path' is '{path}', which is not a file, a folder or a glob that exists (resolved to "
+            f"{expanded.resolve()}); give a {' or '.join(suffixes)} file, a folder of them, or a glob like "
+            f"'corpus/*{suffixes[0]}'."
         )
-    if resolved.stat().st_size == 0:
-        raise ConfigError(f"'data.path' is '{path}', which is empty; give a UTF-8 text file with the text to train on.")
-    return resolved.resolve()
+    if not paths:
+        raise ConfigError(f"'data.path': {what}; give {' or '.join(suffixes)} files, e.g. data.path=corpus/.")
+    files = [SourceFile(p.resolve().relative_to(root.resolve()).as_posix() if p.resolve().is_relative_to(root.resolve())
+                        else p.name, p.resolve()) for p in paths]
+    if all(f.path.stat().st_size == 0 for f in files):
+        raise ConfigError(f"'data.path' is '{path}', whose {len(files)} file(s) are all empty; give files with text.")
+    return files
+
+
+def jsonl_documents(source: SourceFile, field: str) -> list[tuple[str, bytes]]:
+    """One document per line of a JSON-lines file: the string under `field`. Blank lines are skipped;
+    a line that is not JSON, not an object or lacks the field is a ConfigError naming file and line."""
+    import json
+
+    from llmtrain.errors import ConfigError
+
+    docs = []
+    with open(source.path, "rb") as fh:
+        for number, raw in enumerate(fh, start=1):
+            if not raw.strip():
+                continue
+            try:
+                record = json.loads(raw)
+            except ValueError as err:
+                raise ConfigError(
+                    f"{source.path}:{number} is not valid JSON ({err}); each line of a .jsonl file must be one JSON "
+                    f"object such as {{\"{field}\": \"...\"}}. Fix or remove that line."
+                ) from None
+            if not isinstance(record, dict) or not isinstance(record.get(field), str):
+                keys = ", ".join(sorted(record)) if isinstance(record, dict) else type(record).__name__
+                raise ConfigError(
+                    f"{source.path}:{number} has no string field '{field}' (it has: {keys}); set data.text_field to "
+                    "the field that holds the text."
+                )
+            if record[field]:
+                docs.append((f"{source.name}:{number}", record[field].encode("utf-8")))
+    return docs
 
 
 def stdlib_root() -> Path:
@@ -75,15 +133,17 @@ def content_hash(documents: list[tuple[str, bytes]]) -> str:
     return h.hexdigest()
 
 
-def read_documents(files: list[SourceFile], max_bytes: int | None) -> list[tuple[str, bytes]]:
+def read_documents(files: list[SourceFile], max_bytes: int | None, text_field: str | None = None) -> list[tuple[str, bytes]]:
+    """(name, bytes) per document, in file order, at most `max_bytes` in all. With `text_field`
+    the files are JSON lines and each line is a document."""
     docs, total = [], 0
     for f in files:
-        data = f.path.read_bytes()
-        if max_bytes is not None and total + len(data) > max_bytes:
-            data = data[: max_bytes - total]
-        if data:
-            docs.append((f.name, data))
-            total += len(data)
-        if max_bytes is not None and total >= max_bytes:
-            break
+        for name, data in jsonl_documents(f, text_field) if text_field else [(f.name, f.path.read_bytes())]:
+            if max_bytes is not None and total + len(data) > max_bytes:
+                data = data[: max_bytes - total]
+            if data:
+                docs.append((name, data))
+                total += len(data)
+            if max_bytes is not None and total >= max_bytes:
+                return docs
     return docs

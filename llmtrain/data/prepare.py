@@ -19,17 +19,24 @@ from pathlib import Path
 
 import numpy as np
 
-from llmtrain.config import DataConfig, DataSource, TokenizerKind
+from llmtrain.config import DataConfig, DataSource, DecodeErrors, TokenizerKind
 from llmtrain.data.corpus import (
     SourceFile,
     content_hash,
     fingerprint,
+    input_files,
     read_documents,
     stdlib_files,
     stdlib_root,
-    text_file,
 )
-from llmtrain.data.tokenizers import ByteTokenizer, CharTokenizer, Tokenizer, load_tokenizer, save_tokenizer
+from llmtrain.data.tokenizers import (
+    BPETokenizer,
+    ByteTokenizer,
+    CharTokenizer,
+    Tokenizer,
+    load_tokenizer,
+    save_tokenizer,
+)
 
 FORMAT_VERSION = 1
 DOC_SEPARATOR = "\n\n"
@@ -70,8 +77,7 @@ def source_files(cfg: DataConfig) -> list[SourceFile]:
     if cfg.source is DataSource.python_stdlib:
         return stdlib_files()
     assert cfg.path is not None
-    path = text_file(cfg.path)
-    return [SourceFile(path.name, path)]
+    return input_files(cfg.path, cfg.source.value)
 
 
 def _location(cfg: DataConfig) -> tuple[list[SourceFile], Path]:
@@ -80,11 +86,18 @@ def _location(cfg: DataConfig) -> tuple[list[SourceFile], Path]:
     identity = {
         "format": FORMAT_VERSION,
         "source": cfg.source.value,
-        "files": [str(f.path) for f in files] if cfg.source is DataSource.text else str(stdlib_root()),
+        "files": [str(f.path) for f in files] if cfg.source is not DataSource.python_stdlib else str(stdlib_root()),
         "tokenizer": cfg.tokenizer.value,
         "val_fraction": cfg.val_fraction,
         "max_bytes": cfg.max_bytes,
     }
+    # Keys added later only when they differ from their defaults, so caches made before stay valid.
+    if cfg.source is DataSource.jsonl:
+        identity["text_field"] = cfg.text_field
+    if cfg.tokenizer is TokenizerKind.bpe:
+        identity["bpe_vocab_size"] = cfg.bpe_vocab_size
+    if cfg.decode_errors is not DecodeErrors.replace:
+        identity["decode_errors"] = cfg.decode_errors.value
     key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
     return files, cache_root(cfg) / "data" / f"{cfg.source.value}-{cfg.tokenizer.value}-{key}"
 
@@ -108,36 +121,72 @@ def prepare_data(cfg: DataConfig, log: Callable[[str], None] = print) -> Prepare
         meta = json.loads(meta_path.read_text())
         if meta.get("fingerprint") == quick:
             return PreparedData(directory, meta)
-        docs = read_documents(files, cfg.max_bytes)
+        docs = _read(cfg, files)
         if meta.get("content_sha256") == content_hash(docs):
             meta["fingerprint"] = quick
             _atomic_write_text(meta_path, json.dumps(meta, indent=2))
             return PreparedData(directory, meta)
         log(f"data source changed since it was prepared; preparing again into {directory}")
-        return _build(cfg, docs, quick, directory)
+        return _build(cfg, docs, quick, directory, log)
     log(f"preparing {cfg.source.value} data ({cfg.tokenizer.value} tokens) into {directory}")
-    return _build(cfg, read_documents(files, cfg.max_bytes), quick, directory)
+    return _build(cfg, _read(cfg, files), quick, directory, log)
 
 
-def _build(cfg: DataConfig, docs: list[tuple[str, bytes]], quick: str, directory: Path) -> PreparedData:
-    total_bytes = sum(len(d) for _, d in docs)
-    if cfg.source is DataSource.text:
-        train_text, val_text = _split_tail(docs[0][1].decode("utf-8", errors="replace"), cfg.val_fraction)
-    else:
-        train_parts, val_parts = [], []
-        for name, data in docs:
-            bucket = int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little") / 2**64
-            (val_parts if bucket < cfg.val_fraction else train_parts).append(data.decode("utf-8", errors="replace"))
-        train_text, val_text = DOC_SEPARATOR.join(train_parts), DOC_SEPARATOR.join(val_parts)
+def _read(cfg: DataConfig, files: list[SourceFile]) -> list[tuple[str, bytes]]:
+    return read_documents(files, cfg.max_bytes, cfg.text_field if cfg.source is DataSource.jsonl else None)
+
+
+def _decode(docs: list[tuple[str, bytes]], policy: DecodeErrors, log: Callable[[str], None]) -> list[tuple[str, str]]:
+    """UTF-8 text per document; documents with invalid bytes are repaired (U+FFFD) or skipped, and counted."""
+    out, bad = [], []
+    for name, data in docs:
+        try:
+            out.append((name, data.decode("utf-8")))
+        except UnicodeDecodeError:
+            bad.append(name)
+            if policy is DecodeErrors.replace:
+                out.append((name, data.decode("utf-8", errors="replace")))
+    if bad:
+        action = "invalid bytes replaced by U+FFFD" if policy is DecodeErrors.replace else "skipped"
+        log(f"{len(bad)} document(s) are not valid UTF-8 ({action}; data.decode_errors=replace|skip), e.g. {bad[0]}")
+    return out
+
+
+def _split(cfg: DataConfig, docs: list[tuple[str, str]]) -> tuple[list[str], list[str]]:
+    """Train/validation by document, deterministically (a hash of each name). One document (a single
+    file) is one stream: its tail is validation. At least one document goes to validation."""
+    if len(docs) == 1:
+        train_text, val_text = _split_tail(docs[0][1], cfg.val_fraction)
+        return [train_text], [val_text]
+    buckets = [int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little") / 2**64 for name, _ in docs]
+    val_index = {i for i, b in enumerate(buckets) if b < cfg.val_fraction} or {min(range(len(docs)), key=buckets.__getitem__)}
+    train = [text for i, (_, text) in enumerate(docs) if i not in val_index]
+    val = [text for i, (_, text) in enumerate(docs) if i in val_index]
+    return train, val
+
+
+def _build(
+    cfg: DataConfig, raw: list[tuple[str, bytes]], quick: str, directory: Path, log: Callable[[str], None]
+) -> PreparedData:
+    from llmtrain.errors import ConfigError
+
+    total_bytes = sum(len(d) for _, d in raw)
+    docs = _decode(raw, cfg.decode_errors, log)
+    if not docs:
+        raise ConfigError(f"'data.path' ({cfg.path}) gave no usable text (every document was empty or skipped).")
+    train_parts, val_parts = _split(cfg, docs)
 
     tokenizer: Tokenizer
     if cfg.tokenizer is TokenizerKind.char:
-        tokenizer = CharTokenizer.fit(train_text + val_text)
+        tokenizer = CharTokenizer.fit(DOC_SEPARATOR.join(train_parts + val_parts))  # the separator is text too
+    elif cfg.tokenizer is TokenizerKind.bpe:
+        log(f"training a byte-level BPE tokenizer (vocabulary {cfg.bpe_vocab_size}) on the train split")
+        tokenizer = BPETokenizer.fit(train_parts, cfg.bpe_vocab_size)
     else:
         tokenizer = ByteTokenizer()
     dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
-    train = _encode(tokenizer, train_text, dtype)
-    val = _encode(tokenizer, val_text, dtype)
+    train = _encode_documents(tokenizer, train_parts, dtype)
+    val = _encode_documents(tokenizer, val_parts, dtype)
     counts = np.bincount(train, minlength=tokenizer.vocab_size).astype(np.float64)
     p = counts[counts > 0] / counts.sum()
     meta = {
@@ -147,12 +196,15 @@ def _build(cfg: DataConfig, docs: list[tuple[str, bytes]], quick: str, directory
         "vocab_size": tokenizer.vocab_size,
         "dtype": np.dtype(dtype).name,
         "documents": len(docs),
+        "train_documents": len(train_parts),
+        "val_documents": len(val_parts),
+        "undecodable_documents": sum(1 for _, d in raw if not _is_utf8(d)),
         "source_bytes": total_bytes,
         "train_tokens": int(train.size),
         "val_tokens": int(val.size),
         "unigram_entropy_nats": float(-(p * np.log(p)).sum()),
         "fingerprint": quick,
-        "content_sha256": content_hash(docs),
+        "content_sha256": content_hash(raw),
     }
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = directory.with_name(f"{directory.name}.tmp-{os.getpid()}")
@@ -188,6 +240,24 @@ def _split_tail(text: str, val_fraction: float) -> tuple[str, str]:
     if newline > len(text) // 2:
         cut = newline + 1
     return text[:cut], text[cut:]
+
+
+def _is_utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _encode_documents(tokenizer: Tokenizer, parts: list[str], dtype: type) -> np.ndarray:
+    """Documents in order. byte/char join them with a blank line (the embedded corpus' format);
+    BPE puts its end-of-text token between them, so the model sees where a document ends."""
+    if isinstance(tokenizer, BPETokenizer):
+        eos = tokenizer.inner.token_to_id(BPETokenizer.END_OF_TEXT)
+        ids = [i for doc in tokenizer.encode_batch(parts) for i in (*doc, eos)]
+        return np.asarray(ids, dtype=dtype)
+    return _encode(tokenizer, DOC_SEPARATOR.join(parts), dtype)
 
 
 def _encode(tokenizer: Tokenizer, text: str, dtype: type) -> np.ndarray:

@@ -61,12 +61,54 @@ class CharTokenizer:
         return {"kind": "char", "chars": self.chars}
 
 
+class BPETokenizer:
+    """Byte-level BPE trained on the corpus with Hugging Face `tokenizers` (Rust, parallel): any
+    text encodes (the 256 bytes are in the alphabet), and decoding is lossless."""
+
+    END_OF_TEXT = "<|endoftext|>"
+
+    def __init__(self, inner) -> None:  # inner: tokenizers.Tokenizer
+        self.inner = inner
+        self.vocab_size = inner.get_vocab_size()
+
+    @classmethod
+    def fit(cls, texts: list[str], vocab_size: int) -> BPETokenizer:
+        from tokenizers import Tokenizer as HFTokenizer
+        from tokenizers import decoders, models, pre_tokenizers, trainers
+
+        inner = HFTokenizer(models.BPE())
+        inner.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        inner.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size, special_tokens=[cls.END_OF_TEXT], show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        )
+        inner.train_from_iterator(texts, trainer=trainer)
+        return cls(inner)
+
+    def encode(self, text: str) -> list[int]:
+        return self.inner.encode(text).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.inner.encode_batch(texts)]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.inner.decode(list(ids))
+
+    def to_dict(self) -> dict:
+        return {"kind": "bpe", "tokenizer": json.loads(self.inner.to_str())}
+
+
 def tokenizer_from_dict(data: dict) -> Tokenizer:
     if data["kind"] == "byte":
         return ByteTokenizer()
     if data["kind"] == "char":
         return CharTokenizer(list(data["chars"]))
-    raise ValueError(f"unknown tokenizer kind {data['kind']!r}; valid: byte, char")
+    if data["kind"] == "bpe":
+        from tokenizers import Tokenizer as HFTokenizer
+
+        return BPETokenizer(HFTokenizer.from_str(json.dumps(data["tokenizer"])))
+    raise ValueError(f"unknown tokenizer kind {data['kind']!r}; valid: byte, char, bpe")
 
 
 def save_tokenizer(tokenizer: Tokenizer, path: Path) -> None:
