@@ -200,13 +200,14 @@ def _estimated_train_tokens(cfg: Config) -> int | None:
 def check_data_order(cfg: Config, facts: Facts) -> Row:
     d = cfg.data
     seed = d.seed if d.seed is not None else cfg.seed
-    seen = f"shuffle={str(d.shuffle).lower()}, data seed {seed if seed is not None else 'drawn at random'}" + (
+    order = "epochs (new order each epoch)" if d.sampling.value == "epoch" else f"random windows, shuffle={str(d.shuffle).lower()}"
+    seen = f"{order}, data seed {seed if seed is not None else 'drawn at random'}" + (
         f", overfit_batches={d.overfit_batches}" if d.overfit_batches else "")
     why = "Unshuffled data gives correlated batches and a biased path; an unfixed seed makes the order unrepeatable."
     if d.overfit_batches:
         return Row("data order", Status.WARN, seen, "A debugging run: it replays the same batches and cannot generalize.",
                    "data.overfit_batches=0 for real training")
-    if not d.shuffle:
+    if not d.shuffle and d.sampling.value == "random":
         return Row("data order", Status.WARN, seen, why, "data.shuffle=true")
     if seed is None:
         return Row("data order", Status.WARN, seen, why, "seed=1337 (or data.seed=N)")

@@ -401,7 +401,7 @@ def resume_checkpoint(
 SHAPE_KEYS = (
     "model.n_layer", "model.n_head", "model.n_embd", "model.block_size", "model.vocab_size", "model.bias",
     "model.tie_weights", "model.position", "model.norm", "model.mlp", "model.mlp_ratio", "model.norm_position",
-    "data.source", "data.path", "data.tokenizer", "data.bpe_vocab_size", "data.text_field", "optim.name",
+    "data.source", "data.path", "data.tokenizer", "data.bpe_vocab_size", "data.text_field", "data.sampling", "optim.name",
     "optim.decay_embeddings",
 )
 # Keys that never matter for resuming.

@@ -102,6 +102,11 @@ class DataSource(str, Enum):
     jsonl = "jsonl"
 
 
+class Sampling(str, Enum):
+    random = "random"
+    epoch = "epoch"
+
+
 class DecodeErrors(str, Enum):
     replace = "replace"
     skip = "skip"
@@ -230,7 +235,10 @@ class DataConfig:
     max_bytes: int | None = _f(None, "Read at most this many bytes of the corpus; null reads all.")
     cache_dir: str | None = _f(None, "Where prepared tokens go; null uses $LLMTRAIN_CACHE or ~/.cache/llmtrain.")
     seed: int | None = _f(None, "Seed of the batch sampler; null derives it from the run seed.")
-    shuffle: bool = _f(True, "Random windows; false reads consecutive windows in corpus order (debugging only).")
+    sampling: Sampling = _f(
+        Sampling.random, "random (windows at random offsets) or epoch (each window once per epoch, new order each epoch)."
+    )
+    shuffle: bool = _f(True, "random sampling: false reads consecutive windows in corpus order (debugging only).")
     overfit_batches: int = _f(0, "Debugging: cycle through the first N micro-batches forever (the overfit check); 0 = off.")
 
 

@@ -58,6 +58,7 @@ from llmtrain.config import (
     MonitorAction,
     NonFinitePolicy,
     Precision,
+    Sampling,
     accumulation_steps,
     config_to_dict,
     effective_lr,
@@ -67,7 +68,7 @@ from llmtrain.config import (
     total_steps,
     validate,
 )
-from llmtrain.data import RandomWindowSampler, prepare_data
+from llmtrain.data import EpochSampler, RandomWindowSampler, prepare_data
 from llmtrain.data.tokenizers import save_tokenizer
 from llmtrain.errors import HealthStop, Interrupted, NonFiniteStop
 from llmtrain.health import HealthWatch
@@ -218,8 +219,16 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
         run_seed = checkpoint.trainer.get("run_seed") or checkpoint.trainer["config"].get("seed") or run_seed
     # The sampler owns its RNG, so the data order is independent of init and dropout.
     data_seed = cfg.data.seed if cfg.data.seed is not None else run_seed
-    train_batches = RandomWindowSampler(data.tokens("train"), cfg.micro_batch_size, seq_len, data_seed,
-                                        cfg.data.shuffle, cfg.data.overfit_batches)
+    train_batches: RandomWindowSampler | EpochSampler
+    if cfg.data.sampling is Sampling.epoch and not cfg.data.overfit_batches:
+        try:
+            train_batches = EpochSampler(data.tokens("train"), cfg.micro_batch_size, seq_len, data_seed)
+        except ValueError as err:
+            raise ConfigError(f"data.sampling=epoch: {err}; use more data, a shorter data.seq_len, a smaller "
+                              "micro_batch_size, or data.sampling=random.") from None
+    else:
+        train_batches = RandomWindowSampler(data.tokens("train"), cfg.micro_batch_size, seq_len, data_seed,
+                                            cfg.data.shuffle, cfg.data.overfit_batches)
     val_batches = []
     if cfg.eval_interval:
         val_sampler = RandomWindowSampler(data.tokens("val"), cfg.micro_batch_size, seq_len, data_seed + 1)
@@ -372,6 +381,8 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
                     record["flops_per_s"] = record["tokens_per_s"] * flops_token
                     if scaler is not None:
                         record["loss_scale"] = scaler.get_scale()
+                    if isinstance(train_batches, EpochSampler):
+                        record["epoch"] = train_batches.epochs_done
                     last_log_time, last_log_tokens = now, state.tokens
                     result.train_losses[state.step] = record["loss"]
                     metrics.write(record)
@@ -532,7 +543,7 @@ def check_resumable(checkpoint: Checkpoint, config_dict: dict) -> None:
 
 def restore(
     checkpoint: Checkpoint, config_dict: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-    scaler: torch.amp.GradScaler | None, sampler: RandomWindowSampler, sink: ConsoleSink,
+    scaler: torch.amp.GradScaler | None, sampler: RandomWindowSampler | EpochSampler, sink: ConsoleSink,
 ) -> TrainState:
     """Load a checkpoint into the freshly built objects and report what came back and what changed."""
     changes = config_changes(checkpoint.trainer["config"], config_dict)

@@ -152,3 +152,56 @@ def test_char_tokens_over_jsonl_documents_without_newlines(tmp_path: Path) -> No
     data = prepare_data(data_config(tmp_path, path, source=DataSource.jsonl, tokenizer=TokenizerKind.char),
                         log=lambda m: None)
     assert "\n" in data.tokenizer().chars  # the blank line that joins documents is in the vocabulary
+
+
+# ---------------------------------------------------------------------------------------------
+# epoch sampling
+# ---------------------------------------------------------------------------------------------
+
+
+def epoch_windows(sampler, batches: int) -> list[list[int]]:
+    return [sampler.next_batch()[0][:, 0].tolist() for _ in range(batches)]
+
+
+def test_epochs_visit_every_window_once_in_a_new_reproducible_order() -> None:
+    from llmtrain.data.sampler import EpochSampler
+
+    tokens = np.arange(1001, dtype=np.uint16)  # 100 windows of 10 (+1 target)
+    sampler = EpochSampler(tokens, 8, 10, seed=3)
+    first = [w for batch in epoch_windows(sampler, 12) for w in batch]  # 96 windows: 4 dropped (drop_last)
+    assert len(set(first)) == 96 and all(w % 10 == 0 for w in first)
+    second = [w for batch in epoch_windows(sampler, 12) for w in batch]
+    assert sampler.epoch == 1 and second != first and len(set(second)) == 96
+    again = EpochSampler(tokens, 8, 10, seed=3)
+    assert [w for batch in epoch_windows(again, 12) for w in batch] == first
+
+
+def test_rank_shards_are_disjoint_and_cover_the_epoch() -> None:
+    from llmtrain.data.sampler import EpochSampler
+
+    tokens = np.arange(1001, dtype=np.uint16)
+    shards = [EpochSampler(tokens, 10, 10, seed=1, rank=r, world_size=2) for r in range(2)]
+    seen = [{w for batch in epoch_windows(s, 5) for w in batch} for s in shards]
+    assert not seen[0] & seen[1] and len(seen[0] | seen[1]) == 100
+
+
+def test_mid_epoch_resume_gives_exactly_the_uninterrupted_batches(tmp_path: Path, monkeypatch) -> None:
+    from llmtrain.config import Sampling
+    from llmtrain.errors import Interrupted
+    from llmtrain.train import train
+
+    from .conftest import tiny_config
+
+    settings = {"data.sampling": Sampling.epoch,
+                "max_steps": 40, "schedule.warmup_steps": 2, "data.max_bytes": 8000}  # ~28 steps per epoch
+    reference = train(tiny_config(tmp_path / "ref", **settings))
+    run = tmp_path / "run"
+    monkeypatch.setenv("LLMTRAIN_TEST_STOP_AT_STEP", "17")
+    with pytest.raises(Interrupted):
+        train(tiny_config(run, **settings))
+    monkeypatch.delenv("LLMTRAIN_TEST_STOP_AT_STEP")
+    resumed = train(tiny_config(run, **settings))
+    assert all(resumed.train_losses[s] == reference.train_losses[s] for s in range(18, 41))
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    epochs = [r["epoch"] for r in records if r["kind"] == "train"]
+    assert epochs[16] < 1 < epochs[-1]  # stopped mid-epoch, and the resumed run rolled over into epoch 2

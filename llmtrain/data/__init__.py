@@ -9,7 +9,9 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_EXPORTS = {"PreparedData": "prepare", "prepare_data": "prepare", "RandomWindowSampler": "sampler"}
+_EXPORTS = {
+    "PreparedData": "prepare", "prepare_data": "prepare", "RandomWindowSampler": "sampler", "EpochSampler": "sampler",
+}
 __all__ = list(_EXPORTS)
 
 

@@ -1,4 +1,4 @@
-"""Window batches gathered from a memory-mapped token file.
+"""Window batches gathered from a memory-mapped token file: random windows, or epochs.
 
 Each batch is `batch_size` windows of `seq_len + 1` tokens. Shuffled (the default), the windows
 start at uniformly random offsets drawn from the sampler's own seeded generator, so the data order
@@ -58,3 +58,57 @@ class RandomWindowSampler:
         self.rng.bit_generator.state = state["bit_generator"]
         self.cursor = state.get("cursor", 0)
         self.batches_drawn = state.get("batches_drawn", 0)
+
+
+class EpochSampler:
+    """Epochs over non-overlapping windows: the token stream (documents packed back to back) is cut
+    into windows of `seq_len + 1` tokens, each epoch visits them in a new permutation drawn from
+    (seed, epoch), and a final remainder smaller than a batch is dropped (drop_last). With
+    `world_size` > 1 each rank takes every world_size-th window of the permutation: disjoint shards
+    that together cover the epoch. The position lives in `state_dict`, so a resumed run continues
+    mid-epoch with exactly the batches it would have seen."""
+
+    def __init__(
+        self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int, rank: int = 0, world_size: int = 1
+    ) -> None:
+        self.tokens = tokens
+        self.batch_size = batch_size
+        self.seq_len = seq_len
+        self.seed = seed
+        self.rank, self.world_size = rank, world_size
+        self.n_windows = (tokens.size - 1) // seq_len  # windows share their boundary token as next-token target
+        if self.n_windows // world_size < batch_size:
+            raise ValueError(
+                f"{tokens.size} tokens make {self.n_windows} windows of {seq_len + 1}, fewer than one batch of "
+                f"{batch_size} per rank"
+            )
+        self.epoch = 0
+        self.cursor = 0  # windows of this rank's shard already served this epoch
+        self._offsets = np.arange(seq_len + 1)
+        self._order = self._shard(self.epoch)
+
+    def _shard(self, epoch: int) -> np.ndarray:
+        order = np.random.default_rng([self.seed, epoch]).permutation(self.n_windows)
+        shard = order[self.rank::self.world_size]
+        return shard[: len(shard) - len(shard) % self.batch_size]  # drop_last
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.cursor + self.batch_size > len(self._order):
+            self.epoch, self.cursor = self.epoch + 1, 0
+            self._order = self._shard(self.epoch)
+        starts = self._order[self.cursor:self.cursor + self.batch_size] * self.seq_len
+        self.cursor += self.batch_size
+        windows = torch.from_numpy(self.tokens[starts[:, None] + self._offsets].astype(np.int64))
+        return windows[:, :-1], windows[:, 1:]
+
+    @property
+    def epochs_done(self) -> float:
+        """Epochs completed, fractional: 1.5 = half-way through the second epoch."""
+        return self.epoch + self.cursor / max(1, len(self._order))
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "cursor": self.cursor}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
+        self._order = self._shard(self.epoch)
