@@ -100,6 +100,7 @@ class DataSource(str, Enum):
     python_stdlib = "python_stdlib"
     text = "text"
     jsonl = "jsonl"
+    instruct = "instruct"
 
 
 class Sampling(str, Enum):
@@ -201,6 +202,7 @@ class OptimConfig:
     fused: bool | None = _f(None, "Fused kernel (adam, adamw); null uses it where torch supports it.")
     clip_grad_norm: float | None = _f(1.0, "Clip the global gradient norm to this; null disables.")
     clip_grad_value: float | None = _f(None, "Clip each gradient element to +-value; excludes clip_grad_norm.")
+    label_smoothing: float = _f(0.0, "Label smoothing of the training loss (0 = off; evaluation always reports the plain loss).")
 
 
 @dataclass
@@ -223,6 +225,9 @@ class DataConfig:
     )
     path: str | None = _f(None, "text/jsonl: a file, a folder (its .txt/.md or .jsonl files, recursively) or a glob.")
     text_field: str = _f("text", "jsonl only: the field of each JSON line that holds the document's text.")
+    prompt_field: str = _f("prompt", "instruct: the field with the prompt (its tokens are not trained on).")
+    response_field: str = _f("response", "instruct: the field with the response (the tokens trained on).")
+    messages_field: str = _f("messages", "instruct: the field with chat messages [{role, content}]; only assistant turns train.")
     decode_errors: DecodeErrors = _f(
         DecodeErrors.replace, "Bytes that are not UTF-8: replace them (U+FFFD) or skip the documents that have them."
     )
@@ -543,7 +548,8 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     _require(0 < d.val_fraction < 1, f"'data.val_fraction' is {d.val_fraction}; valid range is (0, 1).")
     _require(d.overfit_batches >= 0, f"'data.overfit_batches' is {d.overfit_batches}; use 0 (off) or a batch count >= 1.")
     _require(d.max_bytes is None or d.max_bytes > 0, f"'data.max_bytes' is {d.max_bytes}; use a positive size or null.")
-    if d.source in (DataSource.text, DataSource.jsonl):
+    _require(0 <= o.label_smoothing < 1, f"'optim.label_smoothing' is {o.label_smoothing}; valid range is [0, 1) (typical: 0.1).")
+    if d.source in (DataSource.text, DataSource.jsonl, DataSource.instruct):
         _require(
             d.path is not None,
             f"Missing required value 'data.path': data={d.source.value} needs your files, e.g. "

@@ -68,7 +68,8 @@ from llmtrain.config import (
     total_steps,
     validate,
 )
-from llmtrain.data import EpochSampler, RandomWindowSampler, prepare_data
+from llmtrain.data import EpochSampler, InstructionSampler, RandomWindowSampler, prepare_data
+from llmtrain.data.sampler import IGNORE_INDEX
 from llmtrain.data.tokenizers import save_tokenizer
 from llmtrain.errors import HealthStop, Interrupted, NonFiniteStop
 from llmtrain.health import HealthWatch
@@ -81,7 +82,6 @@ from llmtrain.precision import autocast_factory, build_grad_scaler, resolve_prec
 from llmtrain.schedule import lr_at
 from llmtrain.sinks import ConsoleSink, MetricsSink
 
-IGNORE_INDEX = -100
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -99,10 +99,12 @@ class TrainResult:
         return self.val_losses[max(self.val_losses)] if self.val_losses else math.nan
 
 
-def loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Summed cross-entropy over real tokens; targets equal to IGNORE_INDEX count for nothing."""
+def loss_sum(logits: torch.Tensor, targets: torch.Tensor, label_smoothing: float = 0.0) -> torch.Tensor:
+    """Summed cross-entropy over real tokens; targets equal to IGNORE_INDEX (prompt tokens,
+    padding) count for nothing."""
     return F.cross_entropy(
-        logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+        logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum",
+        label_smoothing=label_smoothing,
     )
 
 
@@ -117,6 +119,7 @@ def accumulate_gradients(
     device: torch.device,
     autocast: Callable[[], ContextManager],
     scaler: torch.amp.GradScaler | None = None,
+    label_smoothing: float = 0.0,
 ) -> torch.Tensor:
     """Forward/backward over one accumulation window; returns the window's mean loss (a tensor)."""
     n_tokens = max(1, count_tokens(batches))
@@ -124,7 +127,7 @@ def accumulate_gradients(
     for x, y in batches:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         with autocast():
-            loss = loss_sum(model(x), y) / n_tokens
+            loss = loss_sum(model(x), y, label_smoothing) / n_tokens
         (scaler.scale(loss) if scaler is not None else loss).backward()
         window_loss += loss.detach()
     return window_loss
@@ -219,8 +222,14 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
         run_seed = checkpoint.trainer.get("run_seed") or checkpoint.trainer["config"].get("seed") or run_seed
     # The sampler owns its RNG, so the data order is independent of init and dropout.
     data_seed = cfg.data.seed if cfg.data.seed is not None else run_seed
-    train_batches: RandomWindowSampler | EpochSampler
-    if cfg.data.sampling is Sampling.epoch and not cfg.data.overfit_batches:
+    train_batches: RandomWindowSampler | EpochSampler | InstructionSampler
+    if data.meta.get("loss_mask"):  # instruction data: whole examples, prompt tokens masked out of the loss
+        try:
+            train_batches = InstructionSampler(data.tokens("train"), data.loss_mask("train"), data.offsets("train"),
+                                               cfg.micro_batch_size, seq_len, data_seed)
+        except ValueError as err:
+            raise ConfigError(f"data=instruct: {err}; use more examples or a smaller micro_batch_size.") from None
+    elif cfg.data.sampling is Sampling.epoch and not cfg.data.overfit_batches:
         try:
             train_batches = EpochSampler(data.tokens("train"), cfg.micro_batch_size, seq_len, data_seed)
         except ValueError as err:
@@ -231,7 +240,12 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
                                             cfg.data.shuffle, cfg.data.overfit_batches)
     val_batches = []
     if cfg.eval_interval:
-        val_sampler = RandomWindowSampler(data.tokens("val"), cfg.micro_batch_size, seq_len, data_seed + 1)
+        val_sampler = (
+            InstructionSampler(data.tokens("val"), data.loss_mask("val"), data.offsets("val"),
+                               min(cfg.micro_batch_size, len(data.offsets("val")) - 1), seq_len, data_seed + 1)
+            if data.meta.get("loss_mask")
+            else RandomWindowSampler(data.tokens("val"), cfg.micro_batch_size, seq_len, data_seed + 1)
+        )
         val_batches = [tuple(t.to(device) for t in val_sampler.next_batch()) for _ in range(cfg.eval_batches)]
 
     state = TrainState()
@@ -314,7 +328,7 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
                     watch.data_seconds += time.perf_counter() - fetch_start
                     watch.before_forward(step + 1)
 
-                loss = accumulate_gradients(model, window, device, autocast, scaler)
+                loss = accumulate_gradients(model, window, device, autocast, scaler, cfg.optim.label_smoothing)
                 if watch is not None:
                     watch.after_forward()
                 if scaler is not None:
@@ -381,7 +395,7 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
                     record["flops_per_s"] = record["tokens_per_s"] * flops_token
                     if scaler is not None:
                         record["loss_scale"] = scaler.get_scale()
-                    if isinstance(train_batches, EpochSampler):
+                    if isinstance(train_batches, (EpochSampler, InstructionSampler)):
                         record["epoch"] = train_batches.epochs_done
                     last_log_time, last_log_tokens = now, state.tokens
                     result.train_losses[state.step] = record["loss"]
@@ -543,7 +557,8 @@ def check_resumable(checkpoint: Checkpoint, config_dict: dict) -> None:
 
 def restore(
     checkpoint: Checkpoint, config_dict: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-    scaler: torch.amp.GradScaler | None, sampler: RandomWindowSampler | EpochSampler, sink: ConsoleSink,
+    scaler: torch.amp.GradScaler | None, sampler: RandomWindowSampler | EpochSampler | InstructionSampler,
+    sink: ConsoleSink,
 ) -> TrainState:
     """Load a checkpoint into the freshly built objects and report what came back and what changed."""
     changes = config_changes(checkpoint.trainer["config"], config_dict)

@@ -205,3 +205,71 @@ def test_mid_epoch_resume_gives_exactly_the_uninterrupted_batches(tmp_path: Path
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     epochs = [r["epoch"] for r in records if r["kind"] == "train"]
     assert epochs[16] < 1 < epochs[-1]  # stopped mid-epoch, and the resumed run rolled over into epoch 2
+
+
+# ---------------------------------------------------------------------------------------------
+# instruction data
+# ---------------------------------------------------------------------------------------------
+
+
+def instruction_file(path: Path, n: int = 24) -> Path:
+    records = []
+    for i in range(n):
+        if i % 2:
+            records.append({"prompt": f"Q{i}: what is {i} plus one?", "response": f"It is {i + 1}."})
+        else:
+            records.append({"messages": [{"role": "system", "content": "Be brief."},
+                                         {"role": "user", "content": f"Say {i}."},
+                                         {"role": "assistant", "content": f"{i}!"}]})
+    return write_jsonl(path, records)
+
+
+@pytest.mark.parametrize("tokenizer", [TokenizerKind.byte, TokenizerKind.bpe])
+def test_only_response_tokens_are_targets(tmp_path: Path, tokenizer: TokenizerKind) -> None:
+    from llmtrain.data.sampler import IGNORE_INDEX, InstructionSampler
+
+    path = instruction_file(tmp_path / "pairs.jsonl")
+    data = prepare_data(data_config(tmp_path, path, source=DataSource.instruct, tokenizer=tokenizer, bpe_vocab_size=300),
+                        log=lambda m: None)
+    assert data.meta["loss_mask"] and 0 < data.meta["train_target_tokens"] < data.meta["train_tokens"]
+    tok = data.tokenizer()
+    sampler = InstructionSampler(data.tokens("train"), data.loss_mask("train"), data.offsets("train"), 4, 64, seed=0)
+    x, y = sampler.next_batch()
+    for row in range(4):
+        targets = [int(t) for t in y[row] if t != IGNORE_INDEX]
+        text = tok.decode(targets)
+        assert text and "what is" not in text and "Say" not in text and "Be brief" not in text  # no prompt tokens
+        assert text.startswith(("It is", "0", "1", "2")) or text[0].isdigit()
+        real = int((x[row] != 0).sum()) if tokenizer is TokenizerKind.byte else None
+        if real is not None:
+            assert (y[row, real:] == IGNORE_INDEX).all()  # padding is never a target
+
+
+def test_instruction_data_trains_from_the_cli(tmp_path: Path) -> None:
+    path = instruction_file(tmp_path / "pairs.jsonl", n=40)
+    run = tmp_path / "run"
+    proc = llmtrain(tmp_path, "train", "data=instruct", f"data.path={path}", "model.n_layer=1", "model.n_embd=32",
+                    "model.n_head=2", "model.block_size=64", "micro_batch_size=4", "global_batch_size=4", "max_steps=6",
+                    "schedule.warmup_steps=1", "eval_interval=3", "eval_batches=1", "optim.label_smoothing=0.1",
+                    f"hydra.run.dir={run}")
+    assert proc.returncode == 0, proc.stderr
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "eval"] == [3, 6]
+    assert all(0 < r["loss"] < 10 for r in records if r["kind"] == "train")
+
+
+def test_a_bad_instruction_line_names_its_fields(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": "a", "response": "b"}, {"question": "a", "answer": "b"}])
+    with pytest.raises(ConfigError, match=r"pairs.jsonl:2 has neither 'messages' nor .*it has: answer, question"):
+        prepare_data(data_config(tmp_path, path, source=DataSource.instruct), log=lambda m: None)
+
+
+def test_label_smoothing_raises_the_training_loss_of_a_confident_model() -> None:
+    import torch
+
+    from llmtrain.train import loss_sum
+
+    logits = torch.full((1, 4, 10), -5.0)
+    targets = torch.tensor([[1, 2, 3, 4]])
+    logits[0, torch.arange(4), targets[0]] = 5.0
+    assert loss_sum(logits, targets, label_smoothing=0.1) > loss_sum(logits, targets) > 0

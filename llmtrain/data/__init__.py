@@ -11,6 +11,7 @@ from typing import Any
 
 _EXPORTS = {
     "PreparedData": "prepare", "prepare_data": "prepare", "RandomWindowSampler": "sampler", "EpochSampler": "sampler",
+    "InstructionSampler": "sampler",
 }
 __all__ = list(_EXPORTS)
 

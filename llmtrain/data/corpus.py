@@ -23,7 +23,7 @@ class SourceFile:
 
 
 # What a folder contributes, per source: plain text files, or JSON lines.
-SUFFIXES = {"text": (".txt", ".md", ".text"), "jsonl": (".jsonl",)}
+SUFFIXES = {"text": (".txt", ".md", ".text"), "jsonl": (".jsonl",), "instruct": (".jsonl",)}
 
 
 def input_files(path: str, source: str) -> list[SourceFile]:
@@ -93,6 +93,52 @@ def jsonl_documents(source: SourceFile, field: str) -> list[tuple[str, bytes]]:
             if record[field]:
                 docs.append((f"{source.name}:{number}", record[field].encode("utf-8")))
     return docs
+
+
+def instruction_examples(
+    source: SourceFile, prompt_field: str, response_field: str, messages_field: str
+) -> list[tuple[str, list[tuple[str, bool]]]]:
+    """One example per JSON line: (name, [(text, trained), ...]). A line holds either a prompt and a
+    response (only the response is trained on) or chat messages [{"role", "content"}] (only the
+    assistant's turns are trained on). Errors name the file and line."""
+    import json
+
+    from llmtrain.errors import ConfigError
+
+    examples = []
+    with open(source.path, "rb") as fh:
+        for number, raw in enumerate(fh, start=1):
+            if not raw.strip():
+                continue
+            where = f"{source.path}:{number}"
+            try:
+                record = json.loads(raw)
+            except ValueError as err:
+                raise ConfigError(f"{where} is not valid JSON ({err}); each line must be one JSON object.") from None
+            if not isinstance(record, dict):
+                raise ConfigError(f"{where} is a {type(record).__name__}, not a JSON object.")
+            if messages_field in record:
+                messages = record[messages_field]
+                if not isinstance(messages, list) or not all(
+                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                    for m in messages
+                ):
+                    raise ConfigError(f"{where}: '{messages_field}' must be a list of {{\"role\": ..., \"content\": ...}}.")
+                segments = []
+                for m in messages:
+                    segments.append((f"<|{m['role']}|>\n", False))
+                    segments.append((m["content"] + "\n", m["role"] == "assistant"))
+            elif isinstance(record.get(prompt_field), str) and isinstance(record.get(response_field), str):
+                segments = [(record[prompt_field] + "\n\n", False), (record[response_field] + "\n\n", True)]
+            else:
+                raise ConfigError(
+                    f"{where} has neither '{messages_field}' nor string fields '{prompt_field}' and '{response_field}' "
+                    f"(it has: {', '.join(sorted(record))}); set data.prompt_field / data.response_field / "
+                    "data.messages_field to your field names."
+                )
+            if any(trained for _, trained in segments):
+                examples.append((f"{source.name}:{number}", segments))
+    return examples
 
 
 def stdlib_root() -> Path:

@@ -25,6 +25,7 @@ from llmtrain.data.corpus import (
     content_hash,
     fingerprint,
     input_files,
+    instruction_examples,
     read_documents,
     stdlib_files,
     stdlib_root,
@@ -65,6 +66,14 @@ class PreparedData:
     def tokenizer(self) -> Tokenizer:
         return load_tokenizer(self.directory / "tokenizer.json")
 
+    def loss_mask(self, split: str) -> np.ndarray:
+        """Instruction data: 1 where a token is a training target (response), 0 for prompt tokens."""
+        return np.memmap(self.directory / f"{split}.mask.bin", dtype=np.uint8, mode="r")
+
+    def offsets(self, split: str) -> np.ndarray:
+        """Instruction data: where each example starts in the token file (and, last, where the last ends)."""
+        return np.load(self.directory / f"{split}.idx.npy")
+
 
 def cache_root(cfg: DataConfig) -> Path:
     if cfg.cache_dir:
@@ -94,6 +103,8 @@ def _location(cfg: DataConfig) -> tuple[list[SourceFile], Path]:
     # Keys added later only when they differ from their defaults, so caches made before stay valid.
     if cfg.source is DataSource.jsonl:
         identity["text_field"] = cfg.text_field
+    if cfg.source is DataSource.instruct:
+        identity["fields"] = [cfg.prompt_field, cfg.response_field, cfg.messages_field]
     if cfg.tokenizer is TokenizerKind.bpe:
         identity["bpe_vocab_size"] = cfg.bpe_vocab_size
     if cfg.decode_errors is not DecodeErrors.replace:
@@ -133,6 +144,9 @@ def prepare_data(cfg: DataConfig, log: Callable[[str], None] = print) -> Prepare
 
 
 def _read(cfg: DataConfig, files: list[SourceFile]) -> list[tuple[str, bytes]]:
+    if cfg.source is DataSource.instruct:  # each example as JSON of its (text, trained) segments
+        return [(name, json.dumps(segments).encode()) for f in files
+                for name, segments in instruction_examples(f, cfg.prompt_field, cfg.response_field, cfg.messages_field)]
     return read_documents(files, cfg.max_bytes, cfg.text_field if cfg.source is DataSource.jsonl else None)
 
 
@@ -170,6 +184,8 @@ def _build(
 ) -> PreparedData:
     from llmtrain.errors import ConfigError
 
+    if cfg.source is DataSource.instruct:
+        return _build_instructions(cfg, raw, quick, directory, log)
     total_bytes = sum(len(d) for _, d in raw)
     docs = _decode(raw, cfg.decode_errors, log)
     if not docs:
@@ -206,14 +222,22 @@ def _build(
         "fingerprint": quick,
         "content_sha256": content_hash(raw),
     }
+    return _write(directory, {"train.bin": train, "val.bin": val}, tokenizer, meta)
+
+
+def _write(directory: Path, arrays: dict[str, np.ndarray], tokenizer: Tokenizer, meta: dict) -> PreparedData:
+    """Into a temporary folder, fsynced, then renamed into place: never half-written under the real name."""
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = directory.with_name(f"{directory.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir()
-        for split, arr in (("train", train), ("val", val)):
-            with open(tmp / f"{split}.bin", "wb") as fh:
-                arr.tofile(fh)
+        for name, arr in arrays.items():
+            with open(tmp / name, "wb") as fh:
+                if name.endswith(".npy"):
+                    np.save(fh, arr)
+                else:
+                    arr.tofile(fh)
                 fh.flush()
                 os.fsync(fh.fileno())
         save_tokenizer(tokenizer, tmp / "tokenizer.json")
@@ -231,6 +255,59 @@ def _build(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return PreparedData(directory, meta)
+
+
+def _build_instructions(
+    cfg: DataConfig, raw: list[tuple[str, bytes]], quick: str, directory: Path, log: Callable[[str], None]
+) -> PreparedData:
+    """Examples -> tokens, a loss mask (1 = response token, trained on) and example offsets."""
+    from llmtrain.errors import ConfigError
+
+    if not raw:
+        raise ConfigError(f"'data.path' ({cfg.path}) has no instruction example with something to train on.")
+    examples = [(name, [(text, bool(trained)) for text, trained in json.loads(data)]) for name, data in raw]
+    train_ex, val_ex = _split(cfg, examples)
+    tokenizer: Tokenizer
+    if cfg.tokenizer is TokenizerKind.char:
+        tokenizer = CharTokenizer.fit("".join(text for ex in examples for text, _ in ex[1]))
+    elif cfg.tokenizer is TokenizerKind.bpe:
+        log(f"training a byte-level BPE tokenizer (vocabulary {cfg.bpe_vocab_size}) on the train split")
+        tokenizer = BPETokenizer.fit(["".join(t for t, _ in ex) for ex in train_ex], cfg.bpe_vocab_size)
+    else:
+        tokenizer = ByteTokenizer()
+    dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
+    eos = tokenizer.inner.token_to_id(BPETokenizer.END_OF_TEXT) if isinstance(tokenizer, BPETokenizer) else None
+    arrays, counts = {}, {}
+    for split, split_examples in (("train", train_ex), ("val", val_ex)):
+        ids: list[int] = []
+        mask: list[int] = []
+        offsets = [0]
+        for segments in split_examples:
+            for text, trained in segments:
+                piece = tokenizer.encode(text)
+                ids += piece
+                mask += [int(trained)] * len(piece)
+            if eos is not None:  # the model learns to stop: end-of-text is a target
+                ids.append(eos)
+                mask.append(1)
+            offsets.append(len(ids))
+        arrays[f"{split}.bin"] = np.asarray(ids, dtype=dtype)
+        arrays[f"{split}.mask.bin"] = np.asarray(mask, dtype=np.uint8)
+        arrays[f"{split}.idx.npy"] = np.asarray(offsets, dtype=np.int64)
+        counts[split] = (len(split_examples), len(ids), int(sum(mask)))
+    train = arrays["train.bin"]
+    freq = np.bincount(train, minlength=tokenizer.vocab_size).astype(np.float64)
+    p = freq[freq > 0] / max(1.0, freq.sum())
+    meta = {
+        "format": FORMAT_VERSION, "source": cfg.source.value, "tokenizer": cfg.tokenizer.value,
+        "vocab_size": tokenizer.vocab_size, "dtype": np.dtype(dtype).name, "documents": len(examples),
+        "train_documents": counts["train"][0], "val_documents": counts["val"][0], "undecodable_documents": 0,
+        "source_bytes": sum(len(d) for _, d in raw), "train_tokens": counts["train"][1], "val_tokens": counts["val"][1],
+        "train_target_tokens": counts["train"][2], "val_target_tokens": counts["val"][2],
+        "unigram_entropy_nats": float(-(p * np.log(p)).sum()), "fingerprint": quick, "content_sha256": content_hash(raw),
+        "loss_mask": True,
+    }
+    return _write(directory, arrays, tokenizer, meta)
 
 
 def _split_tail(text: str, val_fraction: float) -> tuple[str, str]:

@@ -112,3 +112,58 @@ class EpochSampler:
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
         self._order = self._shard(self.epoch)
+
+
+IGNORE_INDEX = -100  # targets the loss skips (same value as torch's cross_entropy default)
+
+
+class InstructionSampler:
+    """Whole instruction examples, one per row: an epoch permutation of the examples (from (seed,
+    epoch)), each cut to `seq_len + 1` tokens and right-padded. Targets are IGNORE_INDEX where the
+    loss mask is 0 (prompt tokens) and on padding, so only response tokens are trained on. Causal
+    attention with right padding needs no attention mask: a real token never attends to a later
+    (padded) position."""
+
+    def __init__(self, tokens: np.ndarray, mask: np.ndarray, offsets: np.ndarray, batch_size: int, seq_len: int,
+                 seed: int, rank: int = 0, world_size: int = 1) -> None:
+        self.tokens, self.mask, self.offsets = tokens, mask, offsets
+        self.batch_size, self.seq_len, self.seed = batch_size, seq_len, seed
+        self.rank, self.world_size = rank, world_size
+        self.n_examples = len(offsets) - 1
+        if self.n_examples // world_size < batch_size:
+            raise ValueError(f"{self.n_examples} examples are fewer than one batch of {batch_size} per rank")
+        self.epoch, self.cursor = 0, 0
+        self._order = self._shard(0)
+
+    def _shard(self, epoch: int) -> np.ndarray:
+        order = np.random.default_rng([self.seed, epoch]).permutation(self.n_examples)[self.rank::self.world_size]
+        return order[: len(order) - len(order) % self.batch_size]
+
+    @property
+    def epochs_done(self) -> float:
+        return self.epoch + self.cursor / max(1, len(self._order))
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.cursor + self.batch_size > len(self._order):
+            self.epoch, self.cursor = self.epoch + 1, 0
+            self._order = self._shard(self.epoch)
+        chosen = self._order[self.cursor:self.cursor + self.batch_size]
+        self.cursor += self.batch_size
+        x = torch.zeros(self.batch_size, self.seq_len, dtype=torch.int64)
+        y = torch.full((self.batch_size, self.seq_len), IGNORE_INDEX, dtype=torch.int64)
+        for row, example in enumerate(chosen):
+            start = int(self.offsets[example])
+            end = min(int(self.offsets[example + 1]), start + self.seq_len + 1)
+            ids = torch.from_numpy(self.tokens[start:end].astype(np.int64))
+            trained = torch.from_numpy(self.mask[start + 1:end].astype(bool))
+            n = len(ids) - 1
+            x[row, :n] = ids[:-1]
+            y[row, :n] = torch.where(trained, ids[1:], IGNORE_INDEX)
+        return x, y
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "cursor": self.cursor}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
+        self._order = self._shard(self.epoch)
