@@ -69,7 +69,7 @@ from llmtrain.config import (
     validate,
 )
 from llmtrain.data import EpochSampler, InstructionSampler, RandomWindowSampler, prepare_data
-from llmtrain.data.sampler import IGNORE_INDEX
+from llmtrain.data.sampler import IGNORE_INDEX, EpochOrder
 from llmtrain.data.tokenizers import save_tokenizer
 from llmtrain.errors import HealthStop, Interrupted, NonFiniteStop
 from llmtrain.health import HealthWatch
@@ -395,7 +395,7 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
                     record["flops_per_s"] = record["tokens_per_s"] * flops_token
                     if scaler is not None:
                         record["loss_scale"] = scaler.get_scale()
-                    if isinstance(train_batches, (EpochSampler, InstructionSampler)):
+                    if isinstance(train_batches, EpochOrder):
                         record["epoch"] = train_batches.epochs_done
                     last_log_time, last_log_tokens = now, state.tokens
                     result.train_losses[state.step] = record["loss"]

@@ -150,8 +150,10 @@ def _read(cfg: DataConfig, files: list[SourceFile]) -> list[tuple[str, bytes]]:
     return read_documents(files, cfg.max_bytes, cfg.text_field if cfg.source is DataSource.jsonl else None)
 
 
-def _decode(docs: list[tuple[str, bytes]], policy: DecodeErrors, log: Callable[[str], None]) -> list[tuple[str, str]]:
-    """UTF-8 text per document; documents with invalid bytes are repaired (U+FFFD) or skipped, and counted."""
+def _decode(
+    docs: list[tuple[str, bytes]], policy: DecodeErrors, log: Callable[[str], None]
+) -> tuple[list[tuple[str, str]], int]:
+    """UTF-8 text per document, and how many had invalid bytes (repaired with U+FFFD, or skipped)."""
     out, bad = [], []
     for name, data in docs:
         try:
@@ -163,7 +165,7 @@ def _decode(docs: list[tuple[str, bytes]], policy: DecodeErrors, log: Callable[[
     if bad:
         action = "invalid bytes replaced by U+FFFD" if policy is DecodeErrors.replace else "skipped"
         log(f"{len(bad)} document(s) are not valid UTF-8 ({action}; data.decode_errors=replace|skip), e.g. {bad[0]}")
-    return out
+    return out, len(bad)
 
 
 def _split(cfg: DataConfig, docs: list[tuple[str, str]]) -> tuple[list[str], list[str]]:
@@ -187,24 +189,16 @@ def _build(
     if cfg.source is DataSource.instruct:
         return _build_instructions(cfg, raw, quick, directory, log)
     total_bytes = sum(len(d) for _, d in raw)
-    docs = _decode(raw, cfg.decode_errors, log)
+    docs, undecodable = _decode(raw, cfg.decode_errors, log)
     if not docs:
         raise ConfigError(f"'data.path' ({cfg.path}) gave no usable text (every document was empty or skipped).")
     train_parts, val_parts = _split(cfg, docs)
 
-    tokenizer: Tokenizer
-    if cfg.tokenizer is TokenizerKind.char:
-        tokenizer = CharTokenizer.fit(DOC_SEPARATOR.join(train_parts + val_parts))  # the separator is text too
-    elif cfg.tokenizer is TokenizerKind.bpe:
-        log(f"training a byte-level BPE tokenizer (vocabulary {cfg.bpe_vocab_size}) on the train split")
-        tokenizer = BPETokenizer.fit(train_parts, cfg.bpe_vocab_size)
-    else:
-        tokenizer = ByteTokenizer()
+    # The separator that joins documents is text too, so the char vocabulary must hold it.
+    tokenizer = _fit_tokenizer(cfg, DOC_SEPARATOR.join(train_parts + val_parts), train_parts, log)
     dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
     train = _encode_documents(tokenizer, train_parts, dtype)
     val = _encode_documents(tokenizer, val_parts, dtype)
-    counts = np.bincount(train, minlength=tokenizer.vocab_size).astype(np.float64)
-    p = counts[counts > 0] / counts.sum()
     meta = {
         "format": FORMAT_VERSION,
         "source": cfg.source.value,
@@ -214,11 +208,11 @@ def _build(
         "documents": len(docs),
         "train_documents": len(train_parts),
         "val_documents": len(val_parts),
-        "undecodable_documents": sum(1 for _, d in raw if not _is_utf8(d)),
+        "undecodable_documents": undecodable,
         "source_bytes": total_bytes,
         "train_tokens": int(train.size),
         "val_tokens": int(val.size),
-        "unigram_entropy_nats": float(-(p * np.log(p)).sum()),
+        "unigram_entropy_nats": _unigram_entropy(train, tokenizer.vocab_size),
         "fingerprint": quick,
         "content_sha256": content_hash(raw),
     }
@@ -267,14 +261,8 @@ def _build_instructions(
         raise ConfigError(f"'data.path' ({cfg.path}) has no instruction example with something to train on.")
     examples = [(name, [(text, bool(trained)) for text, trained in json.loads(data)]) for name, data in raw]
     train_ex, val_ex = _split(cfg, examples)
-    tokenizer: Tokenizer
-    if cfg.tokenizer is TokenizerKind.char:
-        tokenizer = CharTokenizer.fit("".join(text for ex in examples for text, _ in ex[1]))
-    elif cfg.tokenizer is TokenizerKind.bpe:
-        log(f"training a byte-level BPE tokenizer (vocabulary {cfg.bpe_vocab_size}) on the train split")
-        tokenizer = BPETokenizer.fit(["".join(t for t, _ in ex) for ex in train_ex], cfg.bpe_vocab_size)
-    else:
-        tokenizer = ByteTokenizer()
+    tokenizer = _fit_tokenizer(cfg, "".join(text for _, ex in examples for text, _ in ex),
+                               ["".join(text for text, _ in ex) for ex in train_ex], log)
     dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
     eos = tokenizer.inner.token_to_id(BPETokenizer.END_OF_TEXT) if isinstance(tokenizer, BPETokenizer) else None
     arrays, counts = {}, {}
@@ -295,19 +283,33 @@ def _build_instructions(
         arrays[f"{split}.mask.bin"] = np.asarray(mask, dtype=np.uint8)
         arrays[f"{split}.idx.npy"] = np.asarray(offsets, dtype=np.int64)
         counts[split] = (len(split_examples), len(ids), int(sum(mask)))
-    train = arrays["train.bin"]
-    freq = np.bincount(train, minlength=tokenizer.vocab_size).astype(np.float64)
-    p = freq[freq > 0] / max(1.0, freq.sum())
     meta = {
         "format": FORMAT_VERSION, "source": cfg.source.value, "tokenizer": cfg.tokenizer.value,
         "vocab_size": tokenizer.vocab_size, "dtype": np.dtype(dtype).name, "documents": len(examples),
         "train_documents": counts["train"][0], "val_documents": counts["val"][0], "undecodable_documents": 0,
         "source_bytes": sum(len(d) for _, d in raw), "train_tokens": counts["train"][1], "val_tokens": counts["val"][1],
         "train_target_tokens": counts["train"][2], "val_target_tokens": counts["val"][2],
-        "unigram_entropy_nats": float(-(p * np.log(p)).sum()), "fingerprint": quick, "content_sha256": content_hash(raw),
+        "unigram_entropy_nats": _unigram_entropy(arrays["train.bin"], tokenizer.vocab_size), "fingerprint": quick, "content_sha256": content_hash(raw),
         "loss_mask": True,
     }
     return _write(directory, arrays, tokenizer, meta)
+
+
+def _fit_tokenizer(cfg: DataConfig, all_text: str, train_texts: list[str], log: Callable[[str], None]) -> Tokenizer:
+    """char: every character of the corpus; bpe: trained on the train split only; byte: nothing to fit."""
+    if cfg.tokenizer is TokenizerKind.char:
+        return CharTokenizer.fit(all_text)
+    if cfg.tokenizer is TokenizerKind.bpe:
+        log(f"training a byte-level BPE tokenizer (vocabulary {cfg.bpe_vocab_size}) on the train split")
+        return BPETokenizer.fit(train_texts, cfg.bpe_vocab_size)
+    return ByteTokenizer()
+
+
+def _unigram_entropy(tokens: np.ndarray, vocab_size: int) -> float:
+    """Entropy (nats) of the token frequencies: the loss of a model that ignores context."""
+    counts = np.bincount(tokens, minlength=vocab_size).astype(np.float64)
+    p = counts[counts > 0] / max(1.0, counts.sum())
+    return float(-(p * np.log(p)).sum())
 
 
 def _split_tail(text: str, val_fraction: float) -> tuple[str, str]:
@@ -317,14 +319,6 @@ def _split_tail(text: str, val_fraction: float) -> tuple[str, str]:
     if newline > len(text) // 2:
         cut = newline + 1
     return text[:cut], text[cut:]
-
-
-def _is_utf8(data: bytes) -> bool:
-    try:
-        data.decode("utf-8")
-    except UnicodeDecodeError:
-        return False
-    return True
 
 
 def _encode_documents(tokenizer: Tokenizer, parts: list[str], dtype: type) -> np.ndarray:

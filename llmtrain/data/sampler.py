@@ -60,46 +60,29 @@ class RandomWindowSampler:
         self.batches_drawn = state.get("batches_drawn", 0)
 
 
-class EpochSampler:
-    """Epochs over non-overlapping windows: the token stream (documents packed back to back) is cut
-    into windows of `seq_len + 1` tokens, each epoch visits them in a new permutation drawn from
-    (seed, epoch), and a final remainder smaller than a batch is dropped (drop_last). With
-    `world_size` > 1 each rank takes every world_size-th window of the permutation: disjoint shards
-    that together cover the epoch. The position lives in `state_dict`, so a resumed run continues
-    mid-epoch with exactly the batches it would have seen."""
+class EpochOrder:
+    """Items (windows, examples) visited once per epoch in a permutation drawn from (seed, epoch).
+    Rank r of world_size takes every world_size-th item: disjoint shards covering the epoch. A
+    remainder smaller than a batch is dropped (drop_last). (epoch, cursor) is the whole state."""
 
-    def __init__(
-        self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int, rank: int = 0, world_size: int = 1
-    ) -> None:
-        self.tokens = tokens
-        self.batch_size = batch_size
-        self.seq_len = seq_len
-        self.seed = seed
+    def __init__(self, n_items: int, batch_size: int, seed: int, rank: int = 0, world_size: int = 1) -> None:
+        self.n_items, self.batch_size, self.seed = n_items, batch_size, seed
         self.rank, self.world_size = rank, world_size
-        self.n_windows = (tokens.size - 1) // seq_len  # windows share their boundary token as next-token target
-        if self.n_windows // world_size < batch_size:
-            raise ValueError(
-                f"{tokens.size} tokens make {self.n_windows} windows of {seq_len + 1}, fewer than one batch of "
-                f"{batch_size} per rank"
-            )
         self.epoch = 0
-        self.cursor = 0  # windows of this rank's shard already served this epoch
-        self._offsets = np.arange(seq_len + 1)
-        self._order = self._shard(self.epoch)
+        self.cursor = 0  # items of this rank's shard already served this epoch
+        self._order = self._shard(0)
 
     def _shard(self, epoch: int) -> np.ndarray:
-        order = np.random.default_rng([self.seed, epoch]).permutation(self.n_windows)
-        shard = order[self.rank::self.world_size]
+        shard = np.random.default_rng([self.seed, epoch]).permutation(self.n_items)[self.rank::self.world_size]
         return shard[: len(shard) - len(shard) % self.batch_size]  # drop_last
 
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def next_items(self) -> np.ndarray:
         if self.cursor + self.batch_size > len(self._order):
             self.epoch, self.cursor = self.epoch + 1, 0
             self._order = self._shard(self.epoch)
-        starts = self._order[self.cursor:self.cursor + self.batch_size] * self.seq_len
+        chosen = self._order[self.cursor:self.cursor + self.batch_size]
         self.cursor += self.batch_size
-        windows = torch.from_numpy(self.tokens[starts[:, None] + self._offsets].astype(np.int64))
-        return windows[:, :-1], windows[:, 1:]
+        return chosen
 
     @property
     def epochs_done(self) -> float:
@@ -114,44 +97,52 @@ class EpochSampler:
         self._order = self._shard(self.epoch)
 
 
+class EpochSampler(EpochOrder):
+    """Epochs over non-overlapping windows: the token stream (documents packed back to back) is cut
+    into windows of `seq_len + 1` tokens (neighbours share their boundary token as a target), visited
+    in EpochOrder. The position lives in `state_dict`, so a resumed run continues mid-epoch with
+    exactly the batches it would have seen."""
+
+    def __init__(
+        self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int, rank: int = 0, world_size: int = 1
+    ) -> None:
+        n_windows = (tokens.size - 1) // seq_len
+        if n_windows // world_size < batch_size:
+            raise ValueError(
+                f"{tokens.size} tokens make {n_windows} windows of {seq_len + 1}, fewer than one batch of "
+                f"{batch_size} per rank"
+            )
+        super().__init__(n_windows, batch_size, seed, rank, world_size)
+        self.tokens, self.seq_len = tokens, seq_len
+        self._offsets = np.arange(seq_len + 1)
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        starts = self.next_items() * self.seq_len
+        windows = torch.from_numpy(self.tokens[starts[:, None] + self._offsets].astype(np.int64))
+        return windows[:, :-1], windows[:, 1:]
+
+
 IGNORE_INDEX = -100  # targets the loss skips (same value as torch's cross_entropy default)
 
 
-class InstructionSampler:
-    """Whole instruction examples, one per row: an epoch permutation of the examples (from (seed,
-    epoch)), each cut to `seq_len + 1` tokens and right-padded. Targets are IGNORE_INDEX where the
-    loss mask is 0 (prompt tokens) and on padding, so only response tokens are trained on. Causal
-    attention with right padding needs no attention mask: a real token never attends to a later
-    (padded) position."""
+class InstructionSampler(EpochOrder):
+    """Whole instruction examples, one per row, in EpochOrder, each cut to `seq_len + 1` tokens and
+    right-padded. Targets are IGNORE_INDEX where the loss mask is 0 (prompt tokens) and on padding,
+    so only response tokens are trained on. Causal attention with right padding needs no attention
+    mask: a real token never attends to a later (padded) position."""
 
     def __init__(self, tokens: np.ndarray, mask: np.ndarray, offsets: np.ndarray, batch_size: int, seq_len: int,
                  seed: int, rank: int = 0, world_size: int = 1) -> None:
-        self.tokens, self.mask, self.offsets = tokens, mask, offsets
-        self.batch_size, self.seq_len, self.seed = batch_size, seq_len, seed
-        self.rank, self.world_size = rank, world_size
-        self.n_examples = len(offsets) - 1
-        if self.n_examples // world_size < batch_size:
-            raise ValueError(f"{self.n_examples} examples are fewer than one batch of {batch_size} per rank")
-        self.epoch, self.cursor = 0, 0
-        self._order = self._shard(0)
-
-    def _shard(self, epoch: int) -> np.ndarray:
-        order = np.random.default_rng([self.seed, epoch]).permutation(self.n_examples)[self.rank::self.world_size]
-        return order[: len(order) - len(order) % self.batch_size]
-
-    @property
-    def epochs_done(self) -> float:
-        return self.epoch + self.cursor / max(1, len(self._order))
+        n_examples = len(offsets) - 1
+        if n_examples // world_size < batch_size:
+            raise ValueError(f"{n_examples} examples are fewer than one batch of {batch_size} per rank")
+        super().__init__(n_examples, batch_size, seed, rank, world_size)
+        self.tokens, self.mask, self.offsets, self.seq_len = tokens, mask, offsets, seq_len
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.cursor + self.batch_size > len(self._order):
-            self.epoch, self.cursor = self.epoch + 1, 0
-            self._order = self._shard(self.epoch)
-        chosen = self._order[self.cursor:self.cursor + self.batch_size]
-        self.cursor += self.batch_size
         x = torch.zeros(self.batch_size, self.seq_len, dtype=torch.int64)
         y = torch.full((self.batch_size, self.seq_len), IGNORE_INDEX, dtype=torch.int64)
-        for row, example in enumerate(chosen):
+        for row, example in enumerate(self.next_items()):
             start = int(self.offsets[example])
             end = min(int(self.offsets[example + 1]), start + self.seq_len + 1)
             ids = torch.from_numpy(self.tokens[start:end].astype(np.int64))
@@ -160,10 +151,3 @@ class InstructionSampler:
             x[row, :n] = ids[:-1]
             y[row, :n] = torch.where(trained, ids[1:], IGNORE_INDEX)
         return x, y
-
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "cursor": self.cursor}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
-        self._order = self._shard(self.epoch)
