@@ -331,7 +331,7 @@ def prepare_command(args: list[str]) -> None:
     console = Console()
     try:
         cfg = compose_config(opts.overrides, opts.config_dir)
-        data = prepare_data(cfg.data, log=lambda message: console.print(f"[dim]{message}[/]"))
+        data = prepare_data(cfg.data, log=lambda message: console.print(f"[dim]{message}[/]"), progress=True)
     except UserError as err:
         fail(str(err))
     m = data.meta
@@ -395,6 +395,9 @@ def sample_command(args: list[str]) -> None:
     parser.add_argument("--temperature", type=float, default=1.0, help="softmax temperature; 0 = greedy (default 1.0)")
     parser.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest tokens only (default: all)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed: same seed, same text (default 0)")
+    parser.add_argument("--ignore-end-of-text", action="store_true",
+                        help="keep generating past the end-of-text token (by default the text ends there: the model "
+                        "says its document is over)")
     opts = parser.parse_args(args)
     if opts.max_new_tokens < 1:
         fail(f"--max-new-tokens is {opts.max_new_tokens}; it must be >= 1.")
@@ -405,7 +408,8 @@ def sample_command(args: list[str]) -> None:
     from llmtrain.sample import sample_text
 
     try:
-        text = sample_text(opts.run_dir, opts.prompt, opts.max_new_tokens, opts.temperature, opts.top_k, opts.seed)
+        text = sample_text(opts.run_dir, opts.prompt, opts.max_new_tokens, opts.temperature, opts.top_k, opts.seed,
+                           stop_at_end_of_text=not opts.ignore_end_of_text)
     except UserError as err:
         fail(str(err))
     sys.stdout.write(opts.prompt + text + "\n")

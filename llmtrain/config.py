@@ -94,6 +94,7 @@ class TokenizerKind(str, Enum):
     byte = "byte"
     char = "char"
     bpe = "bpe"
+    gpt2 = "gpt2"
 
 
 class DataSource(str, Enum):
@@ -232,9 +233,16 @@ class DataConfig:
         DecodeErrors.replace, "Bytes that are not UTF-8: replace them (U+FFFD) or skip the documents that have them."
     )
     tokenizer: TokenizerKind = _f(
-        TokenizerKind.byte, "byte (vocab 256), char (vocabulary from the corpus) or bpe (byte-level BPE trained on it)."
+        TokenizerKind.byte, "byte (vocab 256), char (vocabulary from the corpus), bpe (byte-level BPE trained on it) or "
+        "gpt2 (GPT-2's BPE through tiktoken, vocab 50257; its files must be on this machine, see data.gpt2_dir)."
     )
     bpe_vocab_size: int = _f(4096, "bpe only: the vocabulary size to train (>= 257: the 256 bytes + end-of-text).")
+    gpt2_dir: str | None = _f(
+        None, "gpt2 only: a folder holding GPT-2's vocab.bpe and encoder.json; null looks in tiktoken's cache "
+        "(TIKTOKEN_CACHE_DIR) for the files `tiktoken.get_encoding('gpt2')` downloaded.")
+    bpe_sample_bytes: int = _f(
+        32 * 2**20, "bpe only: train the tokenizer on at most this many bytes of the train split, spread over its "
+        "documents (training, unlike encoding, gains little from more text); the whole split is then encoded.")
     seq_len: int | None = _f(None, "Tokens per training sequence; null uses model.block_size.")
     val_fraction: float = _f(0.05, "Share held out for validation: whole documents (several files, JSON lines, stdlib) or a single file's tail.")
     max_bytes: int | None = _f(None, "Read at most this many bytes of the corpus; null reads all.")
@@ -555,6 +563,8 @@ def validate(cfg: Config, world_size: int = 1) -> None:
             f"Missing required value 'data.path': data={d.source.value} needs your files, e.g. "
             f"data.path={'corpus/' if d.source is DataSource.text else 'docs.jsonl'}.",
         )
+    _require(d.bpe_sample_bytes >= 2**16, f"'data.bpe_sample_bytes' is {d.bpe_sample_bytes}; give at least 65536 "
+             "(64 KiB of text to learn merges from; the default is 33554432, 32 MiB).")
     _require(d.bpe_vocab_size >= 257, f"'data.bpe_vocab_size' is {d.bpe_vocab_size}; it must be >= 257 (256 bytes + end-of-text).")
     _require(d.text_field.strip() != "", "'data.text_field' is empty; name the JSON field that holds the text, e.g. text.")
     total = total_steps(cfg, world_size)

@@ -68,11 +68,13 @@ def generate(
     generator: torch.Generator | None = None,
     context: int | None = None,
     vocab_limit: int | None = None,
+    stop_id: int | None = None,
 ) -> list[int]:
     """Autoregressive sampling; the same generator seed gives the same tokens.
 
     `context` crops the input to the length the model was trained on; `vocab_limit` keeps ids the
-    tokenizer can decode (a model's vocabulary may be padded beyond the tokenizer's, e.g. 50304).
+    tokenizer can decode (a model's vocabulary may be padded beyond the tokenizer's, e.g. 50304);
+    generation ends after `stop_id` (end-of-text) if it comes.
     """
     device = next(model.parameters()).device
     context = min(context or model.cfg.block_size, model.cfg.block_size)
@@ -91,6 +93,8 @@ def generate(
             probs = torch.softmax(logits, dim=-1)
             next_id = torch.multinomial(probs.cpu(), 1, generator=generator).to(device)
         idx = torch.cat([idx, next_id], dim=1)
+        if stop_id is not None and int(next_id) == stop_id:
+            break
     return idx[0, len(prompt) :].tolist()
 
 
@@ -101,6 +105,7 @@ def sample_text(
     temperature: float = 1.0,
     top_k: int | None = None,
     seed: int = 0,
+    stop_at_end_of_text: bool = True,
 ) -> str:
     run = load_run(run_dir)
     try:
@@ -111,5 +116,6 @@ def sample_text(
     ids = generate(
         run.model, prompt_ids, max_new_tokens, temperature, top_k, generator,
         context=run.context, vocab_limit=run.tokenizer.vocab_size,
+        stop_id=run.tokenizer.eos_id if stop_at_end_of_text else None,
     )
     return run.tokenizer.decode(ids)

@@ -185,7 +185,7 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
     def warn(message: str) -> None:
         sink.print(f"[bold yellow]warning:[/] {message}")
 
-    data = prepare_data(cfg.data, log=lambda msg: sink.print(f"[dim]{msg}[/]"))
+    data = prepare_data(cfg.data, log=lambda msg: sink.print(f"[dim]{msg}[/]"), progress=True)
     for split in ("train", "val") if cfg.eval_interval else ("train",):
         if data.meta[f"{split}_tokens"] < seq_len + 1:
             raise ConfigError(

@@ -67,13 +67,16 @@ def test_train_then_sample_from_a_temporary_cwd(tmp_path: Path) -> None:
     state = torch.load(run / "model.pt", weights_only=True)
     assert state["wte.weight"].shape[1] == 32
 
-    first = llmtrain("sample", str(run), "--max-new-tokens", "40", "--seed", "3", cwd=tmp_path)
-    again = llmtrain("sample", str(run), "--max-new-tokens", "40", "--seed", "3", cwd=tmp_path)
-    other = llmtrain("sample", str(run), "--max-new-tokens", "40", "--seed", "4", cwd=tmp_path)
+    endless = ("--max-new-tokens", "40", "--ignore-end-of-text")
+    first = llmtrain("sample", str(run), *endless, "--seed", "3", cwd=tmp_path)
+    again = llmtrain("sample", str(run), *endless, "--seed", "3", cwd=tmp_path)
+    other = llmtrain("sample", str(run), *endless, "--seed", "4", cwd=tmp_path)
     assert first.returncode == 0, first.stderr
     assert first.stdout == again.stdout, "same seed must give the same text"
     assert first.stdout != other.stdout
-    assert len(first.stdout) >= 40
+    assert len(first.stdout) >= 30  # 40 tokens, a character each, but end-of-text ones (which decode to nothing)
+    stopping = llmtrain("sample", str(run), "--max-new-tokens", "40", "--seed", "3", cwd=tmp_path)
+    assert first.stdout.startswith(stopping.stdout.rstrip("\n")), "the same tokens, up to the first end-of-text"
 
 
 def test_sample_with_a_model_vocab_padded_past_the_tokenizer(tmp_path: Path) -> None:
@@ -82,9 +85,9 @@ def test_sample_with_a_model_vocab_padded_past_the_tokenizer(tmp_path: Path) -> 
     proc = llmtrain("train", *TINY, "model.vocab_size=4096", "max_steps=1", f"hydra.run.dir={run}", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     for args in (["--temperature", "1.5"], ["--temperature", "0"], ["--top-k", "5"]):
-        out = llmtrain("sample", str(run), "--max-new-tokens", "50", *args, cwd=tmp_path)
+        out = llmtrain("sample", str(run), "--max-new-tokens", "50", "--ignore-end-of-text", *args, cwd=tmp_path)
         assert out.returncode == 0, out.stderr
-        assert len(out.stdout) >= 50
+        assert len(out.stdout) >= 40  # one character per token, but end-of-text tokens, which decode to nothing
 
 
 def test_sample_on_a_missing_run_dir_is_a_clear_error(tmp_path: Path) -> None:

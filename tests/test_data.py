@@ -24,7 +24,7 @@ def test_prepare_once_then_reuse_then_rebuild_on_change(tmp_path: Path) -> None:
     messages: list[str] = []
     first = prepare_data(cfg, log=messages.append)
     assert len(messages) == 1 and "preparing" in messages[0]
-    assert first.meta["train_tokens"] + first.meta["val_tokens"] == 12 * 500
+    assert first.meta["train_tokens"] + first.meta["val_tokens"] == 12 * 500 + 1  # + end-of-text
     built = (first.directory / "train.bin").stat().st_mtime_ns
 
     again = prepare_data(cfg, log=messages.append)
@@ -39,7 +39,7 @@ def test_prepare_once_then_reuse_then_rebuild_on_change(tmp_path: Path) -> None:
     corpus.write_text("something else entirely\n" * 500)
     changed = prepare_data(cfg, log=messages.append)
     assert len(messages) == 2 and "changed" in messages[1]
-    assert changed.meta["train_tokens"] + changed.meta["val_tokens"] == 24 * 500
+    assert changed.meta["train_tokens"] + changed.meta["val_tokens"] == 24 * 500 + 1
     assert not list((tmp_path / "cache" / "data").glob("*.tmp-*")), "no temp folders left behind"
 
 
@@ -50,7 +50,8 @@ def test_tokens_memmap_matches_the_text_and_split_is_tail(tmp_path: Path) -> Non
     data = prepare_data(text_config(corpus, tmp_path / "cache"), log=lambda _: None)
     train, val = data.tokens("train"), data.tokens("val")
     assert isinstance(train, np.memmap) and train.dtype == np.uint16
-    assert bytes(np.concatenate([train, val]).astype(np.uint8)) == text.encode()
+    assert bytes(np.concatenate([train, val]).astype(np.uint8)) == text.encode() + b"\xff"  # end-of-text: byte 255
+    assert train[-1] == ord("\n"), "a single file's split falls on a line break"
     assert 0.08 < val.size / (train.size + val.size) < 0.12
     counts = np.bincount(train, minlength=256)
     p = counts[counts > 0] / counts.sum()
@@ -62,11 +63,16 @@ def test_char_tokenizer_vocab_from_corpus_and_round_trip(tmp_path: Path) -> None
     corpus.write_text("abcabc\nxyz é\n" * 100)
     data = prepare_data(text_config(corpus, tmp_path / "cache", TokenizerKind.char), log=lambda _: None)
     tok = data.tokenizer()
-    assert isinstance(tok, CharTokenizer) and data.vocab_size == len(set("abcabc\nxyz é\n"))
+    assert isinstance(tok, CharTokenizer) and data.vocab_size == len(set("abcabc\nxyz é\n")) + 1  # + end-of-text
     assert tok.decode(tok.encode("zé a")) == "zé a"
+    assert tok.encode_array("zé a").tolist() == tok.encode("zé a")
+    assert data.tokens("val")[-1] == tok.eos_id == data.meta["end_of_text_id"]
+    assert tok.decode([*tok.encode("ab"), tok.eos_id]) == "ab"
     assert tokenizer_from_dict(tok.to_dict()).chars == tok.chars
     with pytest.raises(ValueError, match="not in this char tokenizer"):
         tok.encode("Q")
+    with pytest.raises(ValueError, match="'Q' is not in this char tokenizer"):
+        tok.encode_array("abQ")
     assert ByteTokenizer().decode(ByteTokenizer().encode("é ok")) == "é ok"
 
 

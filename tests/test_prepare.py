@@ -119,6 +119,183 @@ def test_undecodable_bytes_are_replaced_or_skipped_and_counted(tmp_path: Path, p
     assert any("not valid UTF-8" in m and "doc0.txt" in m for m in logs)
 
 
+def test_trained_bpe_encodes_through_tiktoken_with_the_same_tokens(tmp_path: Path) -> None:
+    folder = corpus_folder(tmp_path / "corpus")
+    data = prepare_data(data_config(tmp_path, folder, tokenizer=TokenizerKind.bpe, bpe_vocab_size=800), log=lambda m: None)
+    tokenizer = data.tokenizer()
+    assert tokenizer._tiktoken() is not None, "the fast path agreed with tokenizers on the probe"
+    texts = [p.read_text() for p in sorted(folder.rglob("*.txt"))] + ["  x\n\n\n\ty  ", "ünïcödé 数据 🙂🙂", "it's I'll"]
+    assert tokenizer.encode_batch(texts) == [e.ids for e in tokenizer.inner.encode_batch(texts)]
+
+
+# ---------------------------------------------------------------------------------------------
+# GPT-2 BPE through tiktoken, from local files only
+# ---------------------------------------------------------------------------------------------
+
+
+def gpt2_format_files(folder: Path, merges: list[tuple[str, str]]) -> Path:
+    """A small vocab.bpe + encoder.json pair in GPT-2's release format (the real pair is 1.5 MB and
+    needs the network): all 256 bytes in GPT-2's byte alphabet, then `merges` in order."""
+    printable = [b for b in range(256) if chr(b).isprintable() and chr(b) != " "]
+    order = printable + [b for b in range(256) if b not in printable]
+    char = {b: chr(b) for b in printable} | {b: chr(256 + n) for n, b in enumerate(order[len(printable):])}
+    encoder = {char[b]: rank for rank, b in enumerate(order)}
+    for first, second in merges:
+        encoder[first + second] = len(encoder)
+    encoder["<|endoftext|>"] = len(encoder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "vocab.bpe").write_text("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges))
+    (folder / "encoder.json").write_text(json.dumps(encoder))
+    return folder
+
+
+GPT2_MERGES = [("h", "e"), ("l", "l"), ("he", "ll"), ("hell", "o"), ("Ġ", "w"), ("o", "r"), ("Ġw", "or")]
+
+
+def test_gpt2_bpe_from_a_folder_prepares_and_round_trips(tmp_path: Path) -> None:
+    from llmtrain.data.tokenizers import TiktokenTokenizer
+
+    folder = gpt2_format_files(tmp_path / "gpt2", GPT2_MERGES)
+    (tmp_path / "c.txt").write_text("hello world\n" * 200 + "naïve 🙂\n")
+    data = prepare_data(data_config(tmp_path, tmp_path / "c.txt", tokenizer=TokenizerKind.gpt2, gpt2_dir=str(folder)),
+                        log=lambda m: None)
+    tokenizer = load_tokenizer(data.directory / "tokenizer.json")  # saved whole: no files needed to load
+    assert isinstance(tokenizer, TiktokenTokenizer) and tokenizer.vocab_size == 256 + len(GPT2_MERGES) + 1
+    assert tokenizer.eos_id == data.meta["end_of_text_id"] == 256 + len(GPT2_MERGES)
+    assert len(tokenizer.encode("hello")) == 1 and len(tokenizer.encode(" wor")) == 1
+    assert tokenizer.decode(tokenizer.encode("hello world naïve 🙂")) == "hello world naïve 🙂"
+    stream = np.concatenate([data.tokens("train"), data.tokens("val")]).tolist()
+    assert tokenizer.decode(stream) == "hello world\n" * 200 + "naïve 🙂\n" and stream[-1] == tokenizer.eos_id
+
+
+def test_gpt2_bpe_is_found_in_tiktokens_cache(tmp_path: Path, monkeypatch) -> None:
+    import hashlib
+    import shutil
+
+    from llmtrain.data.tokenizers import GPT2_URL
+
+    folder = gpt2_format_files(tmp_path / "gpt2", GPT2_MERGES)
+    cache = tmp_path / "tiktoken-cache"
+    cache.mkdir()
+    for name in ("vocab.bpe", "encoder.json"):  # where tiktoken.get_encoding("gpt2") leaves its downloads
+        shutil.copy(folder / name, cache / hashlib.sha1((GPT2_URL + name).encode()).hexdigest())
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(cache))
+    (tmp_path / "c.txt").write_text("hello world\n" * 100)
+    data = prepare_data(data_config(tmp_path, tmp_path / "c.txt", tokenizer=TokenizerKind.gpt2), log=lambda m: None)
+    assert data.vocab_size == 256 + len(GPT2_MERGES) + 1
+
+
+def test_gpt2_without_its_files_is_a_clear_error_before_anything_runs(tmp_path: Path) -> None:
+    (tmp_path / "c.txt").write_text("hello world\n" * 100)
+    env_cache = tmp_path / "empty-cache"
+    env_cache.mkdir()
+    proc = subprocess.run([sys.executable, "-m", "llmtrain", "train", "data=text", f"data.path={tmp_path / 'c.txt'}",
+                           "data.tokenizer=gpt2", f"out_dir={tmp_path / 'run'}"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "TIKTOKEN_CACHE_DIR": str(env_cache),
+                                                       "LLMTRAIN_CACHE": str(tmp_path / "cache")})
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "data.gpt2_dir" in proc.stderr and "openaipublic" in proc.stderr and not (tmp_path / "run").exists()
+    bad = gpt2_format_files(tmp_path / "bad", GPT2_MERGES)
+    (bad / "encoder.json").write_text("{}")
+    with pytest.raises(ConfigError, match="not a matching GPT-2 vocab.bpe / encoder.json pair"):
+        prepare_data(data_config(tmp_path, tmp_path / "c.txt", tokenizer=TokenizerKind.gpt2, gpt2_dir=str(bad)),
+                     log=lambda m: None)
+
+
+# ---------------------------------------------------------------------------------------------
+# streaming: files are read in pieces, never whole
+# ---------------------------------------------------------------------------------------------
+
+
+def expected_byte_stream(folder: Path, val_fraction: float = 0.2) -> tuple[bytes, bytes]:
+    """The train and val byte streams that whole-file reading gives: each document + byte 255, split
+    by the hash of its name (the lowest hash goes to validation when none is below the fraction)."""
+    import hashlib
+
+    from llmtrain.data.corpus import input_files
+
+    files = input_files(str(folder), "text")
+    buckets = [int.from_bytes(hashlib.sha256(f.name.encode()).digest()[:8], "little") / 2**64 for f in files]
+    val = {i for i, b in enumerate(buckets) if b < val_fraction} or {buckets.index(min(buckets))}
+    streams = [b"", b""]
+    for i, f in enumerate(files):
+        streams[i in val] += f.path.read_bytes() + b"\xff"
+    return streams[0], streams[1]
+
+
+@pytest.mark.parametrize("piece_bytes", [7, 64, 4096])
+def test_tokens_do_not_depend_on_the_reading_piece_size(tmp_path: Path, monkeypatch, piece_bytes: int) -> None:
+    import llmtrain.data.corpus as corpus
+    import llmtrain.data.prepare as prepare
+
+    folder = corpus_folder(tmp_path / "corpus")
+    (folder / "doc5.txt").write_text("é€😀 no line break here at all " * 40)  # pieces must cut between characters
+    whole = {kind: prepare_data(data_config(tmp_path / "whole", folder, tokenizer=kind), log=lambda m: None)
+             for kind in (TokenizerKind.byte, TokenizerKind.char)}
+    monkeypatch.setattr(corpus, "PIECE_BYTES", piece_bytes)
+    monkeypatch.setattr(prepare, "PIECE_BYTES", piece_bytes)
+    for kind, reference in whole.items():
+        pieces = prepare_data(data_config(tmp_path / f"pieces{piece_bytes}", folder, tokenizer=kind), log=lambda m: None)
+        assert pieces.meta["undecodable_documents"] == 0
+        for split in ("train", "val"):
+            assert np.array_equal(pieces.tokens(split), reference.tokens(split))
+    train, val = expected_byte_stream(folder)
+    assert bytes(whole[TokenizerKind.byte].tokens("train").astype(np.uint8)) == train
+    assert bytes(whole[TokenizerKind.byte].tokens("val").astype(np.uint8)) == val
+
+
+@pytest.mark.parametrize("piece_bytes", [5, 100, 1 << 20])
+def test_a_single_file_splits_at_a_line_break_whatever_the_piece_size(tmp_path: Path, monkeypatch, piece_bytes) -> None:
+    import llmtrain.data.corpus as corpus
+
+    text = "".join(f"line {i} ünïcode\n" for i in range(300))
+    (tmp_path / "one.txt").write_text(text)
+    monkeypatch.setattr(corpus, "PIECE_BYTES", piece_bytes)
+    data = prepare_data(data_config(tmp_path, tmp_path / "one.txt", val_fraction=0.1), log=lambda m: None)
+    train, val = (bytes(data.tokens(s).astype(np.uint8)) for s in ("train", "val"))
+    assert train + val == text.encode() + b"\xff"
+    assert train.endswith(b"\n") and 0.08 < len(val) / len(text.encode()) < 0.12
+    assert data.meta["train_documents"] == data.meta["val_documents"] == 1
+
+
+def test_max_bytes_cuts_between_characters(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text("€" * 100)  # 3 bytes each
+    data = prepare_data(data_config(tmp_path, tmp_path / "a.txt", max_bytes=100), log=lambda m: None)
+    stream = bytes(np.concatenate([data.tokens("train"), data.tokens("val")]).astype(np.uint8))
+    assert stream == ("€" * 33).encode() + b"\xff" and data.meta["undecodable_documents"] == 0
+
+
+def test_a_jsonl_error_late_in_the_file_leaves_the_previous_data_intact(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "docs.jsonl", [{"text": f"document {i}\n" * 20} for i in range(30)])
+    cfg = data_config(tmp_path, path, source=DataSource.jsonl)
+    good = prepare_data(cfg, log=lambda m: None)
+    before = {p.name: p.read_bytes() for p in good.directory.iterdir()}
+    with open(path, "a") as fh:
+        fh.write('{"text": "fine"}\n{"text": broken\n')
+    with pytest.raises(ConfigError, match=r"docs.jsonl:32 is not valid JSON"):
+        prepare_data(cfg, log=lambda m: None)
+    assert {p.name: p.read_bytes() for p in good.directory.iterdir()} == before
+    assert sorted(p.name for p in good.directory.parent.iterdir()) == [good.directory.name], "no half-built folder"
+
+
+def test_an_interrupted_build_leaves_no_folder_that_looks_prepared(tmp_path: Path, monkeypatch) -> None:
+    import llmtrain.data.prepare as prepare
+
+    folder = corpus_folder(tmp_path / "corpus")
+    cfg = data_config(tmp_path, folder)
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(prepare, "encode_pieces", killed)
+    with pytest.raises(KeyboardInterrupt):
+        prepare_data(cfg, log=lambda m: None)
+    data_root = tmp_path / "cache" / "data"
+    assert not [p for p in data_root.iterdir() if (p / "meta.json").exists()] and not list(data_root.glob("*.tmp-*"))
+    monkeypatch.undo()
+    assert prepare_data(cfg, log=lambda m: None).meta["documents"] == 6
+
+
 def llmtrain(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "COLUMNS": "200"}
     return subprocess.run([sys.executable, "-m", "llmtrain", *args], cwd=cwd, env=env, capture_output=True, text=True,
@@ -147,11 +324,14 @@ def test_cli_prepare_bad_path_is_exit_2(tmp_path: Path) -> None:
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and "'data.path'" in proc.stderr
 
 
-def test_char_tokens_over_jsonl_documents_without_newlines(tmp_path: Path) -> None:
+def test_char_tokens_over_jsonl_documents_end_with_end_of_text(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "docs.jsonl", [{"text": f"line {i} without a newline"} for i in range(20)])
     data = prepare_data(data_config(tmp_path, path, source=DataSource.jsonl, tokenizer=TokenizerKind.char),
                         log=lambda m: None)
-    assert "\n" in data.tokenizer().chars  # the blank line that joins documents is in the vocabulary
+    tok = data.tokenizer()
+    assert "\n" not in tok.chars and data.vocab_size == len(tok.chars) + 1
+    tokens = np.concatenate([data.tokens("train"), data.tokens("val")])
+    assert int((tokens == tok.eos_id).sum()) == 20  # one per document
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sysconfig
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,14 +66,14 @@ def input_files(path: str, source: str) -> list[SourceFile]:
     return files
 
 
-def jsonl_documents(source: SourceFile, field: str) -> list[tuple[str, bytes]]:
-    """One document per line of a JSON-lines file: the string under `field`. Blank lines are skipped;
-    a line that is not JSON, not an object or lacks the field is a ConfigError naming file and line."""
+def jsonl_documents(source: SourceFile, field: str) -> Iterator[tuple[str, bytes]]:
+    """One document per line of a JSON-lines file: the string under `field`, read lazily. Blank lines
+    are skipped; a line that is not JSON, not an object or lacks the field is a ConfigError naming
+    file and line."""
     import json
 
     from llmtrain.errors import ConfigError
 
-    docs = []
     with open(source.path, "rb") as fh:
         for number, raw in enumerate(fh, start=1):
             if not raw.strip():
@@ -91,8 +92,7 @@ def jsonl_documents(source: SourceFile, field: str) -> list[tuple[str, bytes]]:
                     "the field that holds the text."
                 )
             if record[field]:
-                docs.append((f"{source.name}:{number}", record[field].encode("utf-8")))
-    return docs
+                yield f"{source.name}:{number}", record[field].encode("utf-8")
 
 
 def instruction_examples(
@@ -172,24 +172,85 @@ def fingerprint(files: list[SourceFile]) -> str:
 
 
 def content_hash(documents: list[tuple[str, bytes]]) -> str:
-    """The real identity of the corpus: names and contents (as far as max_bytes reads)."""
+    """The real identity of a corpus held in memory (instruction data): names and contents."""
     h = hashlib.sha256()
     for name, data in documents:
         h.update(name.encode() + b"\0" + hashlib.sha256(data).digest())
     return h.hexdigest()
 
 
-def read_documents(files: list[SourceFile], max_bytes: int | None, text_field: str | None = None) -> list[tuple[str, bytes]]:
-    """(name, bytes) per document, in file order, at most `max_bytes` in all. With `text_field`
-    the files are JSON lines and each line is a document."""
-    docs, total = [], 0
+# Text is read, hashed and encoded in pieces of about this size, so no file has to fit in memory.
+PIECE_BYTES = 4 * 2**20
+
+
+def document_pieces(
+    files: list[SourceFile], max_bytes: int | None, text_field: str | None = None
+) -> Iterator[tuple[str, bytes, bool]]:
+    """(document name, piece of its bytes, whether the piece is the document's last) in corpus order.
+
+    A text file is one document, read in pieces of about PIECE_BYTES that end at a line break (or,
+    in a file without one, at a UTF-8 character boundary). With `text_field` the files are JSON lines
+    and each line is a document of one piece. At most `max_bytes` in all, cut at a character
+    boundary. Empty documents are left out."""
+    budget = max_bytes
     for f in files:
-        for name, data in jsonl_documents(f, text_field) if text_field else [(f.name, f.path.read_bytes())]:
-            if max_bytes is not None and total + len(data) > max_bytes:
-                data = data[: max_bytes - total]
-            if data:
-                docs.append((name, data))
-                total += len(data)
-            if max_bytes is not None and total >= max_bytes:
-                return docs
-    return docs
+        if text_field:
+            for name, data in jsonl_documents(f, text_field):
+                if budget is not None:
+                    data = utf8_prefix(data, budget)
+                    budget -= len(data)
+                if data:
+                    yield name, data, True
+                if budget == 0:
+                    return
+            continue
+        previous = None
+        for piece in _file_pieces(f.path, budget):
+            if budget is not None:
+                budget -= len(piece)
+            if previous is not None:
+                yield f.name, previous, False
+            previous = piece
+        if previous is not None:
+            yield f.name, previous, True
+        if budget == 0:
+            return
+
+
+def _file_pieces(path: Path, budget: int | None) -> Iterator[bytes]:
+    carry = b""
+    remaining = budget
+    with open(path, "rb") as fh:
+        while remaining is None or remaining > 0:
+            block = fh.read(PIECE_BYTES if remaining is None else min(PIECE_BYTES, remaining))
+            if not block:
+                break
+            if remaining is not None:
+                remaining -= len(block)
+            block = carry + block
+            # End pieces at a line break; a line longer than a few pieces is cut between characters.
+            end = block.rfind(b"\n") + 1 or (complete_utf8_end(block) if len(block) >= 4 * PIECE_BYTES else 0)
+            carry = block[end:]
+            if end:
+                yield block[:end]
+    if remaining == 0:  # cut by max_bytes: do not end inside a character
+        carry = carry[: complete_utf8_end(carry)]
+    if carry:
+        yield carry
+
+
+def utf8_prefix(data: bytes, limit: int) -> bytes:
+    """At most `limit` bytes of `data`, not ending inside a UTF-8 character."""
+    return data if limit >= len(data) else data[: complete_utf8_end(data[: max(0, limit)])]
+
+
+def complete_utf8_end(data: bytes) -> int:
+    """The length of `data` without a UTF-8 character that its last bytes only begin."""
+    start = len(data) - 1
+    while start > 0 and len(data) - start < 4 and (data[start] & 0xC0) == 0x80:  # continuation bytes
+        start -= 1
+    if start < 0:
+        return 0
+    lead = data[start]
+    needed = 1 if lead < 0x80 else 2 if lead >> 5 == 0b110 else 3 if lead >> 4 == 0b1110 else 4 if lead >> 3 == 0b11110 else 1
+    return start if start + needed > len(data) else len(data)

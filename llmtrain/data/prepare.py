@@ -11,9 +11,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
+import queue
 import shutil
-from collections.abc import Callable
+import threading
+import time
+from array import array
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,26 +26,31 @@ import numpy as np
 
 from llmtrain.config import DataConfig, DataSource, DecodeErrors, TokenizerKind
 from llmtrain.data.corpus import (
+    PIECE_BYTES,
     SourceFile,
+    complete_utf8_end,
     content_hash,
+    document_pieces,
     fingerprint,
     input_files,
     instruction_examples,
-    read_documents,
     stdlib_files,
     stdlib_root,
 )
 from llmtrain.data.tokenizers import (
+    GPT2_URL,
     BPETokenizer,
     ByteTokenizer,
     CharTokenizer,
     Tokenizer,
+    gpt2_files,
+    gpt2_tokenizer,
     load_tokenizer,
     save_tokenizer,
 )
 
-FORMAT_VERSION = 1
-DOC_SEPARATOR = "\n\n"
+# 2: end-of-text after every document for every tokenizer (byte 255; char: one more id).
+FORMAT_VERSION = 2
 
 
 @dataclass
@@ -100,17 +110,46 @@ def _location(cfg: DataConfig) -> tuple[list[SourceFile], Path]:
         "val_fraction": cfg.val_fraction,
         "max_bytes": cfg.max_bytes,
     }
-    # Keys added later only when they differ from their defaults, so caches made before stay valid.
+    # Keys that only some sources or tokenizers read enter only where they apply.
     if cfg.source is DataSource.jsonl:
         identity["text_field"] = cfg.text_field
     if cfg.source is DataSource.instruct:
         identity["fields"] = [cfg.prompt_field, cfg.response_field, cfg.messages_field]
     if cfg.tokenizer is TokenizerKind.bpe:
         identity["bpe_vocab_size"] = cfg.bpe_vocab_size
+        identity["bpe_sample_bytes"] = cfg.bpe_sample_bytes
     if cfg.decode_errors is not DecodeErrors.replace:
         identity["decode_errors"] = cfg.decode_errors.value
+    if cfg.tokenizer is TokenizerKind.gpt2:
+        identity["gpt2_files_sha256"] = [hashlib.sha256(p.read_bytes()).hexdigest() for p in _gpt2_files(cfg)]
     key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
     return files, cache_root(cfg) / "data" / f"{cfg.source.value}-{cfg.tokenizer.value}-{key}"
+
+
+def _gpt2_files(cfg: DataConfig) -> list[Path]:
+    from llmtrain.errors import ConfigError
+
+    try:
+        return gpt2_files(cfg.gpt2_dir)
+    except FileNotFoundError as err:
+        raise ConfigError(
+            f"data.tokenizer=gpt2 needs GPT-2's vocab.bpe and encoder.json on this machine, and {err}; nothing is "
+            f"downloaded. Either download both from {GPT2_URL} into a folder and set data.gpt2_dir=FOLDER, or "
+            "run `python -c \"import tiktoken; tiktoken.get_encoding('gpt2')\"` once online with TIKTOKEN_CACHE_DIR "
+            "set to a folder and copy that folder here (same TIKTOKEN_CACHE_DIR). Or use data.tokenizer=bpe, trained "
+            "on your corpus."
+        ) from None
+
+
+def _gpt2_tokenizer(cfg: DataConfig) -> Tokenizer:
+    from llmtrain.errors import ConfigError
+
+    try:
+        return gpt2_tokenizer(_gpt2_files(cfg))
+    except ImportError:
+        raise ConfigError("data.tokenizer=gpt2 needs the tiktoken package: pip install tiktoken") from None
+    except FileNotFoundError as err:
+        raise ConfigError(f"data.tokenizer=gpt2: {err}; give the files from {GPT2_URL}") from None
 
 
 def cached_meta(cfg: DataConfig) -> dict | None:
@@ -123,109 +162,406 @@ def cached_meta(cfg: DataConfig) -> dict | None:
     return meta if meta.get("fingerprint") == fingerprint(files) else None
 
 
-def prepare_data(cfg: DataConfig, log: Callable[[str], None] = print) -> PreparedData:
-    """Return the prepared data for `cfg`, building it only when missing or stale."""
+def prepare_data(cfg: DataConfig, log: Callable[[str], None] = print, progress: bool = False) -> PreparedData:
+    """Return the prepared data for `cfg`, building it only when missing or stale. `progress` shows
+    a live bar (bytes, documents, tokens/s, ETA) on stderr while a build runs."""
     files, directory = _location(cfg)
     meta_path = directory / "meta.json"
     quick = fingerprint(files)
-    if meta_path.is_file():
-        meta = json.loads(meta_path.read_text())
-        if meta.get("fingerprint") == quick:
-            return PreparedData(directory, meta)
-        docs = _read(cfg, files)
-        if meta.get("content_sha256") == content_hash(docs):
-            meta["fingerprint"] = quick
-            _atomic_write_text(meta_path, json.dumps(meta, indent=2))
-            return PreparedData(directory, meta)
-        log(f"data source changed since it was prepared; preparing again into {directory}")
-        return _build(cfg, docs, quick, directory, log)
-    log(f"preparing {cfg.source.value} data ({cfg.tokenizer.value} tokens) into {directory}")
-    return _build(cfg, _read(cfg, files), quick, directory, log)
+    with _ProgressBar(progress) as bar:
+        if meta_path.is_file():
+            meta = json.loads(meta_path.read_text())
+            if meta.get("fingerprint") == quick:
+                return PreparedData(directory, meta)
+            if cfg.source is DataSource.instruct:
+                raw = _read_instructions(cfg, files)
+                digest, scan = content_hash(raw), None
+            else:
+                scan = _scan(cfg, files, bar)
+                digest = scan.content_sha256
+            if meta.get("content_sha256") == digest:
+                meta["fingerprint"] = quick
+                _atomic_write_text(meta_path, json.dumps(meta, indent=2))
+                return PreparedData(directory, meta)
+            log(f"data source changed since it was prepared; preparing again into {directory}")
+        else:
+            log(f"preparing {cfg.source.value} data ({cfg.tokenizer.value} tokens) into {directory}")
+            scan = raw = None
+        if cfg.source is DataSource.instruct:
+            return _build_instructions(cfg, raw or _read_instructions(cfg, files), quick, directory, log)
+        return _build(cfg, files, scan or _scan(cfg, files, bar), quick, directory, log, bar)
 
 
-def _read(cfg: DataConfig, files: list[SourceFile]) -> list[tuple[str, bytes]]:
-    if cfg.source is DataSource.instruct:  # each example as JSON of its (text, trained) segments
-        return [(name, json.dumps(segments).encode()) for f in files
-                for name, segments in instruction_examples(f, cfg.prompt_field, cfg.response_field, cfg.messages_field)]
-    return read_documents(files, cfg.max_bytes, cfg.text_field if cfg.source is DataSource.jsonl else None)
+def _read_instructions(cfg: DataConfig, files: list[SourceFile]) -> list[tuple[str, bytes]]:
+    """Each example as JSON of its (text, trained) segments. Instruction sets are small: in memory."""
+    return [(name, json.dumps(segments).encode()) for f in files
+            for name, segments in instruction_examples(f, cfg.prompt_field, cfg.response_field, cfg.messages_field)]
 
 
-def _decode(
-    docs: list[tuple[str, bytes]], policy: DecodeErrors, log: Callable[[str], None]
-) -> tuple[list[tuple[str, str]], int]:
-    """UTF-8 text per document, and how many had invalid bytes (repaired with U+FFFD, or skipped)."""
-    out, bad = [], []
-    for name, data in docs:
-        try:
-            out.append((name, data.decode("utf-8")))
-        except UnicodeDecodeError:
-            bad.append(name)
-            if policy is DecodeErrors.replace:
-                out.append((name, data.decode("utf-8", errors="replace")))
-    if bad:
-        action = "invalid bytes replaced by U+FFFD" if policy is DecodeErrors.replace else "skipped"
-        log(f"{len(bad)} document(s) are not valid UTF-8 ({action}; data.decode_errors=replace|skip), e.g. {bad[0]}")
-    return out, len(bad)
+def _pieces(cfg: DataConfig, files: list[SourceFile]) -> Iterator[tuple[str, bytes, bool]]:
+    return document_pieces(files, cfg.max_bytes, cfg.text_field if cfg.source is DataSource.jsonl else None)
 
 
-def _split(cfg: DataConfig, docs: list[tuple[str, str]]) -> tuple[list[str], list[str]]:
-    """Train/validation by document, deterministically (a hash of each name). One document (a single
-    file) is one stream: its tail is validation. At least one document goes to validation."""
-    if len(docs) == 1:
-        train_text, val_text = _split_tail(docs[0][1], cfg.val_fraction)
-        return [train_text], [val_text]
-    buckets = [int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little") / 2**64 for name, _ in docs]
-    val_index = {i for i, b in enumerate(buckets) if b < cfg.val_fraction} or {min(range(len(docs)), key=buckets.__getitem__)}
-    train = [text for i, (_, text) in enumerate(docs) if i not in val_index]
-    val = [text for i, (_, text) in enumerate(docs) if i in val_index]
-    return train, val
+@dataclass
+class _Scan:
+    """What the first pass over the corpus learns, without tokenizing: per document its size, whether
+    it is valid UTF-8 and its split bucket (a hash of its name); and the corpus' content hash."""
+
+    sizes: array
+    valid: bytearray
+    buckets: array
+    content_sha256: str
+    first_invalid: str | None
+
+
+def _scan(cfg: DataConfig, files: list[SourceFile], bar: _ProgressBar) -> _Scan:
+    sizes, valid, buckets = array("q"), bytearray(), array("d")
+    corpus_hash = hashlib.sha256()
+    first_invalid = None
+    doc_hash, size, ok = hashlib.sha256(), 0, True
+    bar.start("scanning", sum(f.path.stat().st_size for f in files))
+    for name, piece, last in _pieces(cfg, files):
+        doc_hash.update(piece)
+        size += len(piece)
+        if ok:
+            try:
+                piece.decode("utf-8")
+            except UnicodeDecodeError:
+                ok = False
+                first_invalid = first_invalid or name
+        bar.advance(len(piece), documents=int(last))
+        if last:
+            corpus_hash.update(name.encode() + b"\0" + doc_hash.digest())
+            sizes.append(size)
+            valid.append(ok)
+            buckets.append(int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little") / 2**64)
+            doc_hash, size, ok = hashlib.sha256(), 0, True
+    return _Scan(sizes, valid, buckets, corpus_hash.hexdigest(), first_invalid)
+
+
+def _assign_splits(scan: _Scan, keep: bytearray, val_fraction: float) -> bytearray:
+    """1 for each kept document that goes to validation: those whose name hashes below val_fraction,
+    or, if none does, the one that hashes lowest (validation is never empty)."""
+    is_val = bytearray(b < val_fraction and k for b, k in zip(scan.buckets, keep))
+    if not any(is_val):
+        kept = [i for i, k in enumerate(keep) if k]
+        is_val[min(kept, key=scan.buckets.__getitem__)] = 1
+    return is_val
 
 
 def _build(
-    cfg: DataConfig, raw: list[tuple[str, bytes]], quick: str, directory: Path, log: Callable[[str], None]
+    cfg: DataConfig, files: list[SourceFile], scan: _Scan, quick: str, directory: Path, log: Callable[[str], None],
+    bar: _ProgressBar,
 ) -> PreparedData:
+    """Plain text, streamed: documents are read in pieces, split by document, tokenized in batches and
+    appended to the split's token file with end-of-text after every document."""
     from llmtrain.errors import ConfigError
 
-    if cfg.source is DataSource.instruct:
-        return _build_instructions(cfg, raw, quick, directory, log)
-    total_bytes = sum(len(d) for _, d in raw)
-    docs, undecodable = _decode(raw, cfg.decode_errors, log)
-    if not docs:
+    skip = cfg.decode_errors is DecodeErrors.skip
+    keep = bytearray(v or not skip for v in scan.valid)
+    kept = [i for i, k in enumerate(keep) if k]
+    undecodable = len(scan.valid) - sum(scan.valid)
+    if undecodable:
+        action = "skipped" if skip else "invalid bytes replaced by U+FFFD"
+        log(f"{undecodable} document(s) are not valid UTF-8 ({action}; data.decode_errors=replace|skip), "
+            f"e.g. {scan.first_invalid}")
+    if not kept:
         raise ConfigError(f"'data.path' ({cfg.path}) gave no usable text (every document was empty or skipped).")
-    train_parts, val_parts = _split(cfg, docs)
+    # One document (a single file) is one stream: its tail, cut at a line break, is validation.
+    tail_cut = _tail_cut_guess(scan.sizes[kept[0]], cfg.val_fraction) if len(kept) == 1 else None
+    is_val = bytearray(len(keep)) if tail_cut is not None else _assign_splits(scan, keep, cfg.val_fraction)
 
-    # The separator that joins documents is text too, so the char vocabulary must hold it.
-    tokenizer = _fit_tokenizer(cfg, DOC_SEPARATOR.join(train_parts + val_parts), train_parts, log)
+    tokenizer = _fit_tokenizer(cfg, files, scan, keep, is_val, tail_cut, log, bar)
     dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
-    train = _encode_documents(tokenizer, train_parts, dtype)
-    val = _encode_documents(tokenizer, val_parts, dtype)
-    meta = {
-        "format": FORMAT_VERSION,
-        "source": cfg.source.value,
-        "tokenizer": cfg.tokenizer.value,
-        "vocab_size": tokenizer.vocab_size,
-        "dtype": np.dtype(dtype).name,
-        "documents": len(docs),
-        "train_documents": len(train_parts),
-        "val_documents": len(val_parts),
-        "undecodable_documents": undecodable,
-        "source_bytes": total_bytes,
-        "train_tokens": int(train.size),
-        "val_tokens": int(val.size),
-        "unigram_entropy_nats": _unigram_entropy(train, tokenizer.vocab_size),
-        "fingerprint": quick,
-        "content_sha256": content_hash(raw),
-    }
-    return _write(directory, {"train.bin": train, "val.bin": val}, tokenizer, meta)
+    tmp = _fresh_tmp(directory)
+    try:
+        writers = {split: _TokenWriter(tmp / f"{split}.bin", tokenizer, dtype) for split in ("train", "val")}
+        bar.start("tokenizing", sum(scan.sizes[i] for i in kept))
+        for split, text, end_of_document in _split_pieces(cfg, files, scan, keep, is_val, tail_cut):
+            writers[split].add(text, end_of_document)
+            bar.advance(len(text), documents=int(end_of_document), tokens=writers[split].flush_if_full())
+        for writer in writers.values():
+            bar.advance(0, tokens=writer.close())
+        train, val = writers["train"], writers["val"]
+        meta = {
+            "format": FORMAT_VERSION,
+            "source": cfg.source.value,
+            "tokenizer": cfg.tokenizer.value,
+            "vocab_size": tokenizer.vocab_size,
+            "dtype": np.dtype(dtype).name,
+            "end_of_text_id": tokenizer.eos_id,
+            "documents": len(kept),
+            "train_documents": len(kept) - sum(is_val) if tail_cut is None else 1,
+            "val_documents": sum(is_val) if tail_cut is None else 1,
+            "undecodable_documents": undecodable,
+            "source_bytes": sum(scan.sizes),
+            "train_tokens": train.tokens,
+            "val_tokens": val.tokens,
+            "unigram_entropy_nats": _entropy(train.counts),
+            "fingerprint": quick,
+            "content_sha256": scan.content_sha256,
+        }
+        save_tokenizer(tokenizer, tmp / "tokenizer.json")
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+        _commit(tmp, directory)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return PreparedData(directory, meta)
+
+
+def _tail_cut_guess(size: int, val_fraction: float) -> int:
+    return int(size * (1 - val_fraction))
+
+
+def _split_pieces(
+    cfg: DataConfig, files: list[SourceFile], scan: _Scan, keep: bytearray, is_val: bytearray, tail_cut: int | None,
+) -> Iterator[tuple[str, str | bytes, bool]]:
+    """(split, text, whether a document ends here) for every kept document, in corpus order. Valid
+    documents come as their raw bytes (the byte tokenizer needs nothing else); invalid ones as text
+    with U+FFFD for the bad bytes. With one document, pieces are cut where validation starts: at the
+    last line break before `tail_cut` if that is in the second half, else at `tail_cut` itself."""
+    index, offset, line_start = 0, 0, 0
+    for _name, piece, last in _prefetched(_pieces(cfg, files)):
+        if keep[index]:
+            data: str | bytes = piece if scan.valid[index] else piece.decode("utf-8", errors="replace")
+            if tail_cut is None:
+                yield ("val" if is_val[index] else "train"), data, last
+            elif offset + len(piece) <= tail_cut:
+                yield "train", data, False
+            elif offset > tail_cut:
+                yield "val", data, last
+            else:  # the piece where validation starts (pieces end at line breaks but for very long lines)
+                newline = piece.rfind(b"\n", 0, tail_cut - offset)
+                start = offset + newline + 1 if newline >= 0 else line_start
+                at = (start - offset if start >= offset and start > scan.sizes[index] // 2
+                      else complete_utf8_end(piece[: tail_cut - offset]))
+                yield from _cut(data, piece, at, last)
+            newline = piece.rfind(b"\n")
+            line_start = offset + newline + 1 if newline >= 0 else line_start
+            offset += len(piece)
+        if last:
+            index += 1
+            offset = line_start = 0
+
+
+def _cut(data: str | bytes, piece: bytes, at: int, last: bool) -> Iterator[tuple[str, str | bytes, bool]]:
+    """A piece split at byte `at` into its train head and its validation tail."""
+    head, tail = piece[:at], piece[at:]
+    if isinstance(data, str):
+        head, tail = head.decode("utf-8", errors="replace"), tail.decode("utf-8", errors="replace")
+    yield "train", head, False
+    yield "val", tail, last
+
+
+def _fit_tokenizer(
+    cfg: DataConfig, files: list[SourceFile], scan: _Scan, keep: bytearray, is_val: bytearray, tail_cut: int | None,
+    log: Callable[[str], None], bar: _ProgressBar,
+) -> Tokenizer:
+    """char: every character of the corpus (both splits: validation must encode too); bpe: trained on
+    the train split, on at most data.bpe_sample_bytes of it spread over its documents; byte and
+    gpt2: nothing to fit."""
+    if cfg.tokenizer is TokenizerKind.byte:
+        return ByteTokenizer()
+    if cfg.tokenizer is TokenizerKind.gpt2:
+        return _gpt2_tokenizer(cfg)
+    if cfg.tokenizer is TokenizerKind.char:
+        characters: set[str] = set()
+        bar.start("collecting characters", sum(scan.sizes[i] for i, k in enumerate(keep) if k))
+        for _, text, _ in _split_pieces(cfg, files, scan, keep, is_val, tail_cut):
+            characters.update(text.decode("utf-8") if isinstance(text, bytes) else text)
+            bar.advance(len(text))
+        return CharTokenizer.fit(characters)
+    train_bytes = sum(size for size, k, v in zip(scan.sizes, keep, is_val) if k and not v)
+    train_bytes = train_bytes if tail_cut is None else tail_cut
+    stride = max(1, math.ceil(train_bytes / cfg.bpe_sample_bytes))  # every stride-th train document
+    log(f"training a byte-level BPE tokenizer (vocabulary {cfg.bpe_vocab_size}) on "
+        f"{min(train_bytes, cfg.bpe_sample_bytes) / 2**20:.1f} MB of the train split")
+
+    def sample() -> Iterator[str]:
+        budget, document = cfg.bpe_sample_bytes, 0
+        for split, text, end in _split_pieces(cfg, files, scan, keep, is_val, tail_cut):
+            if split == "train" and document % stride == 0:
+                budget -= len(text)
+                yield text.decode("utf-8") if isinstance(text, bytes) else text
+                if budget <= 0:
+                    return
+            document += int(end and split == "train")
+
+    return BPETokenizer.fit(sample(), cfg.bpe_vocab_size)
+
+
+class _TokenWriter:
+    """Appends one split's tokens to its file, encoding pieces in batches of about PIECE_BYTES (BPE
+    encodes a batch on all cores), with end-of-text after each document; counts tokens per id."""
+
+    def __init__(self, path: Path, tokenizer: Tokenizer, dtype: type) -> None:
+        self.file = open(path, "wb")  # noqa: SIM115 - closed in close()
+        self.tokenizer, self.dtype = tokenizer, dtype
+        self.pending: list[tuple[str | bytes, bool]] = []
+        self.pending_bytes = 0
+        self.tokens = 0
+        self.counts = np.zeros(tokenizer.vocab_size, dtype=np.int64)
+
+    def add(self, text: str | bytes, end_of_document: bool) -> None:
+        self.pending.append((text, end_of_document))
+        self.pending_bytes += len(text)
+
+    def flush_if_full(self) -> int:
+        return self.flush() if self.pending_bytes >= PIECE_BYTES else 0
+
+    def flush(self) -> int:
+        if not self.pending:
+            return 0
+        ids = encode_pieces(self.tokenizer, self.pending)
+        self.pending, self.pending_bytes = [], 0
+        ids.astype(self.dtype, copy=False).tofile(self.file)
+        self.counts += np.bincount(ids, minlength=self.tokenizer.vocab_size)
+        self.tokens += int(ids.size)
+        return int(ids.size)
+
+    def close(self) -> int:
+        written = self.flush()
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+        return written
+
+
+def encode_pieces(tokenizer: Tokenizer, pieces: list[tuple[str | bytes, bool]]) -> np.ndarray:
+    """Token ids of the pieces in order, end-of-text after each piece that ends a document. Valid
+    UTF-8 arrives as bytes: the byte tokenizer writes it as it is, the others decode it."""
+    eos = tokenizer.eos_id
+    if isinstance(tokenizer, ByteTokenizer):
+        joined = b"".join(
+            (p if isinstance(p, bytes) else p.encode("utf-8")) + (b"\xff" if end else b"") for p, end in pieces
+        )
+        return np.frombuffer(joined, dtype=np.uint8).astype(np.int64)
+    texts = [p.decode("utf-8") if isinstance(p, bytes) else p for p, _ in pieces]
+    if isinstance(tokenizer, CharTokenizer):
+        encoded = [tokenizer.encode_array(t) for t in texts]
+    else:
+        encoded = [np.asarray(ids, dtype=np.int64) for ids in tokenizer.encode_batch(texts)]
+    tail = np.asarray([eos], dtype=np.int64)
+    return np.concatenate([part for ids, (_, end) in zip(encoded, pieces) for part in ((ids, tail) if end else (ids,))]
+                          or [np.zeros(0, dtype=np.int64)]).astype(np.int64)
+
+
+def _prefetched(items: Iterator, depth: int = 8) -> Iterator:
+    """`items`, read ahead on a background thread: file reads (and hashing) overlap with encoding
+    and writing, which release the GIL for the heavy parts (Rust BPE, numpy, I/O)."""
+    buffer: queue.Queue = queue.Queue(maxsize=depth)
+    done = object()
+    stop = threading.Event()
+
+    def produce() -> None:
+        try:
+            for item in items:
+                while not stop.is_set():
+                    try:
+                        buffer.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            buffer.put(done)
+        except BaseException as err:  # handed to the consumer, raised there
+            buffer.put(err)
+
+    worker = threading.Thread(target=produce, name="llmtrain-prepare-reader", daemon=True)
+    worker.start()
+    try:
+        while (item := buffer.get()) is not done:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        worker.join(timeout=5)
+
+
+class _ProgressBar:
+    """A rich progress bar on stderr (bytes, MB/s, documents, tokens/s, ETA) while data is prepared;
+    does nothing when disabled or when stderr is not a terminal."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.progress = None
+        self.task = None
+        self.documents = self.tokens = 0
+        self.started = 0.0
+        if enabled:
+            from rich.console import Console
+
+            console = Console(stderr=True)
+            if console.is_terminal:
+                from rich.progress import (
+                    BarColumn,
+                    DownloadColumn,
+                    Progress,
+                    TextColumn,
+                    TimeRemainingColumn,
+                    TransferSpeedColumn,
+                )
+
+                self.progress = Progress(
+                    TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                    TextColumn("{task.fields[documents]:,} docs, {task.fields[rate]}"), TimeRemainingColumn(),
+                    console=console, transient=True,
+                )
+
+    def __enter__(self) -> _ProgressBar:
+        if self.progress is not None:
+            self.progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+
+    def start(self, description: str, total_bytes: int) -> None:
+        self.documents = self.tokens = 0
+        self.started = time.perf_counter()
+        if self.progress is not None:
+            if self.task is not None:
+                self.progress.remove_task(self.task)
+            self.task = self.progress.add_task(description, total=total_bytes, documents=0, rate="")
+
+    def advance(self, nbytes: int, documents: int = 0, tokens: int = 0) -> None:
+        if self.progress is None:
+            return
+        self.documents += documents
+        self.tokens += tokens
+        rate = f"{self.tokens / max(time.perf_counter() - self.started, 1e-9):,.0f} tokens/s" if self.tokens else ""
+        self.progress.update(self.task, advance=nbytes, documents=self.documents, rate=rate)
+
+
+def _fresh_tmp(directory: Path) -> Path:
+    """An empty build folder next to `directory`; the build lands under the real name only whole."""
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = directory.with_name(f"{directory.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    return tmp
+
+
+def _commit(tmp: Path, directory: Path) -> None:
+    """Rename a finished build folder into place (the previous version is removed only after)."""
+    old = directory.with_name(f"{directory.name}.old-{os.getpid()}")
+    if directory.exists():
+        os.replace(directory, old)
+    try:
+        os.replace(tmp, directory)
+    except OSError:
+        if not (directory / "meta.json").is_file():
+            raise
+        # Another process finished the same build first: its files are as good as ours.
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _write(directory: Path, arrays: dict[str, np.ndarray], tokenizer: Tokenizer, meta: dict) -> PreparedData:
     """Into a temporary folder, fsynced, then renamed into place: never half-written under the real name."""
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = directory.with_name(f"{directory.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = _fresh_tmp(directory)
     try:
-        tmp.mkdir()
         for name, arr in arrays.items():
             with open(tmp / name, "wb") as fh:
                 if name.endswith(".npy"):
@@ -236,16 +572,7 @@ def _write(directory: Path, arrays: dict[str, np.ndarray], tokenizer: Tokenizer,
                 os.fsync(fh.fileno())
         save_tokenizer(tokenizer, tmp / "tokenizer.json")
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
-        old = directory.with_name(f"{directory.name}.old-{os.getpid()}")
-        if directory.exists():
-            os.replace(directory, old)
-        try:
-            os.replace(tmp, directory)
-        except OSError:
-            if not (directory / "meta.json").is_file():
-                raise
-            # Another process finished the same build first: its files are as good as ours.
-        shutil.rmtree(old, ignore_errors=True)
+        _commit(tmp, directory)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return PreparedData(directory, meta)
@@ -254,29 +581,33 @@ def _write(directory: Path, arrays: dict[str, np.ndarray], tokenizer: Tokenizer,
 def _build_instructions(
     cfg: DataConfig, raw: list[tuple[str, bytes]], quick: str, directory: Path, log: Callable[[str], None]
 ) -> PreparedData:
-    """Examples -> tokens, a loss mask (1 = response token, trained on) and example offsets."""
+    """Examples -> tokens, a loss mask (1 = response token, trained on) and example offsets. The
+    end-of-text token closes every example and is a target: the model learns to stop."""
     from llmtrain.errors import ConfigError
 
-    if not raw:
-        raise ConfigError(f"'data.path' ({cfg.path}) has no instruction example with something to train on.")
-    examples = [(name, [(text, bool(trained)) for text, trained in json.loads(data)]) for name, data in raw]
-    train_ex, val_ex = _split(cfg, examples)
-    tokenizer = _fit_tokenizer(cfg, "".join(text for _, ex in examples for text, _ in ex),
-                               ["".join(text for text, _ in ex) for ex in train_ex], log)
+    if len(raw) < 2:
+        raise ConfigError(f"'data.path' ({cfg.path}) has {len(raw)} instruction example(s) with something to train on; "
+                          "at least 2 are needed (one goes to validation).")
+    examples = [[(text, bool(trained)) for text, trained in json.loads(data)] for _, data in raw]
+    buckets = array("d", (int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little") / 2**64 for name, _ in raw))
+    everyone = bytearray(b"\x01" * len(raw))
+    is_val = _assign_splits(_Scan(array("q"), everyone, buckets, "", None), everyone, cfg.val_fraction)
+    tokenizer = _fit_in_memory(cfg, [text for ex in examples for text, _ in ex],
+                               ["".join(text for text, _ in ex) for ex, v in zip(examples, is_val) if not v], log)
     dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
-    eos = tokenizer.inner.token_to_id(BPETokenizer.END_OF_TEXT) if isinstance(tokenizer, BPETokenizer) else None
     arrays, counts = {}, {}
-    for split, split_examples in (("train", train_ex), ("val", val_ex)):
+    for split, wanted in (("train", 0), ("val", 1)):
         ids: list[int] = []
         mask: list[int] = []
         offsets = [0]
+        split_examples = [ex for ex, v in zip(examples, is_val) if v == wanted]
         for segments in split_examples:
             for text, trained in segments:
                 piece = tokenizer.encode(text)
                 ids += piece
                 mask += [int(trained)] * len(piece)
-            if eos is not None:  # the model learns to stop: end-of-text is a target
-                ids.append(eos)
+            if tokenizer.eos_id is not None:
+                ids.append(tokenizer.eos_id)
                 mask.append(1)
             offsets.append(len(ids))
         arrays[f"{split}.bin"] = np.asarray(ids, dtype=dtype)
@@ -285,56 +616,33 @@ def _build_instructions(
         counts[split] = (len(split_examples), len(ids), int(sum(mask)))
     meta = {
         "format": FORMAT_VERSION, "source": cfg.source.value, "tokenizer": cfg.tokenizer.value,
-        "vocab_size": tokenizer.vocab_size, "dtype": np.dtype(dtype).name, "documents": len(examples),
-        "train_documents": counts["train"][0], "val_documents": counts["val"][0], "undecodable_documents": 0,
-        "source_bytes": sum(len(d) for _, d in raw), "train_tokens": counts["train"][1], "val_tokens": counts["val"][1],
+        "vocab_size": tokenizer.vocab_size, "dtype": np.dtype(dtype).name, "end_of_text_id": tokenizer.eos_id,
+        "documents": len(examples), "train_documents": counts["train"][0], "val_documents": counts["val"][0],
+        "undecodable_documents": 0, "source_bytes": sum(len(d) for _, d in raw),
+        "train_tokens": counts["train"][1], "val_tokens": counts["val"][1],
         "train_target_tokens": counts["train"][2], "val_target_tokens": counts["val"][2],
-        "unigram_entropy_nats": _unigram_entropy(arrays["train.bin"], tokenizer.vocab_size), "fingerprint": quick, "content_sha256": content_hash(raw),
-        "loss_mask": True,
+        "unigram_entropy_nats": _entropy(np.bincount(arrays["train.bin"], minlength=tokenizer.vocab_size)),
+        "fingerprint": quick, "content_sha256": content_hash(raw), "loss_mask": True,
     }
     return _write(directory, arrays, tokenizer, meta)
 
 
-def _fit_tokenizer(cfg: DataConfig, all_text: str, train_texts: list[str], log: Callable[[str], None]) -> Tokenizer:
-    """char: every character of the corpus; bpe: trained on the train split only; byte: nothing to fit."""
+def _fit_in_memory(cfg: DataConfig, all_texts: list[str], train_texts: list[str], log: Callable[[str], None]) -> Tokenizer:
     if cfg.tokenizer is TokenizerKind.char:
-        return CharTokenizer.fit(all_text)
+        return CharTokenizer.fit(set().union(*map(set, all_texts)))
     if cfg.tokenizer is TokenizerKind.bpe:
         log(f"training a byte-level BPE tokenizer (vocabulary {cfg.bpe_vocab_size}) on the train split")
-        return BPETokenizer.fit(train_texts, cfg.bpe_vocab_size)
+        return BPETokenizer.fit(iter(train_texts), cfg.bpe_vocab_size)
+    if cfg.tokenizer is TokenizerKind.gpt2:
+        return _gpt2_tokenizer(cfg)
     return ByteTokenizer()
 
 
-def _unigram_entropy(tokens: np.ndarray, vocab_size: int) -> float:
-    """Entropy (nats) of the token frequencies: the loss of a model that ignores context."""
-    counts = np.bincount(tokens, minlength=vocab_size).astype(np.float64)
+def _entropy(counts: np.ndarray) -> float:
+    """Entropy (nats) of token frequencies: the loss of a model that ignores context."""
+    counts = counts.astype(np.float64)
     p = counts[counts > 0] / max(1.0, counts.sum())
     return float(-(p * np.log(p)).sum())
-
-
-def _split_tail(text: str, val_fraction: float) -> tuple[str, str]:
-    """A single file is one stream: the last val_fraction (at a line break) is validation."""
-    cut = int(len(text) * (1 - val_fraction))
-    newline = text.rfind("\n", 0, cut)
-    if newline > len(text) // 2:
-        cut = newline + 1
-    return text[:cut], text[cut:]
-
-
-def _encode_documents(tokenizer: Tokenizer, parts: list[str], dtype: type) -> np.ndarray:
-    """Documents in order. byte/char join them with a blank line (the embedded corpus' format);
-    BPE puts its end-of-text token between them, so the model sees where a document ends."""
-    if isinstance(tokenizer, BPETokenizer):
-        eos = tokenizer.inner.token_to_id(BPETokenizer.END_OF_TEXT)
-        ids = [i for doc in tokenizer.encode_batch(parts) for i in (*doc, eos)]
-        return np.asarray(ids, dtype=dtype)
-    return _encode(tokenizer, DOC_SEPARATOR.join(parts), dtype)
-
-
-def _encode(tokenizer: Tokenizer, text: str, dtype: type) -> np.ndarray:
-    if isinstance(tokenizer, ByteTokenizer):
-        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(dtype)
-    return np.asarray(tokenizer.encode(text), dtype=dtype)
 
 
 def _atomic_write_text(path: Path, text: str) -> None:

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
+import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Protocol
+
+import numpy as np
 
 
 class Tokenizer(Protocol):
     vocab_size: int
+    eos_id: int | None  # the end-of-text token written after every document (None: an old char tokenizer)
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -18,31 +25,38 @@ class Tokenizer(Protocol):
 
 
 class ByteTokenizer:
-    """UTF-8 bytes as tokens: vocabulary 256, nothing to train, lossless."""
+    """UTF-8 bytes as tokens: vocabulary 256, nothing to train, lossless.
+
+    Byte 255 never occurs in UTF-8, so it serves as the end-of-text token without growing the
+    vocabulary; decoding drops it (as Hugging Face tokenizers drop their special tokens)."""
 
     vocab_size = 256
+    eos_id = 0xFF
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
     def decode(self, ids: list[int]) -> str:
-        return bytes(ids).decode("utf-8", errors="replace")
+        return bytes(i for i in ids if i != self.eos_id).decode("utf-8", errors="replace")
 
     def to_dict(self) -> dict:
         return {"kind": "byte"}
 
 
 class CharTokenizer:
-    """One token per distinct character of the corpus; vocabulary from the data, sorted."""
+    """One token per distinct character of the corpus (sorted), then one end-of-text token."""
 
-    def __init__(self, chars: list[str]) -> None:
+    def __init__(self, chars: list[str], end_of_text: bool = True) -> None:
         self.chars = chars
         self.index = {c: i for i, c in enumerate(chars)}
-        self.vocab_size = len(chars)
+        # Tokenizers saved before end-of-text existed load without it (their data has none).
+        self.eos_id = len(chars) if end_of_text else None
+        self.vocab_size = len(chars) + int(end_of_text)
+        self._codepoints = np.array([ord(c) for c in chars], dtype=np.uint32)
 
     @classmethod
-    def fit(cls, text: str) -> CharTokenizer:
-        return cls(sorted(set(text)))
+    def fit(cls, characters: set[str]) -> CharTokenizer:
+        return cls(sorted(characters))
 
     def encode(self, text: str) -> list[int]:
         try:
@@ -54,11 +68,20 @@ class CharTokenizer:
                 f"({self.vocab_size} characters, starting {known!r})"
             ) from None
 
+    def encode_array(self, text: str) -> np.ndarray:
+        """encode() vectorized (~50x faster): code points looked up in the sorted vocabulary."""
+        points = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+        ids = np.searchsorted(self._codepoints, points)
+        unknown = (ids >= len(self.chars)) | (self._codepoints[np.minimum(ids, len(self.chars) - 1)] != points)
+        if unknown.any():
+            self.encode(chr(points[int(np.argmax(unknown))]))  # raises the readable error
+        return ids
+
     def decode(self, ids: list[int]) -> str:
-        return "".join(self.chars[i] for i in ids)
+        return "".join(self.chars[i] for i in ids if i != self.eos_id)
 
     def to_dict(self) -> dict:
-        return {"kind": "char", "chars": self.chars}
+        return {"kind": "char", "chars": self.chars, "end_of_text": self.eos_id is not None}
 
 
 class BPETokenizer:
@@ -70,9 +93,10 @@ class BPETokenizer:
     def __init__(self, inner) -> None:  # inner: tokenizers.Tokenizer
         self.inner = inner
         self.vocab_size = inner.get_vocab_size()
+        self.eos_id = inner.token_to_id(self.END_OF_TEXT)
 
     @classmethod
-    def fit(cls, texts: list[str], vocab_size: int) -> BPETokenizer:
+    def fit(cls, texts: Iterable[str], vocab_size: int) -> BPETokenizer:
         from tokenizers import Tokenizer as HFTokenizer
         from tokenizers import decoders, models, pre_tokenizers, trainers
 
@@ -90,7 +114,29 @@ class BPETokenizer:
         return self.inner.encode(text).ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Many texts at once, on all cores. tiktoken's BPE (same pre-tokenizer regex, ranks in merge
+        order) gives the same tokens ~3.5x faster than `tokenizers` (measured: 16 vs 4.6 MB/s on 2
+        cores), so it does the bulk encoding once it has agreed with `tokenizers` on a probe text."""
+        fast = self._tiktoken()
+        if fast is not None:
+            return fast.encode_ordinary_batch(texts, num_threads=_cores())
         return [e.ids for e in self.inner.encode_batch(texts)]
+
+    def _tiktoken(self):
+        if not hasattr(self, "_fast"):
+            self._fast = None
+            try:
+                import tiktoken
+            except ImportError:  # pragma: no cover - a core dependency; the slower path still works
+                return None
+            decode_char = byte_level_chars()
+            ranks = {bytes(decode_char[c] for c in token): i for token, i in self.inner.get_vocab().items()
+                     if token != self.END_OF_TEXT}
+            fast = tiktoken.Encoding("llmtrain-bpe", pat_str=GPT2_SPLIT_PATTERN, mergeable_ranks=ranks,
+                                     special_tokens={self.END_OF_TEXT: self.eos_id})
+            if fast.encode_ordinary(_PROBE) == self.inner.encode(_PROBE).ids:
+                self._fast = fast
+        return self._fast
 
     def decode(self, ids: list[int]) -> str:
         return self.inner.decode(list(ids))
@@ -99,16 +145,110 @@ class BPETokenizer:
         return {"kind": "bpe", "tokenizer": json.loads(self.inner.to_str())}
 
 
+# The pre-tokenizer regex of GPT-2 and of tokenizers' ByteLevel (use_regex=True).
+GPT2_SPLIT_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+_PROBE = "def f(x):\n    return x  # it's 42\n\n\tnaïve café – 数据 🙂  spaces   end\n"
+
+
+def byte_level_chars() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, character -> byte: printable bytes stand for themselves, the
+    other 68 are shifted to code points 256+ (so every token is printable text)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + n): b for n, b in enumerate(shifted)}
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+class TiktokenTokenizer:
+    """A fixed tiktoken BPE, e.g. GPT-2's (vocabulary 50257, <|endoftext|> = 50256). Saved whole
+    (ranks, regex, special tokens) with the data, so `sample` needs neither network nor cache."""
+
+    END_OF_TEXT = "<|endoftext|>"
+
+    def __init__(self, name: str, ranks: dict[bytes, int], pat_str: str, special_tokens: dict[str, int]) -> None:
+        import tiktoken
+
+        self.name, self.ranks, self.pat_str, self.special_tokens = name, ranks, pat_str, special_tokens
+        self.inner = tiktoken.Encoding(name, pat_str=pat_str, mergeable_ranks=ranks, special_tokens=special_tokens)
+        self.vocab_size = self.inner.n_vocab
+        self.eos_id = special_tokens.get(self.END_OF_TEXT)
+
+    def encode(self, text: str) -> list[int]:
+        return self.inner.encode_ordinary(text)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return self.inner.encode_ordinary_batch(texts, num_threads=_cores())
+
+    def decode(self, ids: list[int]) -> str:
+        return self.inner.decode([i for i in ids if i != self.eos_id], errors="replace")
+
+    def to_dict(self) -> dict:
+        ordered = sorted(self.ranks.items(), key=lambda item: item[1])
+        return {"kind": "tiktoken", "name": self.name, "pat_str": self.pat_str, "special_tokens": self.special_tokens,
+                "ranks": [[base64.b64encode(token).decode(), rank] for token, rank in ordered]}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> TiktokenTokenizer:
+        ranks = {base64.b64decode(token): rank for token, rank in data["ranks"]}
+        return cls(data["name"], ranks, data["pat_str"], dict(data["special_tokens"]))
+
+
+GPT2_URL = "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/"
+GPT2_FILES = ("vocab.bpe", "encoder.json")
+
+
+def gpt2_files(folder: str | None) -> list[Path]:
+    """GPT-2's vocab.bpe and encoder.json on this machine: in `folder`, or (folder None) the copies
+    tiktoken keeps in its cache after an online `tiktoken.get_encoding("gpt2")`. Nothing is
+    downloaded. Raises FileNotFoundError saying what was searched."""
+    if folder is not None:
+        paths = [Path(folder).expanduser() / name for name in GPT2_FILES]
+        missing = [str(p) for p in paths if not p.is_file()]
+        if missing:
+            raise FileNotFoundError(f"data.gpt2_dir is '{folder}', which lacks {' and '.join(missing)}")
+        return paths
+    cache = _tiktoken_cache_dir()
+    paths = [Path(cache) / hashlib.sha1((GPT2_URL + name).encode()).hexdigest() for name in GPT2_FILES]
+    if not all(p.is_file() for p in paths):
+        raise FileNotFoundError(f"they are not in tiktoken's cache ({cache}) and data.gpt2_dir is not set")
+    return paths
+
+
+def gpt2_tokenizer(paths: list[Path]) -> TiktokenTokenizer:
+    """GPT-2's BPE from its vocab.bpe and encoder.json (ranks in merge order, <|endoftext|> last)."""
+    from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+
+    try:
+        ranks = data_gym_to_mergeable_bpe_ranks(str(paths[0]), str(paths[1]))
+    except (AssertionError, ValueError, KeyError, UnicodeDecodeError) as err:
+        raise FileNotFoundError(f"{paths[0]} and {paths[1]} are not a matching GPT-2 vocab.bpe / encoder.json pair "
+                                f"({type(err).__name__})") from None
+    return TiktokenTokenizer("gpt2", ranks, GPT2_SPLIT_PATTERN, {TiktokenTokenizer.END_OF_TEXT: len(ranks)})
+
+
+def _tiktoken_cache_dir() -> str:
+    """Where tiktoken caches downloads (its own rule: TIKTOKEN_CACHE_DIR, DATA_GYM_CACHE_DIR, temp)."""
+    import tempfile
+
+    return os.environ.get("TIKTOKEN_CACHE_DIR") or os.environ.get("DATA_GYM_CACHE_DIR") or os.path.join(
+        tempfile.gettempdir(), "data-gym-cache")
+
+
 def tokenizer_from_dict(data: dict) -> Tokenizer:
     if data["kind"] == "byte":
         return ByteTokenizer()
     if data["kind"] == "char":
-        return CharTokenizer(list(data["chars"]))
+        return CharTokenizer(list(data["chars"]), bool(data.get("end_of_text", False)))
     if data["kind"] == "bpe":
         from tokenizers import Tokenizer as HFTokenizer
 
         return BPETokenizer(HFTokenizer.from_str(json.dumps(data["tokenizer"])))
-    raise ValueError(f"unknown tokenizer kind {data['kind']!r}; valid: byte, char, bpe")
+    if data["kind"] == "tiktoken":
+        return TiktokenTokenizer.from_dict(data)
+    raise ValueError(f"unknown tokenizer kind {data['kind']!r}; valid: byte, char, bpe, tiktoken")
 
 
 def save_tokenizer(tokenizer: Tokenizer, path: Path) -> None:

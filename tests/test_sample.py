@@ -1,0 +1,32 @@
+"""Sampling stops at the end-of-text token unless told not to."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from llmtrain.sample import generate
+
+
+class CountingModel(torch.nn.Module):
+    """Predicts token (last + 1) with certainty: 3, 4, 5, ... after a prompt ending in 2."""
+
+    def __init__(self, vocab: int = 16) -> None:
+        super().__init__()
+        self.cfg = SimpleNamespace(block_size=64)
+        self.vocab = vocab
+        self.anchor = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        logits = torch.full((*idx.shape, self.vocab), -1e9)
+        logits.scatter_(2, ((idx + 1) % self.vocab).unsqueeze(-1), 0.0)
+        return logits
+
+
+def test_generation_ends_after_end_of_text_and_only_then() -> None:
+    model = CountingModel()
+    assert generate(model, [2], 10, temperature=0, stop_id=6) == [3, 4, 5, 6]
+    assert generate(model, [2], 10, temperature=1.0, generator=torch.Generator().manual_seed(0), stop_id=6) == [3, 4, 5, 6]
+    assert generate(model, [2], 5, temperature=0, stop_id=None) == [3, 4, 5, 6, 7]
+    assert generate(model, [2], 3, temperature=0, stop_id=6) == [3, 4, 5]  # the budget ends first
