@@ -109,6 +109,11 @@ class Sampling(str, Enum):
     epoch = "epoch"
 
 
+class SeqLenKeep(str, Enum):
+    tokens = "tokens"
+    batch = "batch"
+
+
 class DecodeErrors(str, Enum):
     replace = "replace"
     skip = "skip"
@@ -244,6 +249,12 @@ class DataConfig:
         32 * 2**20, "bpe only: train the tokenizer on at most this many bytes of the train split, spread over its "
         "documents (training, unlike encoding, gains little from more text); the whole split is then encoded.")
     seq_len: int | None = _f(None, "Tokens per training sequence; null uses model.block_size.")
+    seq_len_schedule: list[list[int]] = _f(
+        [], "Sequence-length schedule as [step, seq_len] pairs, e.g. [[0,256],[1000,512],[3000,1024]] (short sequences "
+        "early, seed 003 2.2); starts at step 0; its last length is the run's seq_len. []: data.seq_len throughout.")
+    seq_len_keep: SeqLenKeep = _f(
+        SeqLenKeep.tokens, "With a schedule: tokens (tokens per step constant: a stage at half the length draws twice "
+        "the sequences per micro-batch) or batch (sequences per step constant: fewer tokens per step early).")
     val_fraction: float = _f(0.05, "Share held out for validation: whole documents (several files, JSON lines, stdlib) or a single file's tail.")
     max_bytes: int | None = _f(None, "Read at most this many bytes of the corpus; null reads all.")
     cache_dir: str | None = _f(None, "Where prepared tokens go; null uses $LLMTRAIN_CACHE or ~/.cache/llmtrain.")
@@ -546,6 +557,7 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         f"({cfg.micro_batch_size} x {world_size} = {per_pass}); valid global batch sizes are multiples of "
         f"{per_pass}, e.g. global_batch_size={max(per_pass, cfg.global_batch_size // per_pass * per_pass)}.",
     )
+    _validate_seq_len_schedule(cfg, total_steps(cfg, world_size))
     seq_len = seq_len_of(cfg)
     _require(seq_len >= 1, f"'data.seq_len' is {seq_len}; it must be >= 1.")
     _require(
@@ -628,13 +640,75 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     _require(cfg.threads is None or cfg.threads >= 1, f"'threads' is {cfg.threads}; use a positive count or null.")
 
 
+def _validate_seq_len_schedule(cfg: Config, total: int) -> None:
+    d = cfg.data
+    if not d.seq_len_schedule:
+        return
+    where = f"'data.seq_len_schedule' is {[list(p) for p in d.seq_len_schedule]}"
+    _require(all(len(pair) == 2 for pair in d.seq_len_schedule),
+             f"{where}; give [step, seq_len] pairs, e.g. [[0,256],[1000,512],[3000,1024]].")
+    schedule = seq_len_schedule(cfg)
+    _require(len(schedule) == len(d.seq_len_schedule), f"{where}; each step may start one stage only.")
+    _require(0 in schedule, f"{where}; it must say the length at step 0, e.g. [[0,{min(schedule.values())}],...].")
+    _require(all(step >= 0 for step in schedule), f"{where}; steps must be >= 0.")
+    for length in schedule.values():
+        _require(1 <= length <= cfg.model.block_size,
+                 f"{where}; every length must be in 1..model.block_size ({cfg.model.block_size}), not {length}.")
+    final = seq_len_of(cfg)
+    _require(d.seq_len is None or d.seq_len == final,
+             f"{where}, whose last length is {final}, but 'data.seq_len' is {d.seq_len}; drop data.seq_len (the "
+             f"schedule sets it) or make them equal.")
+    late = max(schedule)
+    _require(late < total, f"{where}, but the run has only {total} steps: the stage at step {late} never starts.")
+    _require(d.sampling is Sampling.random and d.source is not DataSource.instruct and not d.overfit_batches,
+             f"{where}; a sequence-length schedule needs data.sampling=random (an epoch's windows are cut at one "
+             "length), plain text data (not data=instruct) and data.overfit_batches=0.")
+    if d.seq_len_keep is SeqLenKeep.tokens:
+        uneven = [length for length in schedule.values() if (cfg.micro_batch_size * final) % length]
+        _require(not uneven,
+                 f"{where} with data.seq_len_keep=tokens: a micro-batch holds micro_batch_size x {final} = "
+                 f"{cfg.micro_batch_size * final} tokens, which length(s) {uneven} do not divide; use lengths that "
+                 f"divide it (e.g. {final // 2}, {final // 4}) or data.seq_len_keep=batch.")
+
+
 def _divisor_near(n: int, k: int) -> int:
     divisors = [d for d in range(1, n + 1) if n % d == 0]
     return min(divisors, key=lambda d: abs(d - k))
 
 
+def seq_len_schedule(cfg: Config) -> dict[int, int]:
+    """data.seq_len_schedule as {start step: length}, in step order ({} without a schedule)."""
+    return dict(sorted((int(pair[0]), int(pair[1])) for pair in cfg.data.seq_len_schedule if len(pair) == 2))
+
+
 def seq_len_of(cfg: Config) -> int:
+    """The run's sequence length: the schedule's last, else data.seq_len, else the model's context."""
+    if schedule := seq_len_schedule(cfg):
+        return list(schedule.values())[-1]
     return cfg.data.seq_len if cfg.data.seq_len is not None else cfg.model.block_size
+
+
+@dataclass(frozen=True)
+class SeqLenStage:
+    start_step: int
+    seq_len: int
+    micro_batch_size: int
+
+
+def seq_len_stages(cfg: Config) -> list[SeqLenStage]:
+    """The run's (start step, sequence length, micro-batch size) stages; one without a schedule.
+    Keeping tokens, a stage at 1/k of the final length draws k times the sequences per micro-batch:
+    the same tokens per micro-batch (about the same activation memory), the same accumulation."""
+    final = seq_len_of(cfg)
+    if not cfg.data.seq_len_schedule:
+        return [SeqLenStage(0, final, cfg.micro_batch_size)]
+    keep_tokens = cfg.data.seq_len_keep is SeqLenKeep.tokens
+    return [SeqLenStage(step, length, cfg.micro_batch_size * final // length if keep_tokens else cfg.micro_batch_size)
+            for step, length in seq_len_schedule(cfg).items()]
+
+
+def stage_at(stages: list[SeqLenStage], step: int) -> SeqLenStage:
+    return [stage for stage in stages if stage.start_step <= step][-1]
 
 
 def accumulation_steps(cfg: Config, world_size: int = 1) -> int:

@@ -59,11 +59,15 @@ from llmtrain.config import (
     NonFinitePolicy,
     Precision,
     Sampling,
+    SeqLenKeep,
+    SeqLenStage,
     accumulation_steps,
     config_to_dict,
     effective_lr,
     resolved_warmup_steps,
     seq_len_of,
+    seq_len_stages,
+    stage_at,
     total_micro_batches,
     total_steps,
     validate,
@@ -180,17 +184,20 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
     micro_total = total_micro_batches(cfg)
     accum = accumulation_steps(cfg)
     seq_len = seq_len_of(cfg)
+    stages = seq_len_stages(cfg)
     sink = console or ConsoleSink(steps_total)
 
     def warn(message: str) -> None:
         sink.print(f"[bold yellow]warning:[/] {message}")
 
     data = prepare_data(cfg.data, log=lambda msg: sink.print(f"[dim]{msg}[/]"), progress=True)
+    longest = max(stage.seq_len for stage in stages)
     for split in ("train", "val") if cfg.eval_interval else ("train",):
-        if data.meta[f"{split}_tokens"] < seq_len + 1:
+        needed = longest if split == "train" else seq_len
+        if data.meta[f"{split}_tokens"] < needed + 1:
             raise ConfigError(
                 f"The {split} split has {data.meta[f'{split}_tokens']} tokens, fewer than one sequence of "
-                f"data.seq_len={seq_len} (+1 target); use more text (or a larger data.max_bytes), "
+                f"{needed} (+1 target); use more text (or a larger data.max_bytes), "
                 "a shorter data.seq_len, or a larger data.val_fraction."
             )
     vocab_size = cfg.model.vocab_size or data.vocab_size
@@ -266,6 +273,7 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
         [
             ("parameters", f"{param_count(model):,} ({param_count(model, exclude_positions=True):,} without positions)"),
             ("batch", f"{cfg.global_batch_size} sequences x {seq_len} tokens = {tokens_per_step:,} tokens/step"),
+            *([("seq_len stages", describe_stages(stages, accum, cfg.data.seq_len_keep))] if len(stages) > 1 else []),
             ("accumulation", f"{accum} micro-batch{'es' if accum > 1 else ''} of {cfg.micro_batch_size} (world size 1)"),
             ("steps", f"{steps_total:,} (warmup {resolved_warmup_steps(cfg.schedule, steps_total)}, {cfg.schedule.name.value}), "
                       f"{micro_total * cfg.micro_batch_size * seq_len:,} tokens"),
@@ -317,9 +325,20 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
         with StopRequest() as stop:
             while state.step < steps_total:
                 step = state.step
+                stage = stage_at(stages, step)
+                if len(stages) > 1 and (stage.micro_batch_size, stage.seq_len) != (train_batches.batch_size,
+                                                                                    train_batches.seq_len):
+                    train_batches.reshape(stage.micro_batch_size, stage.seq_len)  # also on resume, silently
+                    if step == stage.start_step:
+                        if step:  # the first stage is in the banner
+                            sink.print(f"sequence length {stage.seq_len}, micro-batch {stage.micro_batch_size} from step "
+                                       f"{step + 1} on ({stage.micro_batch_size * stage.seq_len * accum:,} tokens/step)")
+                        metrics.write({"kind": "seq_len", "step": step, "seq_len": stage.seq_len,
+                                       "micro_batch_size": stage.micro_batch_size,
+                                       "tokens_per_step": stage.micro_batch_size * stage.seq_len * accum})
                 fetch_start = time.perf_counter()
                 window = [train_batches.next_batch() for _ in range(min(accum, micro_total - step * accum))]
-                window_tokens = sum(y.numel() for _, y in window)
+                window_tokens = count_tokens(window)  # real targets: instruction padding and prompts do not count
                 lr_schedule = lr_at(step, peak_lr, steps_total, cfg.schedule)
                 lr = lr_schedule * state.lr_scale
                 for group in optimizer.param_groups:
@@ -397,6 +416,8 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
                         record["loss_scale"] = scaler.get_scale()
                     if isinstance(train_batches, EpochOrder):
                         record["epoch"] = train_batches.epochs_done
+                    if len(stages) > 1:
+                        record["seq_len"] = stage.seq_len
                     last_log_time, last_log_tokens = now, state.tokens
                     result.train_losses[state.step] = record["loss"]
                     metrics.write(record)
@@ -580,6 +601,16 @@ def restore(
     for key, old, new in changes:
         sink.print(f"[bold yellow]config changed since the checkpoint:[/] {key}: {old} -> {new}")
     return state
+
+
+def describe_stages(stages: list[SeqLenStage], accum: int, keep: SeqLenKeep) -> str:
+    """E.g. '256 x 32 from step 0 -> 512 x 16 from 1000; 8,192 tokens/step throughout'."""
+    shown = " -> ".join(f"{s.seq_len} x {s.micro_batch_size}{' from step' if i == 0 else ' from'} {s.start_step}"
+                        for i, s in enumerate(stages))
+    per_step = [s.seq_len * s.micro_batch_size * accum for s in stages]
+    if keep is SeqLenKeep.tokens:
+        return f"{shown} (length x micro-batch); {per_step[-1]:,} tokens/step throughout"
+    return f"{shown} (length x micro-batch); tokens/step {' -> '.join(f'{n:,}' for n in per_step)}"
 
 
 def save_weights(model: torch.nn.Module, path: Path) -> None:

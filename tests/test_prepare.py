@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -296,6 +297,27 @@ def test_an_interrupted_build_leaves_no_folder_that_looks_prepared(tmp_path: Pat
     assert prepare_data(cfg, log=lambda m: None).meta["documents"] == 6
 
 
+def test_token_ids_beyond_the_models_vocabulary_stop_training_and_keep_the_data(tmp_path: Path) -> None:
+    folder = corpus_folder(tmp_path / "corpus")
+    proc = llmtrain(tmp_path, "train", "data=text", f"data.path={folder}", "data.tokenizer=bpe", "data.bpe_vocab_size=600",
+                    "model.vocab_size=300", "max_steps=2", f"data.cache_dir={tmp_path / 'cache'}",
+                    f"hydra.run.dir={tmp_path / 'run'}")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "'model.vocab_size' (300) is smaller than the data's vocabulary (600" in proc.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    prepared = list((tmp_path / "cache" / "data").glob("text-bpe-*/meta.json"))
+    assert len(prepared) == 1 and json.loads(prepared[0].read_text())["vocab_size"] == 600  # kept for the next try
+
+
+def test_a_corpus_smaller_than_one_sequence_is_refused_before_training(tmp_path: Path) -> None:
+    (tmp_path / "small.txt").write_text("just a few words\n" * 3)
+    proc = llmtrain(tmp_path, "train", "data=text", f"data.path={tmp_path / 'small.txt'}", "model.block_size=64",
+                    "max_steps=2", f"hydra.run.dir={tmp_path / 'run'}")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "fewer than one sequence of 64 (+1 target)" in proc.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
 def llmtrain(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "COLUMNS": "200"}
     return subprocess.run([sys.executable, "-m", "llmtrain", *args], cwd=cwd, env=env, capture_output=True, text=True,
@@ -387,6 +409,42 @@ def test_mid_epoch_resume_gives_exactly_the_uninterrupted_batches(tmp_path: Path
     assert epochs[16] < 1 < epochs[-1]  # stopped mid-epoch, and the resumed run rolled over into epoch 2
 
 
+@pytest.mark.slow
+def test_sigkill_mid_epoch_then_resume_through_the_cli_sees_the_uninterrupted_batches(tmp_path: Path) -> None:
+    """The acceptance test: the process is killed outright (no handler runs) in its first epoch; the
+    resumed run must take exactly the steps of an uninterrupted run, into and past the second epoch."""
+    import torch
+
+    from .test_resume_kill import logged_step
+
+    args = [sys.executable, "-m", "llmtrain", "train", "data=text", f"data.path={TINY_CORPUS}", "data.tokenizer=char",
+            "data.sampling=epoch", "data.max_bytes=6000", "model.n_layer=1", "model.n_embd=32", "model.n_head=2",
+            "model.block_size=32", "model.dropout=0.1", "micro_batch_size=2", "global_batch_size=8", "max_steps=30",
+            "eval_interval=0", "log_interval=1", "threads=1", "checkpoint.every_steps=1", "checkpoint.keep_last=2"]
+    env = {**os.environ, "LLMTRAIN_CACHE": str(tmp_path / "cache")}
+    subprocess.run([*args, f"hydra.run.dir={tmp_path / 'ref'}"], cwd=tmp_path, env=env, check=True, capture_output=True)
+    run = tmp_path / "run"
+    proc = subprocess.Popen([*args, f"hydra.run.dir={run}"], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while logged_step(run) < 9 and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.005)
+    proc.kill()
+    proc.wait()
+    resumed = subprocess.run([*args, f"hydra.run.dir={run}"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr
+
+    def train_records(folder: Path) -> dict[int, dict]:
+        lines = (folder / "metrics.jsonl").read_text().splitlines()
+        return {r["step"]: r for r in map(json.loads, lines) if r["kind"] == "train"}  # a resumed step: the last
+
+    reference, after = train_records(tmp_path / "ref"), train_records(run)
+    assert 0 < reference[9]["epoch"] < 1 < reference[30]["epoch"], "killed inside the first epoch, ending in the second"
+    assert [after[s]["loss"] for s in range(1, 31)] == [reference[s]["loss"] for s in range(1, 31)]
+    ref_weights, run_weights = (torch.load(f / "model.pt", weights_only=True) for f in (tmp_path / "ref", run))
+    assert all(torch.equal(ref_weights[k], run_weights[k]) for k in ref_weights)
+
+
 # ---------------------------------------------------------------------------------------------
 # instruction data
 # ---------------------------------------------------------------------------------------------
@@ -436,6 +494,9 @@ def test_instruction_data_trains_from_the_cli(tmp_path: Path) -> None:
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["kind"] == "eval"] == [3, 6]
     assert all(0 < r["loss"] < 10 for r in records if r["kind"] == "train")
+    # tokens (and tokens/s) count the trained response tokens: not prompts, not padding
+    tokens = [0] + [r["tokens"] for r in records if r["kind"] == "train"]
+    assert all(0 < b - a < 4 * 64 for a, b in zip(tokens, tokens[1:]))
 
 
 def test_a_bad_instruction_line_names_its_fields(tmp_path: Path) -> None:

@@ -31,6 +31,14 @@ class RandomWindowSampler:
         self.batches_drawn = 0
         self._offsets = np.arange(seq_len + 1)
 
+    def reshape(self, batch_size: int, seq_len: int) -> None:
+        """Draw batches of another shape from here on (a sequence-length schedule's next stage); the
+        generator goes on, so a resumed run that reshapes at the same step draws the same windows."""
+        if self.tokens.size < seq_len + 1:
+            raise ValueError(f"{self.tokens.size} tokens cannot fill one window of {seq_len + 1}")
+        self.batch_size, self.seq_len = batch_size, seq_len
+        self._offsets = np.arange(seq_len + 1)
+
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and next-token targets, both int64 of shape (batch_size, seq_len)."""
         if self.overfit_batches and self.batches_drawn % self.overfit_batches == 0:
