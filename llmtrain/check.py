@@ -184,8 +184,11 @@ def _estimated_train_tokens(cfg: Config) -> int | None:
     from llmtrain.data.prepare import source_files
 
     try:
-        size = sum(f.path.stat().st_size for f in source_files(cfg.data))
+        files = source_files(cfg.data)
+        size = sum(f.path.stat().st_size for f in files)
     except (OSError, UserError):
+        return None
+    if not files:  # data=hf: the size is known once prepared
         return None
     if cfg.data.max_bytes is not None:
         size = min(size, cfg.data.max_bytes)

@@ -102,6 +102,7 @@ class DataSource(str, Enum):
     text = "text"
     jsonl = "jsonl"
     instruct = "instruct"
+    hf = "hf"
 
 
 class Sampling(str, Enum):
@@ -229,8 +230,14 @@ class DataConfig:
     source: DataSource = _f(
         DataSource.python_stdlib, "python_stdlib (embedded, no download), text (your files) or jsonl (a text field per line)."
     )
-    path: str | None = _f(None, "text/jsonl: a file, a folder (its .txt/.md or .jsonl files, recursively) or a glob.")
-    text_field: str = _f("text", "jsonl only: the field of each JSON line that holds the document's text.")
+    path: str | None = _f(None, "text/jsonl: a file, a folder (its .txt/.md or .jsonl files, recursively) or a glob; "
+                             "hf: the data files of a builder (data.hf_name=json/csv/parquet/text).")
+    text_field: str = _f("text", "jsonl and hf: the field (column) that holds each document's text.")
+    hf_name: str | None = _f(
+        None, "hf: a Hugging Face dataset: a Hub name (downloaded once when online, then cached), a folder written by "
+        "Dataset.save_to_disk, or a builder (json, csv, parquet, text) reading data.path. Needs llmtrain[hf].")
+    hf_config: str | None = _f(None, "hf: the dataset's configuration (subset) name, if it has several.")
+    hf_split: str = _f("train", "hf: the split to read (llmtrain makes its own train/validation split from it).")
     prompt_field: str = _f("prompt", "instruct: the field with the prompt (its tokens are not trained on).")
     response_field: str = _f("response", "instruct: the field with the response (the tokens trained on).")
     messages_field: str = _f("messages", "instruct: the field with chat messages [{role, content}]; only assistant turns train.")
@@ -569,6 +576,9 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     _require(d.overfit_batches >= 0, f"'data.overfit_batches' is {d.overfit_batches}; use 0 (off) or a batch count >= 1.")
     _require(d.max_bytes is None or d.max_bytes > 0, f"'data.max_bytes' is {d.max_bytes}; use a positive size or null.")
     _require(0 <= o.label_smoothing < 1, f"'optim.label_smoothing' is {o.label_smoothing}; valid range is [0, 1) (typical: 0.1).")
+    _require(d.source is not DataSource.hf or bool(d.hf_name),
+             "Missing required value 'data.hf_name': data=hf needs a dataset, e.g. data.hf_name=roneneldan/TinyStories, "
+             "a folder written by save_to_disk, or data.hf_name=json data.path=docs.jsonl.")
     if d.source in (DataSource.text, DataSource.jsonl, DataSource.instruct):
         _require(
             d.path is not None,

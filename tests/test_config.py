@@ -71,7 +71,9 @@ def load_option(group: str, option: str, tmp_path: Path) -> Config:
         corpus = tmp_path / "corpus.txt"
         corpus.write_text("a tiny corpus, for composing the text data option.\n" * 50, encoding="utf-8")
         overrides.append(f"data.path={corpus}")
-    if group == "data" and option in ("jsonl", "instruct"):
+    if group == "data" and option == "hf":
+        overrides.append("data.hf_name=json")  # a builder: composes without the datasets package or a download
+    if group == "data" and option in ("jsonl", "instruct", "hf"):
         corpus = tmp_path / "docs.jsonl"
         line = '{{"text": "document {i} of a tiny corpus.", "prompt": "Say {i}.", "response": "{i}, a tiny answer."}}\n'
         corpus.write_text("".join(line.format(i=i) for i in range(40)), encoding="utf-8")
@@ -107,7 +109,7 @@ def test_option_composes_converts_and_builds(group: str, option: str, tmp_path: 
     # The option file's values arrived in the typed section (the file names its own option).
     raw = yaml.safe_load((CONF / group / f"{option}.yaml").read_text())
     for key, value in raw.items():
-        if group == "data" and key == "path" and option in ("text", "jsonl", "instruct"):
+        if group == "data" and key in ("path", "hf_name") and option in ("text", "jsonl", "instruct", "hf"):
             continue  # required, so the test set it
         got = getattr(section, key)
         got = got.value if hasattr(got, "value") else got

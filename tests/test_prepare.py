@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -201,6 +202,68 @@ def test_gpt2_without_its_files_is_a_clear_error_before_anything_runs(tmp_path: 
     with pytest.raises(ConfigError, match="not a matching GPT-2 vocab.bpe / encoder.json pair"):
         prepare_data(data_config(tmp_path, tmp_path / "c.txt", tokenizer=TokenizerKind.gpt2, gpt2_dir=str(bad)),
                      log=lambda m: None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face datasets (the hf extra)
+# ---------------------------------------------------------------------------------------------
+
+
+def hf_config(tmp_path: Path, name: str, **kwargs) -> DataConfig:
+    import llmtrain.data.prepare as prepare
+
+    prepare._load_hf.cache_clear()  # a test rewrites datasets in place; a run loads each once
+    return data_config(tmp_path, kwargs.pop("path", None), source=DataSource.hf, hf_name=name, **kwargs)
+
+
+def test_a_saved_hf_dataset_prepares_row_by_row_and_rebuilds_when_it_changes(tmp_path: Path) -> None:
+    datasets = pytest.importorskip("datasets")
+    rows = [f"row {i}: " + "some text " * (i % 7 + 1) for i in range(60)] + ["", None]
+    folder = tmp_path / "saved"
+    datasets.Dataset.from_dict({"text": rows, "id": list(range(62))}).save_to_disk(str(folder))
+    logs: list[str] = []
+    data = prepare_data(hf_config(tmp_path, str(folder)), log=logs.append)
+    assert data.meta["documents"] == 60 and data.meta["val_documents"] >= 1  # the empty and missing rows left out
+    stream = np.concatenate([data.tokens("train"), data.tokens("val")])
+    assert stream.size == sum(len(r) + 1 for r in rows if r) and int((stream == 255).sum()) == 60
+    prepare_data(hf_config(tmp_path, str(folder)), log=logs.append)
+    assert len(logs) == 1, "unchanged: reused"
+    datasets.Dataset.from_dict({"text": ["other text"] * 30}).save_to_disk(str(tmp_path / "saved2"))
+    shutil.rmtree(folder)
+    (tmp_path / "saved2").rename(folder)
+    changed = prepare_data(hf_config(tmp_path, str(folder)), log=logs.append)
+    assert any("changed" in m for m in logs) and changed.meta["documents"] == 30
+
+
+def test_an_hf_builder_reads_the_files_in_data_path(tmp_path: Path) -> None:
+    pytest.importorskip("datasets")
+    path = write_jsonl(tmp_path / "docs.jsonl", [{"content": f"document {i}\n" * 5} for i in range(20)])
+    data = prepare_data(hf_config(tmp_path, "json", path=str(path), text_field="content"), log=lambda m: None)
+    assert data.meta["documents"] == 20
+
+
+def test_hf_mistakes_are_one_paragraph_errors(tmp_path: Path, monkeypatch) -> None:
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ConfigError, match="data.hf_name=nobody/no-such-dataset .* could not be loaded"):
+        prepare_data(hf_config(tmp_path, "nobody/no-such-dataset"), log=lambda m: None)
+    datasets.Dataset.from_dict({"body": ["x"] * 4}).save_to_disk(str(tmp_path / "saved"))
+    with pytest.raises(ConfigError, match=r"has no column 'text' \(it has: body\); set data.text_field"):
+        prepare_data(hf_config(tmp_path, str(tmp_path / "saved")), log=lambda m: None)
+
+
+def test_cli_trains_on_a_saved_hf_dataset(tmp_path: Path) -> None:
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_dict({"text": [TINY_CORPUS.read_text()[i:i + 500] for i in range(0, 20000, 500)]}).save_to_disk(
+        str(tmp_path / "saved"))
+    run = tmp_path / "run"
+    proc = llmtrain(tmp_path, "train", "data=hf", f"data.hf_name={tmp_path / 'saved'}", "model.block_size=64",
+                    "max_steps=2", "eval_interval=0", f"data.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={run}")
+    assert proc.returncode == 0, proc.stderr
+    assert "gpt_tiny on hf" in proc.stdout and (run / "model.pt").is_file()
+    missing = llmtrain(tmp_path, "train", "data=hf", "max_steps=2", f"hydra.run.dir={tmp_path / 'run2'}")
+    assert missing.returncode == 2 and "'data.hf_name'" in missing.stderr and not (tmp_path / "run2").exists()
 
 
 # ---------------------------------------------------------------------------------------------

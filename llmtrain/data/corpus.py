@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sysconfig
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -192,18 +192,11 @@ def document_pieces(
     in a file without one, at a UTF-8 character boundary). With `text_field` the files are JSON lines
     and each line is a document of one piece. At most `max_bytes` in all, cut at a character
     boundary. Empty documents are left out."""
+    if text_field is not None:
+        yield from capped_documents((doc for f in files for doc in jsonl_documents(f, text_field)), max_bytes)
+        return
     budget = max_bytes
     for f in files:
-        if text_field:
-            for name, data in jsonl_documents(f, text_field):
-                if budget is not None:
-                    data = utf8_prefix(data, budget)
-                    budget -= len(data)
-                if data:
-                    yield name, data, True
-                if budget == 0:
-                    return
-            continue
         previous = None
         for piece in _file_pieces(f.path, budget):
             if budget is not None:
@@ -213,6 +206,19 @@ def document_pieces(
             previous = piece
         if previous is not None:
             yield f.name, previous, True
+        if budget == 0:
+            return
+
+
+def capped_documents(documents: Iterable[tuple[str, bytes]], max_bytes: int | None) -> Iterator[tuple[str, bytes, bool]]:
+    """Whole documents as single pieces, at most `max_bytes` in all (cut at a character boundary)."""
+    budget = max_bytes
+    for name, data in documents:
+        if budget is not None:
+            data = utf8_prefix(data, budget)
+            budget -= len(data)
+        if data:
+            yield name, data, True
         if budget == 0:
             return
 
@@ -254,3 +260,50 @@ def complete_utf8_end(data: bytes) -> int:
     lead = data[start]
     needed = 1 if lead < 0x80 else 2 if lead >> 5 == 0b110 else 3 if lead >> 4 == 0b1110 else 4 if lead >> 3 == 0b11110 else 1
     return start if start + needed > len(data) else len(data)
+
+
+def load_hf_dataset(name: str, config: str | None, split: str, data_files: str | None, text_field: str):
+    """A Hugging Face `datasets.Dataset`: from a save_to_disk folder, or through load_dataset (a Hub
+    name, cached after the first download, or a builder such as json/csv/parquet/text reading
+    `data_files`). Every failure is a ConfigError naming the dataset and what would be valid."""
+    from llmtrain.errors import ConfigError
+
+    try:
+        import datasets
+    except ImportError:
+        raise ConfigError("data=hf needs Hugging Face datasets: pip install 'llmtrain[hf]' (or pip install datasets).") from None
+    what = f"data.hf_name={name}" + (f" data.hf_config={config}" if config else "") + f" data.hf_split={split}"
+    try:
+        folder = Path(name).expanduser()
+        if folder.is_dir() and any((folder / marker).is_file() for marker in ("state.json", "dataset_dict.json")):
+            loaded = datasets.load_from_disk(str(folder))
+            if isinstance(loaded, datasets.DatasetDict):
+                if split not in loaded:
+                    raise ConfigError(f"{what}: the saved dataset has the splits {', '.join(loaded)}; set data.hf_split to one of them.")
+                loaded = loaded[split]
+        else:
+            kwargs = {"data_files": str(Path(data_files).expanduser())} if data_files else {}
+            loaded = datasets.load_dataset(name, config, split=split, **kwargs)
+    except ConfigError:
+        raise
+    except Exception as err:  # datasets raises many kinds: missing, offline, bad split, bad files
+        reason = (str(err).strip().splitlines() or [""])[0][:400]
+        raise ConfigError(
+            f"{what} could not be loaded ({type(err).__name__}: {reason}). Give a Hub name (the first use needs the "
+            "network; HF_DATASETS_OFFLINE=1 uses the cache only), a folder written by Dataset.save_to_disk, or a builder "
+            "with its files, e.g. data.hf_name=json data.path=docs.jsonl."
+        ) from None
+    if text_field not in loaded.column_names:
+        raise ConfigError(f"{what} has no column '{text_field}' (it has: {', '.join(loaded.column_names)}); set "
+                          "data.text_field to the column that holds the text.")
+    return loaded
+
+
+def hf_documents(dataset, split: str, text_field: str) -> Iterator[tuple[str, bytes]]:
+    """One document per row, named `<split>:<row>`; rows whose text is empty or missing are left out."""
+    row = 0
+    for batch in dataset.select_columns([text_field]).iter(batch_size=1024):
+        for text in batch[text_field]:
+            if isinstance(text, str) and text:
+                yield f"{split}:{row}", text.encode("utf-8")
+            row += 1

@@ -9,6 +9,7 @@ folder that is renamed into place, so an interrupted prepare never leaves half-w
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -28,12 +29,15 @@ from llmtrain.config import DataConfig, DataSource, DecodeErrors, TokenizerKind
 from llmtrain.data.corpus import (
     PIECE_BYTES,
     SourceFile,
+    capped_documents,
     complete_utf8_end,
     content_hash,
     document_pieces,
     fingerprint,
+    hf_documents,
     input_files,
     instruction_examples,
+    load_hf_dataset,
     stdlib_files,
     stdlib_root,
 )
@@ -93,8 +97,11 @@ def cache_root(cfg: DataConfig) -> Path:
 
 
 def source_files(cfg: DataConfig) -> list[SourceFile]:
+    """The input files (none for data=hf: its dataset is not files of ours)."""
     if cfg.source is DataSource.python_stdlib:
         return stdlib_files()
+    if cfg.source is DataSource.hf:
+        return []
     assert cfg.path is not None
     return input_files(cfg.path, cfg.source.value)
 
@@ -111,8 +118,13 @@ def _location(cfg: DataConfig) -> tuple[list[SourceFile], Path]:
         "max_bytes": cfg.max_bytes,
     }
     # Keys that only some sources or tokenizers read enter only where they apply.
-    if cfg.source is DataSource.jsonl:
+    if cfg.source in (DataSource.jsonl, DataSource.hf):
         identity["text_field"] = cfg.text_field
+    if cfg.source is DataSource.hf:
+        assert cfg.hf_name is not None
+        local = Path(cfg.hf_name).expanduser()
+        identity["hf"] = [str(local.resolve()) if local.is_dir() else cfg.hf_name, cfg.hf_config, cfg.hf_split,
+                          str(Path(cfg.path).expanduser().resolve()) if cfg.path else None]
     if cfg.source is DataSource.instruct:
         identity["fields"] = [cfg.prompt_field, cfg.response_field, cfg.messages_field]
     if cfg.tokenizer is TokenizerKind.bpe:
@@ -152,14 +164,34 @@ def _gpt2_tokenizer(cfg: DataConfig) -> Tokenizer:
         raise ConfigError(f"data.tokenizer=gpt2: {err}; give the files from {GPT2_URL}") from None
 
 
+def hf_dataset(cfg: DataConfig):
+    """The data=hf dataset, loaded once per process (the CLI's pre-validation and the run share it)."""
+    assert cfg.hf_name is not None
+    return _load_hf(cfg.hf_name, cfg.hf_config, cfg.hf_split, cfg.path, cfg.text_field)
+
+
+@functools.lru_cache(maxsize=4)
+def _load_hf(name: str, config: str | None, split: str, data_files: str | None, text_field: str):
+    return load_hf_dataset(name, config, split, data_files, text_field)
+
+
+def _fingerprint(cfg: DataConfig, files: list[SourceFile]) -> str:
+    """Cheap staleness check: the files' names, sizes and mtimes; for data=hf, the dataset's own
+    fingerprint (datasets derives it from the data it loaded)."""
+    if cfg.source is DataSource.hf:
+        return f"hf:{hf_dataset(cfg)._fingerprint}"
+    return fingerprint(files)
+
+
 def cached_meta(cfg: DataConfig) -> dict | None:
-    """The metadata of already prepared, up-to-date data for `cfg`, or None (nothing is built)."""
+    """The metadata of already prepared, up-to-date data for `cfg`, or None (nothing is built).
+    data=hf is taken as prepared without loading the dataset (prepare_data checks it properly)."""
     files, directory = _location(cfg)
     meta_path = directory / "meta.json"
     if not meta_path.is_file():
         return None
     meta = json.loads(meta_path.read_text())
-    return meta if meta.get("fingerprint") == fingerprint(files) else None
+    return meta if cfg.source is DataSource.hf or meta.get("fingerprint") == fingerprint(files) else None
 
 
 def prepare_data(cfg: DataConfig, log: Callable[[str], None] = print, progress: bool = False) -> PreparedData:
@@ -167,7 +199,7 @@ def prepare_data(cfg: DataConfig, log: Callable[[str], None] = print, progress: 
     a live bar (bytes, documents, tokens/s, ETA) on stderr while a build runs."""
     files, directory = _location(cfg)
     meta_path = directory / "meta.json"
-    quick = fingerprint(files)
+    quick = _fingerprint(cfg, files)
     with _ProgressBar(progress) as bar:
         if meta_path.is_file():
             meta = json.loads(meta_path.read_text())
@@ -199,6 +231,8 @@ def _read_instructions(cfg: DataConfig, files: list[SourceFile]) -> list[tuple[s
 
 
 def _pieces(cfg: DataConfig, files: list[SourceFile]) -> Iterator[tuple[str, bytes, bool]]:
+    if cfg.source is DataSource.hf:
+        return capped_documents(hf_documents(hf_dataset(cfg), cfg.hf_split, cfg.text_field), cfg.max_bytes)
     return document_pieces(files, cfg.max_bytes, cfg.text_field if cfg.source is DataSource.jsonl else None)
 
 
@@ -219,7 +253,8 @@ def _scan(cfg: DataConfig, files: list[SourceFile], bar: _ProgressBar) -> _Scan:
     corpus_hash = hashlib.sha256()
     first_invalid = None
     doc_hash, size, ok = hashlib.sha256(), 0, True
-    bar.start("scanning", sum(f.path.stat().st_size for f in files))
+    total = hf_dataset(cfg).data.nbytes if cfg.source is DataSource.hf else sum(f.path.stat().st_size for f in files)
+    bar.start("scanning", total)
     for name, piece, last in _pieces(cfg, files):
         doc_hash.update(piece)
         size += len(piece)
@@ -266,7 +301,8 @@ def _build(
         log(f"{undecodable} document(s) are not valid UTF-8 ({action}; data.decode_errors=replace|skip), "
             f"e.g. {scan.first_invalid}")
     if not kept:
-        raise ConfigError(f"'data.path' ({cfg.path}) gave no usable text (every document was empty or skipped).")
+        raise ConfigError(f"The data ({_describe(cfg)}) gave no usable text: every document was empty or skipped "
+                          "(data.decode_errors=skip); give UTF-8 text or use data.decode_errors=replace.")
     # One document (a single file) is one stream: its tail, cut at a line break, is validation.
     tail_cut = _tail_cut_guess(scan.sizes[kept[0]], cfg.val_fraction) if len(kept) == 1 else None
     is_val = bytearray(len(keep)) if tail_cut is not None else _assign_splits(scan, keep, cfg.val_fraction)
@@ -274,6 +310,7 @@ def _build(
     tokenizer = _fit_tokenizer(cfg, files, scan, keep, is_val, tail_cut, log, bar)
     dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
     tmp = _fresh_tmp(directory)
+    writers: dict[str, _TokenWriter] = {}
     try:
         writers = {split: _TokenWriter(tmp / f"{split}.bin", tokenizer, dtype) for split in ("train", "val")}
         bar.start("tokenizing", sum(scan.sizes[i] for i in kept))
@@ -305,8 +342,15 @@ def _build(
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
         _commit(tmp, directory)
     finally:
+        for writer in writers.values():
+            writer.file.close()  # already closed after a whole build; an interrupted one leaves them open
         shutil.rmtree(tmp, ignore_errors=True)
     return PreparedData(directory, meta)
+
+
+def _describe(cfg: DataConfig) -> str:
+    return {DataSource.hf: f"data.hf_name={cfg.hf_name}", DataSource.python_stdlib: "the stdlib"}.get(
+        cfg.source, f"data.path={cfg.path}")
 
 
 def _tail_cut_guess(size: int, val_fraction: float) -> int:
@@ -322,26 +366,27 @@ def _split_pieces(
     last line break before `tail_cut` if that is in the second half, else at `tail_cut` itself."""
     index, offset, line_start = 0, 0, 0
     for _name, piece, last in _prefetched(_pieces(cfg, files)):
-        if keep[index]:
-            data: str | bytes = piece if scan.valid[index] else piece.decode("utf-8", errors="replace")
-            if tail_cut is None:
-                yield ("val" if is_val[index] else "train"), data, last
-            elif offset + len(piece) <= tail_cut:
-                yield "train", data, False
-            elif offset > tail_cut:
-                yield "val", data, last
-            else:  # the piece where validation starts (pieces end at line breaks but for very long lines)
-                newline = piece.rfind(b"\n", 0, tail_cut - offset)
-                start = offset + newline + 1 if newline >= 0 else line_start
-                at = (start - offset if start >= offset and start > scan.sizes[index] // 2
-                      else complete_utf8_end(piece[: tail_cut - offset]))
-                yield from _cut(data, piece, at, last)
-            newline = piece.rfind(b"\n")
-            line_start = offset + newline + 1 if newline >= 0 else line_start
-            offset += len(piece)
-        if last:
-            index += 1
-            offset = line_start = 0
+        document, index = index, index + int(last)
+        if not keep[document]:
+            continue
+        data: str | bytes = piece if scan.valid[document] else piece.decode("utf-8", errors="replace")
+        if tail_cut is None:
+            yield ("val" if is_val[document] else "train"), data, last
+            continue
+        # The one kept document (offset and line_start count its bytes only).
+        if offset + len(piece) <= tail_cut:
+            yield "train", data, False
+        elif offset > tail_cut:
+            yield "val", data, last
+        else:  # the piece where validation starts (pieces end at line breaks but for very long lines)
+            newline = piece.rfind(b"\n", 0, tail_cut - offset)
+            start = offset + newline + 1 if newline >= 0 else line_start
+            at = (start - offset if start >= offset and start > scan.sizes[document] // 2
+                  else complete_utf8_end(piece[: tail_cut - offset]))
+            yield from _cut(data, piece, at, last)
+        newline = piece.rfind(b"\n")
+        line_start = offset + newline + 1 if newline >= 0 else line_start
+        offset += len(piece)
 
 
 def _cut(data: str | bytes, piece: bytes, at: int, last: bool) -> Iterator[tuple[str, str | bytes, bool]]:
