@@ -401,8 +401,8 @@ def resume_checkpoint(
 SHAPE_KEYS = (
     "model.n_layer", "model.n_head", "model.n_embd", "model.block_size", "model.vocab_size", "model.bias",
     "model.tie_weights", "model.position", "model.norm", "model.mlp", "model.mlp_ratio", "model.norm_position",
-    "data.source", "data.path", "data.tokenizer", "data.bpe_vocab_size", "data.text_field", "data.sampling", "optim.name",
-    "optim.decay_embeddings",
+    "data.source", "data.path", "data.tokenizer", "data.bpe_vocab_size", "data.text_field", "data.sampling",
+    "data.hf_name", "data.hf_config", "data.hf_split", "optim.name", "optim.decay_embeddings",
 )
 # Keys that never matter for resuming.
 IGNORED_KEYS = ("out_dir", "resume")

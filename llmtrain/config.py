@@ -228,7 +228,8 @@ class ScheduleConfig:
 @dataclass
 class DataConfig:
     source: DataSource = _f(
-        DataSource.python_stdlib, "python_stdlib (embedded, no download), text (your files) or jsonl (a text field per line)."
+        DataSource.python_stdlib, "python_stdlib (embedded, no download), text (your files), jsonl (a text field per "
+        "line), instruct (prompt/response or chat JSON lines, loss on responses only) or hf (a Hugging Face dataset)."
     )
     path: str | None = _f(None, "text/jsonl: a file, a folder (its .txt/.md or .jsonl files, recursively) or a glob; "
                              "hf: the data files of a builder (data.hf_name=json/csv/parquet/text).")
@@ -585,7 +586,7 @@ def validate(cfg: Config, world_size: int = 1) -> None:
             f"Missing required value 'data.path': data={d.source.value} needs your files, e.g. "
             f"data.path={'corpus/' if d.source is DataSource.text else 'docs.jsonl'}.",
         )
-    _require(d.bpe_sample_bytes >= 2**16, f"'data.bpe_sample_bytes' is {d.bpe_sample_bytes}; give at least 65536 "
+    _require(d.tokenizer is not TokenizerKind.bpe or d.bpe_sample_bytes >= 2**16, f"'data.bpe_sample_bytes' is {d.bpe_sample_bytes}; give at least 65536 "
              "(64 KiB of text to learn merges from; the default is 33554432, 32 MiB).")
     _require(d.bpe_vocab_size >= 257, f"'data.bpe_vocab_size' is {d.bpe_vocab_size}; it must be >= 257 (256 bytes + end-of-text).")
     _require(d.text_field.strip() != "", "'data.text_field' is empty; name the JSON field that holds the text, e.g. text.")

@@ -22,6 +22,7 @@ window with fewer micro-batches still step with the right scale.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import random
@@ -74,7 +75,7 @@ from llmtrain.config import (
 )
 from llmtrain.data import EpochSampler, InstructionSampler, RandomWindowSampler, prepare_data
 from llmtrain.data.sampler import IGNORE_INDEX, EpochOrder
-from llmtrain.data.tokenizers import save_tokenizer
+from llmtrain.data.tokenizers import Tokenizer, save_tokenizer
 from llmtrain.errors import HealthStop, Interrupted, NonFiniteStop
 from llmtrain.health import HealthWatch
 from llmtrain.interrupts import StopRequest
@@ -213,6 +214,7 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
     checkpoint = resume_checkpoint(cfg.resume, run_dir, warn, device)
     if checkpoint is not None:
         check_resumable(checkpoint, config_dict)
+        check_same_tokenizer(checkpoint, data.tokenizer())
 
     model = GPT(cfg.model, vocab_size).to(device)
     model.train()
@@ -326,16 +328,16 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
             while state.step < steps_total:
                 step = state.step
                 stage = stage_at(stages, step)
-                if len(stages) > 1 and (stage.micro_batch_size, stage.seq_len) != (train_batches.batch_size,
-                                                                                    train_batches.seq_len):
-                    train_batches.reshape(stage.micro_batch_size, stage.seq_len)  # also on resume, silently
+                if len(stages) > 1:
+                    if (stage.micro_batch_size, stage.seq_len) != (train_batches.batch_size, train_batches.seq_len):
+                        train_batches.reshape(stage.micro_batch_size, stage.seq_len)  # also on resume, silently
                     if step == stage.start_step:
+                        stage_tokens = stage.micro_batch_size * stage.seq_len * accum
                         if step:  # the first stage is in the banner
-                            sink.print(f"sequence length {stage.seq_len}, micro-batch {stage.micro_batch_size} from step "
-                                       f"{step + 1} on ({stage.micro_batch_size * stage.seq_len * accum:,} tokens/step)")
+                            sink.print(f"sequence length {stage.seq_len}, micro-batch {stage.micro_batch_size} from "
+                                       f"step {step + 1} on ({stage_tokens:,} tokens/step)")
                         metrics.write({"kind": "seq_len", "step": step, "seq_len": stage.seq_len,
-                                       "micro_batch_size": stage.micro_batch_size,
-                                       "tokens_per_step": stage.micro_batch_size * stage.seq_len * accum})
+                                       "micro_batch_size": stage.micro_batch_size, "tokens_per_step": stage_tokens})
                 fetch_start = time.perf_counter()
                 window = [train_batches.next_batch() for _ in range(min(accum, micro_total - step * accum))]
                 window_tokens = count_tokens(window)  # real targets: instruction padding and prompts do not count
@@ -573,6 +575,18 @@ def check_resumable(checkpoint: Checkpoint, config_dict: dict) -> None:
         raise ConfigError(
             f"Cannot resume from {checkpoint.path}: {listed}. These change the model's shapes, its data or its "
             "optimizer, so the saved state does not fit. Undo the change, or start a new run dir (hydra.run.dir=...)."
+        )
+
+
+def check_same_tokenizer(checkpoint: Checkpoint, tokenizer: Tokenizer) -> None:
+    """The data must speak the run's token ids: the same settings can still give another tokenizer
+    (a changed corpus retrains BPE or changes a char vocabulary; other GPT-2 files; a BPE sample)."""
+    saved = checkpoint.path.parent.parent / "tokenizer.json"  # <run dir>/checkpoints/step_N
+    if saved.is_file() and json.loads(saved.read_text()) != tokenizer.to_dict():
+        raise ConfigError(
+            f"Cannot resume from {checkpoint.path}: the data's tokenizer is not the one this run was trained with "
+            f"({saved}), so every token id would mean something else to the model. The corpus or a tokenizer setting "
+            "changed since: restore them, or start a new run dir (hydra.run.dir=...)."
         )
 
 

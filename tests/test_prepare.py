@@ -127,7 +127,7 @@ def test_trained_bpe_encodes_through_tiktoken_with_the_same_tokens(tmp_path: Pat
     tokenizer = data.tokenizer()
     assert tokenizer._tiktoken() is not None, "the fast path agreed with tokenizers on the probe"
     texts = [p.read_text() for p in sorted(folder.rglob("*.txt"))] + ["  x\n\n\n\ty  ", "ünïcödé 数据 🙂🙂", "it's I'll"]
-    assert tokenizer.encode_batch(texts) == [e.ids for e in tokenizer.inner.encode_batch(texts)]
+    assert [ids.tolist() for ids in tokenizer.encode_arrays(texts)] == [e.ids for e in tokenizer.inner.encode_batch(texts)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -159,8 +159,10 @@ def test_gpt2_bpe_from_a_folder_prepares_and_round_trips(tmp_path: Path) -> None
 
     folder = gpt2_format_files(tmp_path / "gpt2", GPT2_MERGES)
     (tmp_path / "c.txt").write_text("hello world\n" * 200 + "naïve 🙂\n")
+    logs: list[str] = []
     data = prepare_data(data_config(tmp_path, tmp_path / "c.txt", tokenizer=TokenizerKind.gpt2, gpt2_dir=str(folder)),
-                        log=lambda m: None)
+                        log=logs.append)
+    assert any("not the published GPT-2 files" in m for m in logs)
     tokenizer = load_tokenizer(data.directory / "tokenizer.json")  # saved whole: no files needed to load
     assert isinstance(tokenizer, TiktokenTokenizer) and tokenizer.vocab_size == 256 + len(GPT2_MERGES) + 1
     assert tokenizer.eos_id == data.meta["end_of_text_id"] == 256 + len(GPT2_MERGES)
@@ -264,6 +266,29 @@ def test_cli_trains_on_a_saved_hf_dataset(tmp_path: Path) -> None:
     assert "gpt_tiny on hf" in proc.stdout and (run / "model.pt").is_file()
     missing = llmtrain(tmp_path, "train", "data=hf", "max_steps=2", f"hydra.run.dir={tmp_path / 'run2'}")
     assert missing.returncode == 2 and "'data.hf_name'" in missing.stderr and not (tmp_path / "run2").exists()
+
+
+def test_resuming_onto_data_with_another_tokenizer_is_refused(tmp_path: Path) -> None:
+    """Same settings, same vocabulary size, but the corpus changed: BPE learned other merges, so
+    every token id would mean something else to the saved model."""
+    from llmtrain.train import train
+
+    from .conftest import tiny_config
+
+    folder = corpus_folder(tmp_path / "corpus")
+    settings = {"data.path": str(folder), "data.tokenizer": TokenizerKind.bpe, "data.bpe_vocab_size": 300,
+                "data.cache_dir": str(tmp_path / "cache"), "max_steps": 3}
+    train(tiny_config(tmp_path / "run", **settings))
+    for doc in folder.rglob("doc*.txt"):
+        doc.write_text(doc.read_text().upper())
+    with pytest.raises(ConfigError, match="the data's tokenizer is not the one this run was trained with"):
+        train(tiny_config(tmp_path / "run", **{**settings, "max_steps": 5}))
+
+
+def test_a_jsonl_field_that_is_not_text_is_named(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "docs.jsonl", [{"text": "fine"}, {"text": ["a", "list"]}])
+    with pytest.raises(ConfigError, match=r"docs.jsonl:2: the field 'text' is a list, not a string"):
+        prepare_data(data_config(tmp_path, path, source=DataSource.jsonl), log=lambda m: None)
 
 
 # ---------------------------------------------------------------------------------------------

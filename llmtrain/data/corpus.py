@@ -85,6 +85,11 @@ def jsonl_documents(source: SourceFile, field: str) -> Iterator[tuple[str, bytes
                     f"{source.path}:{number} is not valid JSON ({err}); each line of a .jsonl file must be one JSON "
                     f"object such as {{\"{field}\": \"...\"}}. Fix or remove that line."
                 ) from None
+            if isinstance(record, dict) and field in record and not isinstance(record[field], str):
+                raise ConfigError(
+                    f"{source.path}:{number}: the field '{field}' is a {type(record[field]).__name__}, not a string; "
+                    "each document's text must be one JSON string (set data.text_field to the field that holds it)."
+                )
             if not isinstance(record, dict) or not isinstance(record.get(field), str):
                 keys = ", ".join(sorted(record)) if isinstance(record, dict) else type(record).__name__
                 raise ConfigError(

@@ -42,6 +42,7 @@ from llmtrain.data.corpus import (
     stdlib_root,
 )
 from llmtrain.data.tokenizers import (
+    GPT2_SHA256,
     GPT2_URL,
     BPETokenizer,
     ByteTokenizer,
@@ -153,11 +154,14 @@ def _gpt2_files(cfg: DataConfig) -> list[Path]:
         ) from None
 
 
-def _gpt2_tokenizer(cfg: DataConfig) -> Tokenizer:
+def _gpt2_tokenizer(cfg: DataConfig, log: Callable[[str], None]) -> Tokenizer:
     from llmtrain.errors import ConfigError
 
+    paths = _gpt2_files(cfg)
+    if [hashlib.sha256(p.read_bytes()).hexdigest() for p in paths] != list(GPT2_SHA256):
+        log(f"{paths[0]} / {paths[1]} are not the published GPT-2 files (their SHA-256 differs); used as given")
     try:
-        return gpt2_tokenizer(_gpt2_files(cfg))
+        return gpt2_tokenizer(paths)
     except ImportError:
         raise ConfigError("data.tokenizer=gpt2 needs the tiktoken package: pip install tiktoken") from None
     except FileNotFoundError as err:
@@ -201,6 +205,7 @@ def prepare_data(cfg: DataConfig, log: Callable[[str], None] = print, progress: 
     meta_path = directory / "meta.json"
     quick = _fingerprint(cfg, files)
     with _ProgressBar(progress) as bar:
+        log = bar.routed(log)
         if meta_path.is_file():
             meta = json.loads(meta_path.read_text())
             if meta.get("fingerprint") == quick:
@@ -348,6 +353,10 @@ def _build(
     return PreparedData(directory, meta)
 
 
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.1f} MB" if nbytes >= 2**20 else f"{nbytes / 2**10:.1f} KB"
+
+
 def _describe(cfg: DataConfig) -> str:
     return {DataSource.hf: f"data.hf_name={cfg.hf_name}", DataSource.python_stdlib: "the stdlib"}.get(
         cfg.source, f"data.path={cfg.path}")
@@ -408,7 +417,7 @@ def _fit_tokenizer(
     if cfg.tokenizer is TokenizerKind.byte:
         return ByteTokenizer()
     if cfg.tokenizer is TokenizerKind.gpt2:
-        return _gpt2_tokenizer(cfg)
+        return _gpt2_tokenizer(cfg, log)
     if cfg.tokenizer is TokenizerKind.char:
         characters: set[str] = set()
         bar.start("collecting characters", sum(scan.sizes[i] for i, k in enumerate(keep) if k))
@@ -419,14 +428,17 @@ def _fit_tokenizer(
     train_bytes = sum(size for size, k, v in zip(scan.sizes, keep, is_val) if k and not v)
     train_bytes = train_bytes if tail_cut is None else tail_cut
     stride = max(1, math.ceil(train_bytes / cfg.bpe_sample_bytes))  # every stride-th train document
-    log(f"training a byte-level BPE tokenizer (vocabulary {cfg.bpe_vocab_size}) on "
-        f"{min(train_bytes, cfg.bpe_sample_bytes) / 2**20:.1f} MB of the train split")
+    planned = min(train_bytes, cfg.bpe_sample_bytes)
+    log(f"training a byte-level BPE tokenizer (vocabulary {cfg.bpe_vocab_size}) on about {_size(planned)} of the "
+        f"train split ({_size(train_bytes)}; data.bpe_sample_bytes={cfg.bpe_sample_bytes})")
+    bar.start("training BPE (reading the sample)", planned)
 
     def sample() -> Iterator[str]:
         budget, document = cfg.bpe_sample_bytes, 0
         for split, text, end in _split_pieces(cfg, files, scan, keep, is_val, tail_cut):
             if split == "train" and document % stride == 0:
                 budget -= len(text)
+                bar.advance(len(text), documents=int(end))
                 yield text.decode("utf-8") if isinstance(text, bytes) else text
                 if budget <= 0:
                     return
@@ -473,25 +485,25 @@ class _TokenWriter:
 
 
 def encode_pieces(tokenizer: Tokenizer, pieces: list[tuple[str | bytes, bool]]) -> np.ndarray:
-    """Token ids of the pieces in order, end-of-text after each piece that ends a document. Valid
-    UTF-8 arrives as bytes: the byte tokenizer writes it as it is, the others decode it."""
-    eos = tokenizer.eos_id
+    """Token ids of the pieces in order, end-of-text after each piece that ends a document, in the
+    narrowest type at hand (uint8 for bytes, else uint32). Valid UTF-8 arrives as bytes: the byte
+    tokenizer writes it as it is, the others decode it."""
     if isinstance(tokenizer, ByteTokenizer):
         joined = b"".join(
             (p if isinstance(p, bytes) else p.encode("utf-8")) + (b"\xff" if end else b"") for p, end in pieces
         )
-        return np.frombuffer(joined, dtype=np.uint8).astype(np.int64)
+        return np.frombuffer(joined, dtype=np.uint8)
     texts = [p.decode("utf-8") if isinstance(p, bytes) else p for p, _ in pieces]
     if isinstance(tokenizer, CharTokenizer):
-        encoded = [tokenizer.encode_array(t) for t in texts]
+        encoded = [tokenizer.encode_array(t).astype(np.uint32) for t in texts]
     else:
-        encoded = [np.asarray(ids, dtype=np.int64) for ids in tokenizer.encode_batch(texts)]
-    tail = np.asarray([eos], dtype=np.int64)
-    return np.concatenate([part for ids, (_, end) in zip(encoded, pieces) for part in ((ids, tail) if end else (ids,))]
-                          or [np.zeros(0, dtype=np.int64)]).astype(np.int64)
+        encoded = tokenizer.encode_arrays(texts)
+    eos = np.asarray([tokenizer.eos_id], dtype=np.uint32)
+    parts = [part for ids, (_, end) in zip(encoded, pieces) for part in ((ids, eos) if end else (ids,))]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint32)
 
 
-def _prefetched(items: Iterator, depth: int = 8) -> Iterator:
+def _prefetched(items: Iterator, depth: int = 2) -> Iterator:
     """`items`, read ahead on a background thread: file reads (and hashing) overlap with encoding
     and writing, which release the GIL for the heavy parts (Rust BPE, numpy, I/O)."""
     buffer: queue.Queue = queue.Queue(maxsize=depth)
@@ -553,6 +565,12 @@ class _ProgressBar:
                     TextColumn("{task.fields[documents]:,} docs, {task.fields[rate]}"), TimeRemainingColumn(),
                     console=console, transient=True,
                 )
+
+    def routed(self, log: Callable[[str], None]) -> Callable[[str], None]:
+        """`log`, or, while the bar is live, a print above the bar (not into its line)."""
+        if self.progress is None:
+            return log
+        return lambda message: self.progress.console.print(message, style="dim", markup=False, highlight=False)
 
     def __enter__(self) -> _ProgressBar:
         if self.progress is not None:
@@ -679,7 +697,7 @@ def _fit_in_memory(cfg: DataConfig, all_texts: list[str], train_texts: list[str]
         log(f"training a byte-level BPE tokenizer (vocabulary {cfg.bpe_vocab_size}) on the train split")
         return BPETokenizer.fit(iter(train_texts), cfg.bpe_vocab_size)
     if cfg.tokenizer is TokenizerKind.gpt2:
-        return _gpt2_tokenizer(cfg)
+        return _gpt2_tokenizer(cfg, log)
     return ByteTokenizer()
 
 

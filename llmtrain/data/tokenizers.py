@@ -65,7 +65,7 @@ class CharTokenizer:
             known = "".join(self.chars[:40])
             raise ValueError(
                 f"character {err.args[0]!r} is not in this char tokenizer's vocabulary "
-                f"({self.vocab_size} characters, starting {known!r})"
+                f"({len(self.chars)} characters, starting {known!r})"
             ) from None
 
     def encode_array(self, text: str) -> np.ndarray:
@@ -114,13 +114,17 @@ class BPETokenizer:
         return self.inner.encode(text).ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        """Many texts at once, on all cores. tiktoken's BPE (same pre-tokenizer regex, ranks in merge
-        order) gives the same tokens ~3.5x faster than `tokenizers` (measured: 16 vs 4.6 MB/s on 2
-        cores), so it does the bulk encoding once it has agreed with `tokenizers` on a probe text."""
+        return [e.ids for e in self.inner.encode_batch(texts)]
+
+    def encode_arrays(self, texts: list[str]) -> list[np.ndarray]:
+        """Many texts at once, on all cores, as uint32 arrays. tiktoken's BPE (same pre-tokenizer
+        regex, ranks in merge order) gives the same tokens ~3.5x faster than `tokenizers` (measured:
+        16 vs 4.6 MB/s on 2 cores) and without a Python int per token, so it does the bulk encoding
+        once it has agreed with `tokenizers` on a probe text."""
         fast = self._tiktoken()
         if fast is not None:
-            return fast.encode_ordinary_batch(texts, num_threads=_cores())
-        return [e.ids for e in self.inner.encode_batch(texts)]
+            return tiktoken_arrays(fast, texts)
+        return [np.asarray(ids, dtype=np.uint32) for ids in self.encode_batch(texts)]
 
     def _tiktoken(self):
         if not hasattr(self, "_fast"):
@@ -162,6 +166,20 @@ def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+def tiktoken_arrays(encoding, texts: list[str]) -> list[np.ndarray]:
+    """Plain-text encoding (special-token text is ordinary text) straight into uint32 arrays, one
+    thread per core: tiktoken releases the GIL while it encodes."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(text: str) -> np.ndarray:
+        return encoding.encode_to_numpy(text, disallowed_special=())
+
+    if len(texts) < 2:
+        return [one(t) for t in texts]
+    with ThreadPoolExecutor(max_workers=min(_cores(), len(texts))) as pool:
+        return list(pool.map(one, texts))
+
+
 class TiktokenTokenizer:
     """A fixed tiktoken BPE, e.g. GPT-2's (vocabulary 50257, <|endoftext|> = 50256). Saved whole
     (ranks, regex, special tokens) with the data, so `sample` needs neither network nor cache."""
@@ -179,8 +197,8 @@ class TiktokenTokenizer:
     def encode(self, text: str) -> list[int]:
         return self.inner.encode_ordinary(text)
 
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return self.inner.encode_ordinary_batch(texts, num_threads=_cores())
+    def encode_arrays(self, texts: list[str]) -> list[np.ndarray]:
+        return tiktoken_arrays(self.inner, texts)
 
     def decode(self, ids: list[int]) -> str:
         return self.inner.decode([i for i in ids if i != self.eos_id], errors="replace")
@@ -198,6 +216,9 @@ class TiktokenTokenizer:
 
 GPT2_URL = "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/"
 GPT2_FILES = ("vocab.bpe", "encoder.json")
+# The published files' SHA-256 (as tiktoken checks them after a download).
+GPT2_SHA256 = ("1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
+               "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783")
 
 
 def gpt2_files(folder: str | None) -> list[Path]:
