@@ -352,6 +352,9 @@ def test_max_bytes_cuts_between_characters(tmp_path: Path) -> None:
     data = prepare_data(data_config(tmp_path, tmp_path / "a.txt", max_bytes=100), log=lambda m: None)
     stream = bytes(np.concatenate([data.tokens("train"), data.tokens("val")]).astype(np.uint8))
     assert stream == ("€" * 33).encode() + b"\xff" and data.meta["undecodable_documents"] == 0
+    (tmp_path / "b.txt").write_text("next file\n" * 10)  # the cap ends inside a.txt: nothing of b.txt
+    data = prepare_data(data_config(tmp_path, f"{tmp_path}/*.txt", max_bytes=100), log=lambda m: None)
+    assert data.meta["documents"] == 1 and data.meta["source_bytes"] == 99
 
 
 def test_a_jsonl_error_late_in_the_file_leaves_the_previous_data_intact(tmp_path: Path) -> None:

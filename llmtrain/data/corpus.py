@@ -202,6 +202,9 @@ def document_pieces(
         return
     budget = max_bytes
     for f in files:
+        # The cap falls in this file: stop after it (its cut may end a character early, leaving a few
+        # bytes of budget that must not start the next file).
+        last_file = budget is not None and f.path.stat().st_size >= budget
         previous = None
         for piece in _file_pieces(f.path, budget):
             if budget is not None:
@@ -211,7 +214,7 @@ def document_pieces(
             previous = piece
         if previous is not None:
             yield f.name, previous, True
-        if budget == 0:
+        if last_file:
             return
 
 
