@@ -328,6 +328,7 @@ def prepare_command(args: list[str]) -> None:
         fail(f"--config-dir is '{opts.config_dir}', which is not a folder; give a folder of group options like conf/.")
 
     from rich.console import Console
+    from rich.markup import escape
 
     from llmtrain.data.prepare import prepare_data
     from llmtrain.errors import UserError
@@ -335,7 +336,7 @@ def prepare_command(args: list[str]) -> None:
     console = Console()
     try:
         cfg = compose_config(opts.overrides, opts.config_dir)
-        data = prepare_data(cfg.data, log=lambda message: console.print(f"[dim]{message}[/]"), progress=True)
+        data = prepare_data(cfg.data, log=lambda message: console.print(f"[dim]{escape(message)}[/]"), progress=True)
     except UserError as err:
         fail(str(err))
     m = data.meta

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 import yaml
+from rich.markup import escape
 
 from llmtrain.check import CheckFailed, run_check, vocab_too_small
 from llmtrain.check import render as render_check
@@ -191,7 +192,7 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
     def warn(message: str) -> None:
         sink.print(f"[bold yellow]warning:[/] {message}")
 
-    data = prepare_data(cfg.data, log=lambda msg: sink.print(f"[dim]{msg}[/]"), progress=True)
+    data = prepare_data(cfg.data, log=lambda msg: sink.print(f"[dim]{escape(msg)}[/]"), progress=True)
     longest = max(stage.seq_len for stage in stages)
     for split in ("train", "val") if cfg.eval_interval else ("train",):
         needed = longest if split == "train" else seq_len

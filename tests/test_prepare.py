@@ -285,9 +285,15 @@ def test_resuming_onto_data_with_another_tokenizer_is_refused(tmp_path: Path) ->
         train(tiny_config(tmp_path / "run", **{**settings, "max_steps": 5}))
 
 
+def test_documents_that_are_all_empty_are_refused_as_such(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "docs.jsonl", [{"text": ""}] * 3)
+    with pytest.raises(ConfigError, match=r"holds no text: every document is empty"):
+        prepare_data(data_config(tmp_path, path, source=DataSource.jsonl), log=lambda m: None)
+
+
 def test_a_jsonl_field_that_is_not_text_is_named(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "docs.jsonl", [{"text": "fine"}, {"text": ["a", "list"]}])
-    with pytest.raises(ConfigError, match=r"docs.jsonl:2: the field 'text' is a list, not a string"):
+    with pytest.raises(ConfigError, match=r"docs.jsonl:2: the field 'text' is an array, not a string"):
         prepare_data(data_config(tmp_path, path, source=DataSource.jsonl), log=lambda m: None)
 
 

@@ -305,9 +305,12 @@ def _build(
         action = "skipped" if skip else "invalid bytes replaced by U+FFFD"
         log(f"{undecodable} document(s) are not valid UTF-8 ({action}; data.decode_errors=replace|skip), "
             f"e.g. {scan.first_invalid}")
+    if not scan.valid:
+        raise ConfigError(f"The data ({_describe(cfg)}) holds no text: every document is empty (an empty file, an "
+                          f"empty '{cfg.text_field}' field or row); give documents with text.")
     if not kept:
-        raise ConfigError(f"The data ({_describe(cfg)}) gave no usable text: every document was empty or skipped "
-                          "(data.decode_errors=skip); give UTF-8 text or use data.decode_errors=replace.")
+        raise ConfigError(f"The data ({_describe(cfg)}) gave no usable text: every document was skipped as not "
+                          "UTF-8 (data.decode_errors=skip); give UTF-8 text or use data.decode_errors=replace.")
     # One document (a single file) is one stream: its tail, cut at a line break, is validation.
     tail_cut = _tail_cut_guess(scan.sizes[kept[0]], cfg.val_fraction) if len(kept) == 1 else None
     is_val = bytearray(len(keep)) if tail_cut is not None else _assign_splits(scan, keep, cfg.val_fraction)
@@ -570,7 +573,9 @@ class _ProgressBar:
         """`log`, or, while the bar is live, a print above the bar (not into its line)."""
         if self.progress is None:
             return log
-        return lambda message: self.progress.console.print(message, style="dim", markup=False, highlight=False)
+        from rich.text import Text
+
+        return lambda message: self.progress.console.print(Text(message, style="dim"))
 
     def __enter__(self) -> _ProgressBar:
         if self.progress is not None:
