@@ -245,9 +245,11 @@ class CheckpointPolicy:
     def __init__(
         self, policy: CheckpointConfig, run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         scaler: torch.amp.GradScaler | None, sampler: Any, config_dict: dict,
-        metrics: Any, warn: Callable[[str], None], extra_state: Callable[[], dict] = dict,
+        metrics: Any, warn: Callable[[str], None], extra_state: Callable[[], dict] = dict, writer: bool = True,
     ) -> None:
-        # sampler: anything with state_dict(); metrics: anything with write(record) (a JsonlSink)
+        # sampler: anything with state_dict(); metrics: anything with write(record) (a JsonlSink).
+        # writer=False (DDP ranks but 0): the same decisions, nothing written (rank 0 saves the state).
+        self.writer = writer
         self.policy, self.run_dir = policy, run_dir
         self.model, self.optimizer, self.scaler, self.sampler = model, optimizer, scaler, sampler
         self.config_dict, self.metrics, self.warn = config_dict, metrics, warn
@@ -265,6 +267,9 @@ class CheckpointPolicy:
         if self.last_val is not None and self.last_val[0] == state.step and self.policy.keep_best:
             if state.best_val_loss is None or self.last_val[1] < state.best_val_loss:
                 state.best_val_loss, state.best_step = self.last_val[1], state.step
+        if not self.writer:
+            self.last_saved_step, self.last_saved_time = state.step, time.monotonic()
+            return None
         began = time.perf_counter()
         try:
             path = save_checkpoint(

@@ -106,6 +106,9 @@ def train_command(args: list[str]) -> None:
         )
     if parsed.config_dir and not Path(parsed.config_dir).expanduser().is_dir():
         fail(f"--config-dir is '{parsed.config_dir}', which is not a folder; give a folder of group options like conf/.")
+    if int(os.environ.get("WORLD_SIZE") or 1) > 1 and not parsed.multirun and not parsed.shell_completion \
+            and not any(o.startswith("hydra.run.dir=") for o in parsed.overrides):
+        args = [*args, f"hydra.run.dir={_shared_run_dir()}"]  # torchrun: one run dir for all ranks
     if not parsed.shell_completion and not parsed.hydra_help:
         from llmtrain.errors import UserError
 
@@ -117,6 +120,25 @@ def train_command(args: list[str]) -> None:
         except UserError as err:
             fail(str(err))
     _run_hydra(args, _train_task)
+
+
+def _shared_run_dir() -> str:
+    """Under torchrun every rank runs Hydra, and each would take its own timestamped run dir. Rank 0
+    picks Hydra's default name and hands it to the others through torchrun's own key-value store."""
+    import datetime
+
+    from torch.distributed import TCPStore
+
+    key = f"llmtrain/run_dir/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '')}"
+    try:
+        store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         timeout=datetime.timedelta(seconds=120))
+        if os.environ.get("RANK") == "0":
+            store.set(key, datetime.datetime.now().strftime("outputs/%Y-%m-%d/%H-%M-%S"))
+        return store.get(key).decode()
+    except (KeyError, ValueError, RuntimeError) as err:
+        fail(f"{os.environ.get('WORLD_SIZE')} processes were started (WORLD_SIZE) but they could not agree on a run dir "
+             f"({type(err).__name__}: {err}); give one to all of them: hydra.run.dir=PATH.")
 
 
 def _run_hydra(args: list[str], task: Callable) -> None:
@@ -135,19 +157,65 @@ def _train_task(node) -> None:  # node: the composed OmegaConf DictConfig (untyp
     from llmtrain.config import to_config
     from llmtrain.errors import RunStopped, UserError
 
+    def resume_hint(run_dir: object) -> str:
+        overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith(("hydra.run.dir=", "out_dir="))]
+        command = shlex.join(["llmtrain", "train", *overrides, f"hydra.run.dir={run_dir}"])
+        return f"To resume exactly where it stopped, run:\n  {command}"
+
     try:
         cfg = to_config(node)
         if cfg.out_dir is None:
             cfg.out_dir = HydraConfig.get().runtime.output_dir
+        if cfg.parallel.nproc > 1 and not os.environ.get("WORLD_SIZE"):
+            _spawn_workers(cfg, resume_hint)
+            return
         from llmtrain.train import train
 
         train(cfg)
     except UserError as err:
         fail(str(err))
     except RunStopped as stopped:
-        overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith(("hydra.run.dir=", "out_dir="))]
-        command = shlex.join(["llmtrain", "train", *overrides, f"hydra.run.dir={stopped.run_dir or cfg.out_dir}"])
-        fail(f"{stopped}\nTo resume exactly where it stopped, run:\n  {command}", stopped.exit_code, label="stopped")
+        fail(f"{stopped}\n{resume_hint(stopped.run_dir or cfg.out_dir)}", stopped.exit_code, label="stopped")
+
+
+def _spawn_workers(cfg, resume_hint: Callable[[object], str]) -> None:
+    """parallel.nproc=N: start N ranks on this machine under this one Hydra run dir. When a rank
+    fails, the others are stopped at once; the exit code is the failing rank's."""
+    from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
+
+    from llmtrain.errors import EXIT_HEALTH_STOP, EXIT_INTERRUPTED, EXIT_NONFINITE_STOP
+    from llmtrain.parallel import spawn_local
+
+    try:
+        spawn_local(cfg.parallel.nproc, _rank_main, cfg)
+    except ProcessExitedException as err:
+        code = err.exit_code if err.exit_code and err.exit_code > 0 else 1
+        if code in (EXIT_INTERRUPTED, EXIT_NONFINITE_STOP, EXIT_HEALTH_STOP):
+            fail(resume_hint(cfg.out_dir), code, label="stopped")
+        if code != 2:  # a user error was printed by rank 0 already
+            fail(f"rank {err.error_index} of {cfg.parallel.nproc} exited with code {err.exit_code}; the other ranks were "
+                 "stopped", code)
+        sys.exit(code)
+    except ProcessRaisedException as err:
+        fail(f"rank {err.error_index} of {cfg.parallel.nproc} failed and the other ranks were stopped:\n{err.msg.strip()}", 1)
+
+
+def _rank_main(cfg) -> None:
+    """One rank started by parallel.nproc: rank 0 prints errors; every rank exits with the code."""
+    from llmtrain.errors import RunStopped, UserError
+    from llmtrain.train import train
+
+    main = os.environ.get("RANK") == "0"
+    try:
+        train(cfg)
+    except UserError as err:
+        if main:
+            fail(str(err))
+        sys.exit(2)
+    except RunStopped as stopped:
+        if main:
+            fail(str(stopped), stopped.exit_code, label="stopped")
+        sys.exit(stopped.exit_code)
 
 
 def validate_overrides(

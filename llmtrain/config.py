@@ -14,6 +14,7 @@ import copy
 import dataclasses
 import difflib
 import math
+import os
 import re
 import types
 import typing
@@ -167,6 +168,7 @@ class WandbMode(str, Enum):
 
 class ParallelMode(str, Enum):
     single = "single"
+    ddp = "ddp"
 
 
 @dataclass
@@ -286,7 +288,10 @@ class PrecisionConfig:
 
 @dataclass
 class ParallelConfig:
-    mode: ParallelMode = _f(ParallelMode.single, "single (one process); DDP/FSDP arrive later.")
+    mode: ParallelMode = _f(ParallelMode.single, "single (one process) or ddp (DistributedDataParallel: a full model "
+                            "copy per process, gradients averaged; launch with torchrun or parallel.nproc).")
+    nproc: int = _f(1, "ddp: processes to start on this machine (llmtrain starts them: one run dir); leave 1 under "
+                    "torchrun, which starts them itself.")
 
 
 @dataclass
@@ -489,7 +494,7 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def validate(cfg: Config, world_size: int = 1) -> None:
+def validate(cfg: Config, world_size: int | None = None) -> None:
     """Cross-field checks: contradictions no single field's type can catch."""
     m, o, s, d = cfg.model, cfg.optim, cfg.schedule, cfg.data
     for key, value in [
@@ -500,6 +505,8 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     ]:
         _require(value >= 1, f"'{key}' is {value}; it must be a positive integer.")
     _require(cfg.eval_interval >= 0, f"'eval_interval' is {cfg.eval_interval}; use a step count >= 1, or 0 to disable evaluation.")
+    _validate_parallel(cfg)
+    world_size = world_size or world_size_of(cfg)
     if m.n_embd % m.n_head:
         raise ConfigError(
             f"'model.n_embd' ({m.n_embd}) is not divisible by 'model.n_head' ({m.n_head}); "
@@ -651,6 +658,20 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     _require(cfg.threads is None or cfg.threads >= 1, f"'threads' is {cfg.threads}; use a positive count or null.")
 
 
+def _validate_parallel(cfg: Config) -> None:
+    p = cfg.parallel
+    _require(p.nproc >= 1, f"'parallel.nproc' is {p.nproc}; it must be >= 1.")
+    launched = int(os.environ.get("WORLD_SIZE") or 1)
+    _require(p.mode is ParallelMode.ddp or (p.nproc == 1 and launched == 1),
+             f"parallel.mode is single but {'parallel.nproc is ' + str(p.nproc) if p.nproc > 1 else f'torchrun started {launched} processes'}; "
+             "add parallel=ddp to train one model across them.")
+    _require(launched == 1 or p.nproc in (1, launched),  # == launched: the ranks parallel.nproc started
+             f"torchrun started {launched} processes and parallel.nproc is {p.nproc}: under torchrun leave "
+             "parallel.nproc=1 (torchrun's --nproc_per_node sets the count).")
+    _require(p.mode is not ParallelMode.ddp or cfg.data.source is not DataSource.instruct,
+             "data=instruct does not run under parallel=ddp yet; use parallel=single.")
+
+
 def _validate_seq_len_schedule(cfg: Config, total: int) -> None:
     d = cfg.data
     if not d.seq_len_schedule:
@@ -722,12 +743,21 @@ def stage_at(stages: list[SeqLenStage], step: int) -> SeqLenStage:
     return [stage for stage in stages if stage.start_step <= step][-1]
 
 
-def accumulation_steps(cfg: Config, world_size: int = 1) -> int:
+def world_size_of(cfg: Config) -> int:
+    """Processes in the run: torchrun's WORLD_SIZE when it launched us, else parallel.nproc for ddp."""
+    if os.environ.get("WORLD_SIZE"):
+        return int(os.environ["WORLD_SIZE"])
+    return cfg.parallel.nproc if cfg.parallel.mode is ParallelMode.ddp else 1
+
+
+def accumulation_steps(cfg: Config, world_size: int | None = None) -> int:
+    world_size = world_size or world_size_of(cfg)
     return cfg.global_batch_size // (cfg.micro_batch_size * world_size)
 
 
-def total_micro_batches(cfg: Config, world_size: int = 1) -> int:
+def total_micro_batches(cfg: Config, world_size: int | None = None) -> int:
     """Micro-batches per process over the whole run; a max_tokens budget may end mid-window."""
+    world_size = world_size or world_size_of(cfg)
     if cfg.max_tokens is not None:
         per_micro = cfg.micro_batch_size * world_size * seq_len_of(cfg)
         return -(-cfg.max_tokens // per_micro)
@@ -735,7 +765,8 @@ def total_micro_batches(cfg: Config, world_size: int = 1) -> int:
     return cfg.max_steps * accumulation_steps(cfg, world_size)
 
 
-def total_steps(cfg: Config, world_size: int = 1) -> int:
+def total_steps(cfg: Config, world_size: int | None = None) -> int:
+    world_size = world_size or world_size_of(cfg)
     accum = accumulation_steps(cfg, world_size)
     return -(-total_micro_batches(cfg, world_size) // accum) if accum else 0
 

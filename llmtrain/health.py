@@ -21,13 +21,13 @@ import torch
 from llmtrain.config import MonitorConfig
 from llmtrain.monitor import Alarm, HealthMonitor, Sample
 from llmtrain.probes import ActivationProbe, block_norms, cuda_memory_mb, matmul_peak_flops, rss_mb, total_norm
-from llmtrain.sinks import ConsoleSink, JsonlSink, MetricsSink
+from llmtrain.sinks import ConsoleSink, JsonlSink, MetricsSink, NullSink
 
 
 class HealthWatch:
     def __init__(self, cfg: MonitorConfig, model: torch.nn.Module, run_dir: Path, sink: ConsoleSink,
-                 metrics: MetricsSink, steps_total: int, fp16_without_scaler: bool = False,
-                 flops_per_token: float = 0.0) -> None:
+                 metrics: MetricsSink | NullSink, steps_total: int, fp16_without_scaler: bool = False,
+                 flops_per_token: float = 0.0, write_events: bool = True) -> None:
         self.flops_per_token = flops_per_token
         self.peak_flops: float | None = None  # measured at the first check, for MFU
         self.cfg, self.model, self.sink, self.metrics = cfg, model, sink, metrics
@@ -38,7 +38,7 @@ class HealthWatch:
         self.blocks = model.blocks
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.monitor = HealthMonitor(cfg)
-        self.events = JsonlSink(run_dir / "events.jsonl")
+        self.events = JsonlSink(run_dir / "events.jsonl") if write_events else NullSink()
         self.steps_total = steps_total
         self.probe: ActivationProbe | None = None
         self.before: list[torch.Tensor] | None = None

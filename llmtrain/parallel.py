@@ -1,13 +1,20 @@
-"""Process layout helpers: device choice and CPU threads per process.
+"""Process layout: device choice, CPU threads per process, and the torch.distributed side of
+parallel=ddp (process group, the few collectives the loop needs, starting local workers).
 
-Only a single process for now; DDP/FSDP2 wrapping and rank helpers will live here too.
+A distributed run is several processes that each run the whole train loop on their own slice of
+every batch; `Layout` says which one this is. Rank 0 alone prints and writes files.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
+import socket
+from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
 
 def local_world_size() -> int:
@@ -46,3 +53,83 @@ def resolve_device(name: str) -> torch.device:
     if device.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
         raise ConfigError(f"'device' is '{name}' but MPS is not available here; use device=cpu or device=auto.")
     return device
+
+
+@dataclass(frozen=True)
+class Layout:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def layout_from_env() -> Layout:
+    """Set by torchrun, or by `spawn_local` for parallel.nproc; a single process otherwise."""
+    env = os.environ
+    return Layout(int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0)))
+
+
+def start_process_group(layout: Layout, device: torch.device) -> None:
+    """Join the run's process group (gloo on CPU, NCCL on CUDA); nothing for one process."""
+    if layout.distributed and not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        kwargs = {"device_id": device} if device.type == "cuda" else {}
+        dist.init_process_group(backend, rank=layout.rank, world_size=layout.world_size, **kwargs)
+
+
+def end_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier(layout: Layout) -> None:
+    if layout.distributed:
+        dist.barrier()
+
+
+def all_reduce_sum(values: list[float], layout: Layout) -> list[float]:
+    """Element-wise sum over the ranks (float64 on the host: token counts stay exact)."""
+    if not layout.distributed:
+        return values
+    tensor = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(tensor)
+    return tensor.tolist()
+
+
+def broadcast_from_main(value: Any, layout: Layout) -> Any:
+    """Rank 0's `value` on every rank (pickled): decisions that must be the same everywhere."""
+    if not layout.distributed:
+        return value
+    box = [value if layout.is_main else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def spawn_local(nproc: int, target: Any, payload: Any) -> None:
+    """Start `nproc` worker processes on this machine, as torchrun would (RANK, WORLD_SIZE, ... set),
+    each calling `target(payload)`. Returns when all succeed. When one fails, the others are
+    stopped and torch's ProcessExitedException / ProcessRaisedException names the rank."""
+    import torch.multiprocessing as mp
+
+    port = free_port()
+    mp.start_processes(_worker, args=(nproc, port, target, pickle.dumps(payload)), nprocs=nproc,
+                       start_method="spawn", join=True)
+
+
+def _worker(rank: int, nproc: int, port: int, target: Any, payload: bytes) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    target(pickle.loads(payload))

@@ -119,6 +119,16 @@ class WandbSink:
         self.run.finish()
 
 
+class NullSink:
+    """Where a rank other than 0 writes its records: nowhere (rank 0 writes the run's files)."""
+
+    def write(self, record: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 class MetricsSink:
     """metrics.jsonl, plus TensorBoard and W&B when asked for: one `write` feeds them all."""
 

@@ -21,6 +21,7 @@ window with fewer micro-batches still step with the right scale.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -37,7 +38,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 import yaml
+from rich.console import Console
 from rich.markup import escape
+from torch.nn.parallel import DistributedDataParallel
 
 from llmtrain.check import CheckFailed, run_check, vocab_too_small
 from llmtrain.check import render as render_check
@@ -83,10 +86,20 @@ from llmtrain.interrupts import StopRequest
 from llmtrain.model import GPT, flops_per_token, param_count
 from llmtrain.monitor import Alarm
 from llmtrain.optim import build_optimizer, clip_gradients
-from llmtrain.parallel import default_threads, resolve_device
+from llmtrain.parallel import (
+    Layout,
+    all_reduce_sum,
+    barrier,
+    broadcast_from_main,
+    default_threads,
+    end_process_group,
+    layout_from_env,
+    resolve_device,
+    start_process_group,
+)
 from llmtrain.precision import autocast_factory, build_grad_scaler, resolve_precision
 from llmtrain.schedule import lr_at
-from llmtrain.sinks import ConsoleSink, MetricsSink
+from llmtrain.sinks import ConsoleSink, MetricsSink, NullSink
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -126,15 +139,26 @@ def accumulate_gradients(
     autocast: Callable[[], ContextManager],
     scaler: torch.amp.GradScaler | None = None,
     label_smoothing: float = 0.0,
+    n_tokens: int | None = None,
+    world_size: int = 1,
 ) -> torch.Tensor:
-    """Forward/backward over one accumulation window; returns the window's mean loss (a tensor)."""
-    n_tokens = max(1, count_tokens(batches))
+    """Forward/backward over one accumulation window; returns the window's mean loss (a tensor).
+
+    The loss is summed over real tokens and divided by `n_tokens`, the window's tokens over all
+    ranks (default: this window's). Under DDP, which averages the ranks' gradients, each rank's
+    loss is also multiplied by `world_size`, and gradients are synchronized once, on the window's
+    last micro-batch (no_sync before): the result is the gradient one process would compute."""
+    n_tokens = max(1, n_tokens if n_tokens is not None else count_tokens(batches))
     window_loss = torch.zeros((), device=device)
-    for x, y in batches:
+    for i, (x, y) in enumerate(batches):
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        with autocast():
-            loss = loss_sum(model(x), y, label_smoothing) / n_tokens
-        (scaler.scale(loss) if scaler is not None else loss).backward()
+        defer_sync = world_size > 1 and i < len(batches) - 1
+        with model.no_sync() if defer_sync else contextlib.nullcontext():
+            with autocast():
+                loss = loss_sum(model(x), y, label_smoothing) / n_tokens
+                if world_size > 1:
+                    loss = loss * world_size
+            (scaler.scale(loss) if scaler is not None else loss).backward()
         window_loss += loss.detach()
     return window_loss
 
@@ -167,18 +191,32 @@ def use_deterministic_algorithms(device: torch.device, on: bool) -> None:
 
 
 def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
+    """Train as this process's part of the run: the whole run for one process; under torchrun or
+    parallel.nproc, one rank of a DistributedDataParallel run (rank 0 prints and writes)."""
+    layout = layout_from_env()
+    try:
+        return _train(cfg, console, layout)
+    finally:
+        end_process_group()
+
+
+def _train(cfg: Config, console: ConsoleSink | None, layout: Layout) -> TrainResult:
     # ---- set-up: everything that can fail on user input fails here, before any compute --------
     validate(cfg)
     if cfg.out_dir is None:
         raise ConfigError("'out_dir' is not set; give a run directory, e.g. out_dir=runs/first.")
     run_dir = Path(cfg.out_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    # seed=null: draw one, and log it, so even an unseeded run can be repeated.
-    run_seed = cfg.seed if cfg.seed is not None else secrets.randbelow(2**31)
+    device = resolve_device(cfg.device)
+    if device.type == "cuda" and layout.distributed:  # one GPU per local rank
+        device = torch.device("cuda", layout.local_rank)
+        torch.cuda.set_device(device)
+    start_process_group(layout, device)
+    # seed=null: draw one, and log it, so even an unseeded run can be repeated (rank 0 draws for all).
+    run_seed = broadcast_from_main(cfg.seed if cfg.seed is not None else secrets.randbelow(2**31), layout)
     seed_everything(run_seed)
     threads = cfg.threads or default_threads()
     torch.set_num_threads(threads)
-    device = resolve_device(cfg.device)
     use_deterministic_algorithms(device, cfg.deterministic)
     precision = dataclasses.replace(cfg.precision, name=resolve_precision(cfg.precision.name, device))
 
@@ -187,12 +225,16 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
     accum = accumulation_steps(cfg)
     seq_len = seq_len_of(cfg)
     stages = seq_len_stages(cfg)
-    sink = console or ConsoleSink(steps_total)
+    sink = console or ConsoleSink(steps_total, Console(quiet=True) if not layout.is_main else None)
 
     def warn(message: str) -> None:
         sink.print(f"[bold yellow]warning:[/] {message}")
 
-    data = prepare_data(cfg.data, log=lambda msg: sink.print(f"[dim]{escape(msg)}[/]"), progress=True)
+    if not layout.is_main:
+        barrier(layout)  # rank 0 prepares the data (once), the others then find it in the cache
+    data = prepare_data(cfg.data, log=lambda msg: sink.print(f"[dim]{escape(msg)}[/]"), progress=layout.is_main)
+    if layout.is_main:
+        barrier(layout)
     longest = max(stage.seq_len for stage in stages)
     for split in ("train", "val") if cfg.eval_interval else ("train",):
         needed = longest if split == "train" else seq_len
@@ -211,7 +253,8 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
         render_check(check, sink.console, estimates=True)
         raise CheckFailed(check.refusal(), check)
     config_dict = config_to_dict(cfg)
-    remove_stale_temps(run_dir)  # one writer per run dir: leftovers are from a process that died
+    if layout.is_main:
+        remove_stale_temps(run_dir)  # one writer per run dir: leftovers are from a process that died
     checkpoint = resume_checkpoint(cfg.resume, run_dir, warn, device)
     if checkpoint is not None:
         check_resumable(checkpoint, config_dict)
@@ -222,6 +265,10 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
     if cfg.compile is CompileMode.on or (cfg.compile is CompileMode.auto and device.type == "cuda"):
         for block in model.blocks:  # in place, per block: parameter names (and checkpoints) stay the same
             block.compile()
+    # The forward/backward goes through DDP (gradients averaged over the ranks, once per window);
+    # everything else (state dicts, evaluation, the monitor's hooks) uses the plain model inside.
+    train_model = (DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+                   if layout.distributed else model)
     optimizer = build_optimizer(model, cfg.optim, device.type)
     autocast = autocast_factory(precision, device.type)
     scaler = build_grad_scaler(precision, device.type)
@@ -241,13 +288,14 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
             raise ConfigError(f"data=instruct: {err}; use more examples or a smaller micro_batch_size.") from None
     elif cfg.data.sampling is Sampling.epoch and not cfg.data.overfit_batches:
         try:
-            train_batches = EpochSampler(data.tokens("train"), cfg.micro_batch_size, seq_len, data_seed)
+            train_batches = EpochSampler(data.tokens("train"), cfg.micro_batch_size, seq_len, data_seed,
+                                         layout.rank, layout.world_size)
         except ValueError as err:
             raise ConfigError(f"data.sampling=epoch: {err}; use more data, a shorter data.seq_len, a smaller "
                               "micro_batch_size, or data.sampling=random.") from None
     else:
         train_batches = RandomWindowSampler(data.tokens("train"), cfg.micro_batch_size, seq_len, data_seed,
-                                            cfg.data.shuffle, cfg.data.overfit_batches)
+                                            cfg.data.shuffle, cfg.data.overfit_batches, layout.rank, layout.world_size)
     val_batches = []
     if cfg.eval_interval:
         val_sampler = (
@@ -263,8 +311,9 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
         state = restore(checkpoint, config_dict, model, optimizer, scaler, train_batches, sink)
     resume_from = checkpoint.path if checkpoint is not None else None
     # Only now, with any resume accepted, is the run dir's description rewritten.
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(config_dict, sort_keys=False))
-    save_tokenizer(data.tokenizer(), run_dir / "tokenizer.json")
+    if layout.is_main:
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(config_dict, sort_keys=False))
+        save_tokenizer(data.tokenizer(), run_dir / "tokenizer.json")
 
     tokens_per_step = cfg.global_batch_size * seq_len
     peak_lr = effective_lr(cfg)
@@ -277,9 +326,10 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
             ("parameters", f"{param_count(model):,} ({param_count(model, exclude_positions=True):,} without positions)"),
             ("batch", f"{cfg.global_batch_size} sequences x {seq_len} tokens = {tokens_per_step:,} tokens/step"),
             *([("seq_len stages", describe_stages(stages, accum, cfg.data.seq_len_keep))] if len(stages) > 1 else []),
-            ("accumulation", f"{accum} micro-batch{'es' if accum > 1 else ''} of {cfg.micro_batch_size} (world size 1)"),
+            ("accumulation", f"{accum} micro-batch{'es' if accum > 1 else ''} of {cfg.micro_batch_size} per process "
+                             f"(world size {layout.world_size}{', DDP over ' + ('NCCL' if device.type == 'cuda' else 'gloo') if layout.distributed else ''})"),
             ("steps", f"{steps_total:,} (warmup {resolved_warmup_steps(cfg.schedule, steps_total)}, {cfg.schedule.name.value}), "
-                      f"{micro_total * cfg.micro_batch_size * seq_len:,} tokens"),
+                      f"{micro_total * cfg.micro_batch_size * seq_len * layout.world_size:,} tokens"),
             ("optimizer", f"{cfg.optim.name.value} lr {cfg.optim.lr:g}{scaled}, {type(optimizer).__name__}"
                           f"{' (fused)' if optimizer.defaults.get('fused') else ''}"),
             ("device", f"{device}, {precision.name.value}{' (auto)' if cfg.precision.name is Precision.auto else ''}, "
@@ -300,7 +350,8 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
     )
 
     # ---- the loop ------------------------------------------------------------------------------
-    metrics = MetricsSink(run_dir, cfg.tensorboard, cfg.wandb.value, cfg.wandb_project, config_dict)
+    metrics = (MetricsSink(run_dir, cfg.tensorboard, cfg.wandb.value, cfg.wandb_project, config_dict) if layout.is_main
+               else NullSink())
     # Appending (never truncating) keeps earlier records (a resumed run continues the same file).
     metrics.write({"kind": "start", "time": time.time(), "steps": steps_total, "tokens_per_step": tokens_per_step,
                    "resumed_from": str(resume_from) if resume_from else None, "step": state.step, "seed": run_seed,
@@ -309,16 +360,19 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
     flops_token = flops_per_token(model, seq_len)
     # Test-only hook: poison the loss at these steps, each listed occurrence once ("6,6": twice).
     nan_steps = [int(s) for s in os.environ.get("LLMTRAIN_TEST_NAN_AT_STEPS", "").split(",") if s]
+    # Test-only hook: "RANK:STEP" makes that rank fail at that step (a crashed DDP worker).
+    crash_rank, _, crash_step = os.environ.get("LLMTRAIN_TEST_CRASH_RANK_AT", "").partition(":")
     fp16_unscaled = precision.name is Precision.fp16 and scaler is None
-    watch = (HealthWatch(cfg.monitor, model, run_dir, sink, metrics, steps_total, fp16_unscaled, flops_token)
-             if cfg.monitor.enabled else None)
+    watch = (HealthWatch(cfg.monitor, model, run_dir, sink, metrics, steps_total, fp16_unscaled, flops_token,
+                         write_events=layout.is_main) if cfg.monitor.enabled else None)
     if watch is not None:
         watch.restart_interval(state.tokens)
         if checkpoint is not None and checkpoint.trainer.get("monitor"):
             watch.monitor.load_state_dict(checkpoint.trainer["monitor"])  # windows, counts, active alarms
     saver = CheckpointPolicy(cfg.checkpoint, run_dir, model, optimizer, scaler, train_batches, config_dict, metrics, warn,
                              extra_state=lambda: {"run_seed": run_seed,
-                                                  **({"monitor": watch.monitor.state_dict()} if watch else {})})
+                                                  **({"monitor": watch.monitor.state_dict()} if watch else {})},
+                             writer=layout.is_main)
     saver.last_saved_step = state.step if resume_from else None
     sink.start()
     sink.advance(state.step)
@@ -328,6 +382,8 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
         with StopRequest() as stop:
             while state.step < steps_total:
                 step = state.step
+                if crash_rank and int(crash_rank) == layout.rank and step + 1 == int(crash_step):
+                    raise RuntimeError(f"test crash of rank {layout.rank} at step {step + 1}")
                 stage = stage_at(stages, step)
                 if len(stages) > 1:
                     if (stage.micro_batch_size, stage.seq_len) != (train_batches.batch_size, train_batches.seq_len):
@@ -341,7 +397,8 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
                                        "micro_batch_size": stage.micro_batch_size, "tokens_per_step": stage_tokens})
                 fetch_start = time.perf_counter()
                 window = [train_batches.next_batch() for _ in range(min(accum, micro_total - step * accum))]
-                window_tokens = count_tokens(window)  # real targets: instruction padding and prompts do not count
+                # real targets over all ranks (instruction padding and prompts do not count)
+                window_tokens = int(all_reduce_sum([count_tokens(window)], layout)[0])
                 lr_schedule = lr_at(step, peak_lr, steps_total, cfg.schedule)
                 lr = lr_schedule * state.lr_scale
                 for group in optimizer.param_groups:
@@ -350,7 +407,11 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
                     watch.data_seconds += time.perf_counter() - fetch_start
                     watch.before_forward(step + 1)
 
-                loss = accumulate_gradients(model, window, device, autocast, scaler, cfg.optim.label_smoothing)
+                loss = accumulate_gradients(train_model, window, device, autocast, scaler, cfg.optim.label_smoothing,
+                                            n_tokens=window_tokens, world_size=layout.world_size)
+                if layout.distributed:  # each rank's share -> the window's loss, the same on every rank
+                    torch.distributed.all_reduce(loss)
+                    loss /= layout.world_size
                 if watch is not None:
                     watch.after_forward()
                 if scaler is not None:
@@ -367,6 +428,7 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
                     alarms = watch.check(step + 1, loss, grad_norm, optimizer.param_groups[0]["lr"], lr_schedule,
                                          state.tokens + window_tokens,
                                          scaler.get_scale() if scaler is not None else None)
+                    alarms = broadcast_from_main(alarms, layout)  # every rank acts on rank 0's verdicts
                     verdicts = [act_on_alarm(alarm, cfg, state, watch, saver, warn, model, optimizer, scaler)
                                 for alarm in alarms]
                     if "rolled_back" in verdicts:  # the run goes on from the checkpoint's step
@@ -426,6 +488,8 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
                     metrics.write(record)
                     sink.log_train(record)
                 stopping = stop.requested(state.step)
+                if layout.distributed:  # a signal may reach the ranks at different steps: stop together
+                    stopping = all_reduce_sum([float(stopping)], layout)[0] > 0
                 saving = saver.due(state.step) or stopping or (last_step and cfg.checkpoint.final)
                 if cfg.eval_interval and (state.step % cfg.eval_interval == 0 or last_step or saving):
                     val_loss = evaluate(model, val_batches, device, autocast)
@@ -451,7 +515,8 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
     # ---- the end: the final weights on their own, for `sample` and `export` --------------------
     if cfg.checkpoint.final and saver.last_saved_step != state.step:
         saver.save(state)  # the in-loop final save failed, or a resumed run had no step left to take
-    save_weights(model, run_dir / "model.pt")
+    if layout.is_main:
+        save_weights(model, run_dir / "model.pt")
     elapsed = time.perf_counter() - start
     trained = state.tokens - start_tokens
     summary = f"[bold]done[/]: step {state.step}, {trained:,} tokens in {elapsed:.1f}s ({trained / max(elapsed, 1e-9):,.0f} tok/s)"

@@ -14,9 +14,14 @@ import torch
 
 
 class RandomWindowSampler:
+    """With `world_size` > 1 every rank draws the windows of all ranks from the same generator and
+    keeps its own slice: the ranks' batches are disjoint, and together they are exactly the batch
+    one process would draw (so a DDP run sees the single-process data, and resumes on any world
+    size from the same generator state)."""
+
     def __init__(
         self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int, shuffle: bool = True,
-        overfit_batches: int = 0,
+        overfit_batches: int = 0, rank: int = 0, world_size: int = 1,
     ) -> None:
         if tokens.size < seq_len + 1:
             raise ValueError(f"{tokens.size} tokens cannot fill one window of {seq_len + 1}")
@@ -25,6 +30,7 @@ class RandomWindowSampler:
         self.seq_len = seq_len
         self.shuffle = shuffle
         self.overfit_batches = overfit_batches
+        self.rank, self.world_size = rank, world_size
         self.rng = np.random.default_rng(seed)
         self._initial_rng_state = self.rng.bit_generator.state
         self.cursor = 0  # unshuffled: the next window's index
@@ -46,16 +52,17 @@ class RandomWindowSampler:
             self.cursor = 0
         self.batches_drawn += 1
         n_starts = self.tokens.size - self.seq_len
+        mine = slice(self.rank * self.batch_size, (self.rank + 1) * self.batch_size)
         if self.shuffle:
             # One float64 draw per window (no rejection sampling, no buffered bits): drawing 8 windows
             # at once gives the same windows as drawing 2 four times, so the data of a step does not
-            # depend on how it is split into micro-batches.
-            starts = (self.rng.random(self.batch_size) * n_starts).astype(np.int64)
+            # depend on how it is split into micro-batches, or over how many processes.
+            starts = (self.rng.random(self.batch_size * self.world_size) * n_starts).astype(np.int64)[mine]
         else:
             windows_per_pass = max(1, n_starts // self.seq_len)
-            index = self.cursor + np.arange(self.batch_size)
+            index = self.cursor + np.arange(self.batch_size * self.world_size)[mine]
             starts = (index % windows_per_pass) * self.seq_len
-            self.cursor += self.batch_size
+            self.cursor += self.batch_size * self.world_size
         windows = torch.from_numpy(self.tokens[starts[:, None] + self._offsets].astype(np.int64))
         return windows[:, :-1], windows[:, 1:]
 

@@ -1,0 +1,107 @@
+"""parallel=ddp on CPU with gloo, 2 processes: the same training as one process, one run dir under
+torchrun, resume across world sizes, and a crashed rank ending the job at once."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from .conftest import TINY_CORPUS
+
+RUN = [
+    "data=text", f"data.path={TINY_CORPUS}", "data.tokenizer=char", "model.n_layer=2", "model.n_embd=32",
+    "model.n_head=2", "model.block_size=32", "model.dropout=0.0", "micro_batch_size=2", "global_batch_size=8",
+    "max_steps=6", "schedule.warmup_steps=1", "eval_interval=3", "log_interval=1", "checkpoint.every_steps=1",
+]
+DDP = ["parallel=ddp", "parallel.nproc=2"]
+
+pytestmark = pytest.mark.slow
+
+
+def llmtrain(cwd: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "llmtrain", "train", *RUN, *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "COLUMNS": "200", **(env or {})})
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    """Train loss by step; a step taken twice (before a stop and after the resume) keeps the last."""
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["loss"] for r in map(json.loads, lines) if r["kind"] == "train"}
+
+
+def val_losses(run_dir: Path) -> dict[int, float]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["val_loss"] for r in map(json.loads, lines) if r["kind"] == "eval"}
+
+
+def assert_close(a: dict[int, float], b: dict[int, float], rel: float = 1e-5) -> None:
+    assert a.keys() == b.keys()
+    assert all(b[k] == pytest.approx(a[k], rel=rel) for k in a), (a, b)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The run in one process."""
+    tmp = tmp_path_factory.mktemp("single")
+    proc = llmtrain(tmp, f"hydra.run.dir={tmp / 'run'}")
+    assert proc.returncode == 0, proc.stderr
+    return tmp / "run"
+
+
+def test_ddp_over_two_processes_trains_like_one(tmp_path: Path, reference: Path) -> None:
+    proc = llmtrain(tmp_path, *DDP, f"hydra.run.dir={tmp_path / 'run'}")
+    assert proc.returncode == 0, proc.stderr
+    assert "world size 2, DDP over gloo" in proc.stdout
+    assert_close(losses(reference), losses(tmp_path / "run"))
+    assert_close(val_losses(reference), val_losses(tmp_path / "run"))
+    single, ddp = (torch.load(d / "model.pt", weights_only=True) for d in (reference, tmp_path / "run"))
+    assert all(torch.allclose(single[k], ddp[k], atol=1e-5) for k in single)
+    records = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert sum('"kind": "train"' in line for line in records) == 6, "rank 0 alone writes the records"
+
+
+def test_torchrun_ranks_agree_on_one_run_dir(tmp_path: Path, reference: Path) -> None:
+    torchrun = Path(sys.executable).with_name("torchrun")
+    proc = subprocess.run([str(torchrun), "--nproc_per_node=2", "-m", "llmtrain", "train", *RUN, "parallel=ddp"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    run_dirs = list((tmp_path / "outputs").glob("*/*"))
+    assert len(run_dirs) == 1, run_dirs  # each rank runs Hydra; without agreement each took its own timestamp
+    assert_close(losses(reference), losses(run_dirs[0]))
+
+
+@pytest.mark.parametrize(("first", "then"), [(DDP, ["parallel=single"]), (["parallel=single"], DDP)],
+                         ids=["2-to-1", "1-to-2"])
+def test_a_run_resumes_on_another_world_size(tmp_path: Path, reference: Path, first: list, then: list) -> None:
+    run = tmp_path / "run"
+    stopped = llmtrain(tmp_path, *first, f"hydra.run.dir={run}", env={"LLMTRAIN_TEST_STOP_AT_STEP": "3"})
+    assert stopped.returncode == 75, stopped.stderr
+    resumed = llmtrain(tmp_path, *then, f"hydra.run.dir={run}")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed at step 3" in resumed.stdout
+    assert_close(losses(reference), losses(run))
+
+
+def test_a_crashed_rank_ends_the_job_at_once_and_the_run_resumes(tmp_path: Path, reference: Path) -> None:
+    run = tmp_path / "run"
+    began = time.monotonic()
+    crashed = llmtrain(tmp_path, *DDP, f"hydra.run.dir={run}", env={"LLMTRAIN_TEST_CRASH_RANK_AT": "1:4"})
+    assert crashed.returncode == 1 and time.monotonic() - began < 60
+    assert "rank 1 of 2 failed" in crashed.stderr and "test crash of rank 1 at step 4" in crashed.stderr
+    assert max(losses(run)) == 3
+    resumed = llmtrain(tmp_path, *DDP, f"hydra.run.dir={run}")
+    assert resumed.returncode == 0, resumed.stderr
+    assert_close(losses(reference), losses(run))
+
+
+def test_nproc_without_ddp_is_refused_before_any_run_dir(tmp_path: Path) -> None:
+    proc = llmtrain(tmp_path, "parallel.nproc=2", f"hydra.run.dir={tmp_path / 'run'}")
+    assert proc.returncode == 2 and "add parallel=ddp" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "run").exists()
