@@ -30,8 +30,9 @@ COMMANDS: dict[str, str] = {
     "check": "Pre-flight checklist (seed 8.1) + memory/compute estimate for a config; exit 0 pass, 1 warn, 2 fail.",
     "sample": "Generate text from a run directory's trained model (or an export).",
     "export": "Write a run's weights as safetensors + the model config as JSON.",
+    "compare": "The runs of a sweep side by side: a table sorted by val loss, a CSV and a PNG of the loss curves.",
 }
-# Later commands (report, doctor, compare) register here.
+# Later commands (report, doctor) register here.
 
 USAGE = """usage: llmtrain <command> [args]
 
@@ -76,6 +77,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     command, rest = args[0], args[1:]
     handlers: dict[str, Callable[[list[str]], None]] = {
         "train": train_command, "prepare": prepare_command, "check": check_command, "sample": sample_command, "export": export_command,
+        "compare": compare_command,
     }
     if command not in handlers:
         fail(f"unknown command '{command}'; valid commands: {', '.join(COMMANDS)}. See `llmtrain --help`.")
@@ -120,6 +122,11 @@ def train_command(args: list[str]) -> None:
         except UserError as err:
             fail(str(err))
     _run_hydra(args, _train_task)
+    if parsed.multirun and _SWEEP_DIRS and os.environ.get("RANK", "0") == "0":
+        compare_command([sorted(_SWEEP_DIRS)[0]])  # a sweep ends with its comparison table
+
+
+_SWEEP_DIRS: set[str] = set()  # the sweep dir of this process's multirun, for the closing `compare`
 
 
 def _shared_run_dir() -> str:
@@ -162,6 +169,10 @@ def _train_task(node) -> None:  # node: the composed OmegaConf DictConfig (untyp
         command = shlex.join(["llmtrain", "train", *overrides, f"hydra.run.dir={run_dir}"])
         return f"To resume exactly where it stopped, run:\n  {command}"
 
+    from hydra.types import RunMode
+
+    if HydraConfig.get().mode is RunMode.MULTIRUN:
+        _SWEEP_DIRS.add(HydraConfig.get().sweep.dir)
     try:
         cfg = to_config(node)
         if cfg.out_dir is None:
@@ -532,3 +543,49 @@ def _complete(args: list[str]) -> None:
     os.environ["COMP_LINE"] = re.sub(r"^(\s*\S+\s+)train\b", r"\1", line)
     os.environ["COMP_POINT"] = str(len(os.environ["COMP_LINE"]))
     _run_hydra(args, _train_task)
+
+
+# ---------------------------------------------------------------------------------------------
+# compare
+# ---------------------------------------------------------------------------------------------
+
+
+def compare_command(args: list[str]) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="llmtrain compare",
+        description="Compare the runs of a sweep (`llmtrain train -m ...`): overrides, final train/val loss, best "
+        "val loss and step, alarms, tokens/s, status; sorted by final val loss. Writes compare.csv and compare.png "
+        "(loss curves) into the sweep dir.",
+        epilog="example: llmtrain train -m optim.lr=1e-3,3e-3,1e-2 max_steps=200 && llmtrain compare multirun/<date>/<time>",
+    )
+    parser.add_argument("sweep_dir", type=Path, help="the sweep dir (or any folder of run dirs)")
+    parser.add_argument("--csv", type=Path, default=None, help="where the CSV goes (default: <sweep dir>/compare.csv)")
+    parser.add_argument("--png", type=Path, default=None, help="where the plot goes (default: <sweep dir>/compare.png)")
+    opts = parser.parse_args(args)
+
+    from rich.table import Table
+
+    from llmtrain.compare import COLUMNS, compare_runs, plot_curves, rows, write_csv
+    from llmtrain.errors import UserError
+    from llmtrain.sinks import default_console
+
+    try:
+        summaries, common = compare_runs(opts.sweep_dir)
+    except UserError as err:
+        fail(str(err))
+    csv_path = opts.csv or opts.sweep_dir / "compare.csv"
+    png_path = opts.png or opts.sweep_dir / "compare.png"
+    title = f"{len(summaries)} run{'s' if len(summaries) != 1 else ''} in {opts.sweep_dir}"
+    table = Table(title=title, caption=f"common to all: {' '.join(common)}" if common else None, title_justify="left",
+                  caption_justify="left")
+    for column in COLUMNS:
+        table.add_column(column, overflow="fold")
+    for row in rows(summaries, opts.sweep_dir):
+        table.add_row(*row)
+    console = default_console()
+    console.print(table)
+    write_csv(summaries, opts.sweep_dir, csv_path)
+    plot_curves(summaries, png_path, title + (f"\ncommon: {' '.join(common)}" if common else ""))
+    console.print(f"wrote {csv_path} and {png_path}")

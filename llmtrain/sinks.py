@@ -40,7 +40,7 @@ class JsonlSink:
         self.file.close()
 
 
-def _default_console() -> Console:
+def default_console() -> Console:
     """Rich wraps at 80 columns when not on a terminal (CI, `| tee`); logs read better wider."""
     console = Console()
     if not console.is_terminal and "COLUMNS" not in os.environ:
@@ -153,7 +153,7 @@ class ConsoleSink:
     """Banner, a live progress bar on a terminal (plain log lines elsewhere), and a summary."""
 
     def __init__(self, total_steps: int, console: Console | None = None) -> None:
-        self.console = console or _default_console()
+        self.console = console or default_console()
         self.total_steps = total_steps
         self.progress: Progress | None = None
         self.task = None
