@@ -267,6 +267,8 @@ class CheckpointPolicy:
         if self.last_val is not None and self.last_val[0] == state.step and self.policy.keep_best:
             if state.best_val_loss is None or self.last_val[1] < state.best_val_loss:
                 state.best_val_loss, state.best_step = self.last_val[1], state.step
+        if hasattr(self.optimizer, "consolidate_state_dict"):  # ZeRO-1: gather the shards on rank 0 (every rank)
+            self.optimizer.consolidate_state_dict(to=0)
         if not self.writer:
             self.last_saved_step, self.last_saved_time = state.step, time.monotonic()
             return None

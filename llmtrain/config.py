@@ -169,6 +169,7 @@ class WandbMode(str, Enum):
 class ParallelMode(str, Enum):
     single = "single"
     ddp = "ddp"
+    zero1 = "zero1"
 
 
 @dataclass
@@ -288,8 +289,9 @@ class PrecisionConfig:
 
 @dataclass
 class ParallelConfig:
-    mode: ParallelMode = _f(ParallelMode.single, "single (one process) or ddp (DistributedDataParallel: a full model "
-                            "copy per process, gradients averaged; launch with torchrun or parallel.nproc).")
+    mode: ParallelMode = _f(ParallelMode.single, "single (one process), ddp (DistributedDataParallel: a full model "
+                            "copy per process, gradients averaged; launch with torchrun or parallel.nproc) or zero1 "
+                            "(ddp with the optimizer state split across the processes: ZeroRedundancyOptimizer).")
     nproc: int = _f(1, "ddp: processes to start on this machine (llmtrain starts them: one run dir); leave 1 under "
                     "torchrun, which starts them itself.")
 
@@ -662,14 +664,14 @@ def _validate_parallel(cfg: Config) -> None:
     p = cfg.parallel
     _require(p.nproc >= 1, f"'parallel.nproc' is {p.nproc}; it must be >= 1.")
     launched = int(os.environ.get("WORLD_SIZE") or 1)
-    _require(p.mode is ParallelMode.ddp or (p.nproc == 1 and launched == 1),
+    _require(p.mode is not ParallelMode.single or (p.nproc == 1 and launched == 1),
              f"parallel.mode is single but {'parallel.nproc is ' + str(p.nproc) if p.nproc > 1 else f'torchrun started {launched} processes'}; "
-             "add parallel=ddp to train one model across them.")
+             "add parallel=ddp (or parallel=zero1) to train one model across them.")
     _require(launched == 1 or p.nproc in (1, launched),  # == launched: the ranks parallel.nproc started
              f"torchrun started {launched} processes and parallel.nproc is {p.nproc}: under torchrun leave "
              "parallel.nproc=1 (torchrun's --nproc_per_node sets the count).")
-    _require(p.mode is not ParallelMode.ddp or cfg.data.source is not DataSource.instruct,
-             "data=instruct does not run under parallel=ddp yet; use parallel=single.")
+    _require(p.mode is ParallelMode.single or cfg.data.source is not DataSource.instruct,
+             f"data=instruct does not run under parallel={p.mode.value} yet; use parallel=single.")
 
 
 def _validate_seq_len_schedule(cfg: Config, total: int) -> None:
@@ -747,7 +749,7 @@ def world_size_of(cfg: Config) -> int:
     """Processes in the run: torchrun's WORLD_SIZE when it launched us, else parallel.nproc for ddp."""
     if os.environ.get("WORLD_SIZE"):
         return int(os.environ["WORLD_SIZE"])
-    return cfg.parallel.nproc if cfg.parallel.mode is ParallelMode.ddp else 1
+    return cfg.parallel.nproc if cfg.parallel.mode is not ParallelMode.single else 1
 
 
 def accumulation_steps(cfg: Config, world_size: int | None = None) -> int:

@@ -7,6 +7,7 @@ every batch; `Layout` says which one this is. Rank 0 alone prints and writes fil
 
 from __future__ import annotations
 
+import inspect
 import os
 import pickle
 import socket
@@ -110,6 +111,19 @@ def broadcast_from_main(value: Any, layout: Layout) -> Any:
     box = [value if layout.is_main else None]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def zero_redundancy(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """ZeRO-1: the same optimizer (class, groups, settings), its state split across the ranks; each
+    rank steps its shard of the parameters and broadcasts them. Its state_dict, once consolidated
+    on rank 0, has the plain optimizer's format, so checkpoints move between single, ddp and zero1."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    # defaults may hold keys the constructor does not take (AdamW's decoupled_weight_decay, torch 2.13)
+    settings = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    groups = [dict(group) for group in optimizer.param_groups]
+    return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), **settings)
 
 
 def free_port() -> int:

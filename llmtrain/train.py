@@ -62,6 +62,7 @@ from llmtrain.config import (
     ConfigError,
     MonitorAction,
     NonFinitePolicy,
+    ParallelMode,
     Precision,
     Sampling,
     SeqLenKeep,
@@ -96,6 +97,7 @@ from llmtrain.parallel import (
     layout_from_env,
     resolve_device,
     start_process_group,
+    zero_redundancy,
 )
 from llmtrain.precision import autocast_factory, build_grad_scaler, resolve_precision
 from llmtrain.schedule import lr_at
@@ -270,6 +272,8 @@ def _train(cfg: Config, console: ConsoleSink | None, layout: Layout) -> TrainRes
     train_model = (DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
                    if layout.distributed else model)
     optimizer = build_optimizer(model, cfg.optim, device.type)
+    if cfg.parallel.mode is ParallelMode.zero1 and layout.distributed:
+        optimizer = zero_redundancy(optimizer)
     autocast = autocast_factory(precision, device.type)
     scaler = build_grad_scaler(precision, device.type)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -327,7 +331,7 @@ def _train(cfg: Config, console: ConsoleSink | None, layout: Layout) -> TrainRes
             ("batch", f"{cfg.global_batch_size} sequences x {seq_len} tokens = {tokens_per_step:,} tokens/step"),
             *([("seq_len stages", describe_stages(stages, accum, cfg.data.seq_len_keep))] if len(stages) > 1 else []),
             ("accumulation", f"{accum} micro-batch{'es' if accum > 1 else ''} of {cfg.micro_batch_size} per process "
-                             f"(world size {layout.world_size}{', DDP over ' + ('NCCL' if device.type == 'cuda' else 'gloo') if layout.distributed else ''})"),
+                             f"(world size {layout.world_size}{_engine(cfg, device) if layout.distributed else ''})"),
             ("steps", f"{steps_total:,} (warmup {resolved_warmup_steps(cfg.schedule, steps_total)}, {cfg.schedule.name.value}), "
                       f"{micro_total * cfg.micro_batch_size * seq_len * layout.world_size:,} tokens"),
             ("optimizer", f"{cfg.optim.name.value} lr {cfg.optim.lr:g}{scaled}, {type(optimizer).__name__}"
@@ -488,9 +492,10 @@ def _train(cfg: Config, console: ConsoleSink | None, layout: Layout) -> TrainRes
                     metrics.write(record)
                     sink.log_train(record)
                 stopping = stop.requested(state.step)
-                if layout.distributed:  # a signal may reach the ranks at different steps: stop together
-                    stopping = all_reduce_sum([float(stopping)], layout)[0] > 0
                 saving = saver.due(state.step) or stopping or (last_step and cfg.checkpoint.final)
+                if layout.distributed:  # signals and the clock differ per rank: stop and save together
+                    stop_votes, save_votes = all_reduce_sum([float(stopping), float(saving)], layout)
+                    stopping, saving = stop_votes > 0, save_votes > 0
                 if cfg.eval_interval and (state.step % cfg.eval_interval == 0 or last_step or saving):
                     val_loss = evaluate(model, val_batches, device, autocast)
                     record = {"kind": "eval", "step": state.step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
@@ -681,6 +686,11 @@ def restore(
     for key, old, new in changes:
         sink.print(f"[bold yellow]config changed since the checkpoint:[/] {key}: {old} -> {new}")
     return state
+
+
+def _engine(cfg: Config, device: torch.device) -> str:
+    name = {ParallelMode.ddp: "DDP", ParallelMode.zero1: "DDP + ZeRO-1 optimizer shards"}[cfg.parallel.mode]
+    return f", {name} over {'NCCL' if device.type == 'cuda' else 'gloo'}"
 
 
 def describe_stages(stages: list[SeqLenStage], accum: int, keep: SeqLenKeep) -> str:

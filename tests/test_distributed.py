@@ -55,10 +55,11 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp / "run"
 
 
-def test_ddp_over_two_processes_trains_like_one(tmp_path: Path, reference: Path) -> None:
-    proc = llmtrain(tmp_path, *DDP, f"hydra.run.dir={tmp_path / 'run'}")
+@pytest.mark.parametrize(("mode", "banner"), [("ddp", "DDP over gloo"), ("zero1", "DDP + ZeRO-1 optimizer shards")])
+def test_two_processes_train_like_one(tmp_path: Path, reference: Path, mode: str, banner: str) -> None:
+    proc = llmtrain(tmp_path, f"parallel={mode}", "parallel.nproc=2", f"hydra.run.dir={tmp_path / 'run'}")
     assert proc.returncode == 0, proc.stderr
-    assert "world size 2, DDP over gloo" in proc.stdout
+    assert f"world size 2, {banner}" in proc.stdout
     assert_close(losses(reference), losses(tmp_path / "run"))
     assert_close(val_losses(reference), val_losses(tmp_path / "run"))
     single, ddp = (torch.load(d / "model.pt", weights_only=True) for d in (reference, tmp_path / "run"))
@@ -77,8 +78,12 @@ def test_torchrun_ranks_agree_on_one_run_dir(tmp_path: Path, reference: Path) ->
     assert_close(losses(reference), losses(run_dirs[0]))
 
 
-@pytest.mark.parametrize(("first", "then"), [(DDP, ["parallel=single"]), (["parallel=single"], DDP)],
-                         ids=["2-to-1", "1-to-2"])
+ZERO1 = ["parallel=zero1", "parallel.nproc=2"]
+
+
+@pytest.mark.parametrize(("first", "then"), [(DDP, ["parallel=single"]), (["parallel=single"], DDP),
+                                             (ZERO1, ["parallel=single"]), (["parallel=single"], ZERO1)],
+                         ids=["ddp-2-to-1", "ddp-1-to-2", "zero1-2-to-1", "zero1-1-to-2"])
 def test_a_run_resumes_on_another_world_size(tmp_path: Path, reference: Path, first: list, then: list) -> None:
     run = tmp_path / "run"
     stopped = llmtrain(tmp_path, *first, f"hydra.run.dir={run}", env={"LLMTRAIN_TEST_STOP_AT_STEP": "3"})
