@@ -121,12 +121,19 @@ def train_command(args: list[str]) -> None:
             )
         except UserError as err:
             fail(str(err))
+    sweep_dir = None
+    if parsed.multirun and not parsed.shell_completion and not parsed.hydra_help and not (parsed.cfg or parsed.info):
+        import datetime
+
+        given = [o.split("=", 1)[1] for o in parsed.overrides if o.startswith("hydra.sweep.dir=")]
+        # Named here (Hydra's default pattern) so that the closing comparison finds it, whichever
+        # launcher ran the jobs (submitit runs them in other processes).
+        sweep_dir = given[-1] if given else datetime.datetime.now().strftime("multirun/%Y-%m-%d/%H-%M-%S")
+        if not given:
+            args = [*args, f"hydra.sweep.dir={sweep_dir}"]
     _run_hydra(args, _train_task)
-    if parsed.multirun and _SWEEP_DIRS and os.environ.get("RANK", "0") == "0":
-        compare_command([sorted(_SWEEP_DIRS)[0]])  # a sweep ends with its comparison table
-
-
-_SWEEP_DIRS: set[str] = set()  # the sweep dir of this process's multirun, for the closing `compare`
+    if sweep_dir is not None and os.environ.get("RANK", "0") == "0" and Path(sweep_dir).is_dir():
+        compare_command([sweep_dir])  # a sweep ends with its comparison table
 
 
 def _shared_run_dir() -> str:
@@ -158,7 +165,9 @@ def _run_hydra(args: list[str], task: Callable) -> None:
     hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(task)()
 
 
-def _train_task(node) -> None:  # node: the composed OmegaConf DictConfig (untyped: imports stay lazy)
+def _train_task(node) -> float | None:  # node: the composed OmegaConf DictConfig (untyped: imports stay lazy)
+    """One run. Returns its objective for sweepers that optimize (Optuna): the final validation
+    loss, or the final train loss when the run does not evaluate."""
     from hydra.core.hydra_config import HydraConfig
 
     from llmtrain.config import to_config
@@ -169,10 +178,6 @@ def _train_task(node) -> None:  # node: the composed OmegaConf DictConfig (untyp
         command = shlex.join(["llmtrain", "train", *overrides, f"hydra.run.dir={run_dir}"])
         return f"To resume exactly where it stopped, run:\n  {command}"
 
-    from hydra.types import RunMode
-
-    if HydraConfig.get().mode is RunMode.MULTIRUN:
-        _SWEEP_DIRS.add(HydraConfig.get().sweep.dir)
     try:
         cfg = to_config(node)
         if cfg.out_dir is None:
@@ -182,11 +187,14 @@ def _train_task(node) -> None:  # node: the composed OmegaConf DictConfig (untyp
             return
         from llmtrain.train import train
 
-        train(cfg)
+        result = train(cfg)
     except UserError as err:
         fail(str(err))
     except RunStopped as stopped:
         fail(f"{stopped}\n{resume_hint(stopped.run_dir or cfg.out_dir)}", stopped.exit_code, label="stopped")
+    if result.val_losses:
+        return result.final_val_loss
+    return result.train_losses[max(result.train_losses)] if result.train_losses else None
 
 
 def _spawn_workers(cfg, resume_hint: Callable[[object], str]) -> None:

@@ -26,6 +26,7 @@ def test_non_editable_install_runs_from_any_directory(tmp_path: Path) -> None:
     )
     assert (target / "llmtrain" / "conf" / "config.yaml").is_file()
     assert (target / "llmtrain" / "conf" / "model" / "gpt_tiny.yaml").is_file()
+    assert (target / "llmtrain" / "conf" / "hydra" / "launcher" / "slurm.yaml").is_file()  # two levels down
     code = (
         f"import sys; sys.path.insert(0, {str(target)!r}); import llmtrain.cli as c; "
         "print(c.__file__); c.main(['train', 'model=gpt_small', '--cfg', 'job'])"

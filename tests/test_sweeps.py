@@ -1,0 +1,64 @@
+"""Sweeps through Hydra's plugins: submitit's local launcher runs the jobs (the SLURM launcher's
+stand-in), Optuna's sweeper searches the learning rate; both end with `llmtrain compare`."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from .conftest import TINY_CORPUS
+
+TINY = ["data=text", f"data.path={TINY_CORPUS}", "data.tokenizer=char", "model.n_layer=1", "model.n_embd=32",
+        "model.n_head=2", "model.block_size=32", "micro_batch_size=4", "global_batch_size=8", "max_steps=20",
+        "schedule.warmup_steps=2", "eval_interval=10", "log_interval=10", "threads=1"]
+
+
+def llmtrain(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "llmtrain", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "COLUMNS": "200"})
+
+
+def compared(sweep: Path) -> list[dict]:
+    with open(sweep / "compare.csv") as fh:
+        return list(csv.DictReader(fh))
+
+
+def test_submitit_local_launcher_runs_a_two_job_sweep(tmp_path: Path) -> None:
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    sweep = tmp_path / "sweep"
+    proc = llmtrain(tmp_path, "train", "-m", "hydra/launcher=submitit_local", "optim.lr=1e-3,1e-2", *TINY,
+                    f"hydra.sweep.dir={sweep}")
+    assert proc.returncode == 0, proc.stderr
+    assert (sweep / ".submitit").is_dir(), "the jobs went through submitit"
+    rows = compared(sweep)
+    assert sorted(r["overrides"] for r in rows) == ["optim.lr=0.001", "optim.lr=0.01"]
+    assert all(r["status"] == "finished" for r in rows)
+
+
+def test_the_shipped_slurm_launcher_config_composes(tmp_path: Path) -> None:
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    proc = llmtrain(tmp_path, "train", "hydra/launcher=slurm", "hydra.launcher.partition=gpu", "--cfg", "hydra")
+    assert proc.returncode == 0, proc.stderr
+    launcher = yaml.safe_load(proc.stdout)["hydra"]["launcher"]
+    assert launcher["_target_"].endswith("SlurmLauncher")
+    assert launcher["partition"] == "gpu" and launcher["timeout_min"] == 240 and launcher["tasks_per_node"] == 1
+
+
+def test_optuna_searches_the_learning_rate_for_a_few_trials(tmp_path: Path) -> None:
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    sweep = tmp_path / "sweep"
+    proc = llmtrain(tmp_path, "train", "-m", "hydra/sweeper=lr_search", "hydra.sweeper.n_trials=3",
+                    "schedule.warmup_steps=2", *TINY, f"hydra.sweep.dir={sweep}")
+    assert proc.returncode == 0, proc.stderr
+    result = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
+    rows = compared(sweep)
+    assert len(rows) == 3 and all("optim.lr=" in r["overrides"] for r in rows)
+    # each trial's objective is its final validation loss: the best one is the table's first row
+    assert result["best_value"] == pytest.approx(float(rows[0]["final_val_loss"]))
+    assert 1e-4 <= result["best_params"]["optim.lr"] <= 3e-2
