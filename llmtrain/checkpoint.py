@@ -239,6 +239,16 @@ def apply_retention(run_dir: Path, keep_last: int, keep_step: int | None = None)
     return removed
 
 
+class _Held:
+    """A state dict read already, handed on as if from its object."""
+
+    def __init__(self, state: dict) -> None:
+        self.state = state
+
+    def state_dict(self) -> dict:
+        return self.state
+
+
 class CheckpointPolicy:
     """When to save (every N steps / M minutes), what to keep, and what a failed save does."""
 
@@ -267,15 +277,15 @@ class CheckpointPolicy:
         if self.last_val is not None and self.last_val[0] == state.step and self.policy.keep_best:
             if state.best_val_loss is None or self.last_val[1] < state.best_val_loss:
                 state.best_val_loss, state.best_step = self.last_val[1], state.step
-        if hasattr(self.optimizer, "consolidate_state_dict"):  # ZeRO-1: gather the shards on rank 0 (every rank)
-            self.optimizer.consolidate_state_dict(to=0)
+        # On every rank: under ZeRO-1/FSDP2 reading the full state gathers the shards (a collective).
+        model_state, optimizer_state = self.model.state_dict(), self.optimizer.state_dict()
         if not self.writer:
             self.last_saved_step, self.last_saved_time = state.step, time.monotonic()
             return None
         began = time.perf_counter()
         try:
             path = save_checkpoint(
-                self.run_dir, model=self.model, optimizer=self.optimizer, scaler=self.scaler,
+                self.run_dir, model=_Held(model_state), optimizer=_Held(optimizer_state), scaler=self.scaler,
                 sampler_state=self.sampler.state_dict(), state=state, config=self.config_dict,
                 extra=self.extra_state(),
             )

@@ -170,6 +170,7 @@ class ParallelMode(str, Enum):
     single = "single"
     ddp = "ddp"
     zero1 = "zero1"
+    fsdp = "fsdp"
 
 
 @dataclass
@@ -290,8 +291,9 @@ class PrecisionConfig:
 @dataclass
 class ParallelConfig:
     mode: ParallelMode = _f(ParallelMode.single, "single (one process), ddp (DistributedDataParallel: a full model "
-                            "copy per process, gradients averaged; launch with torchrun or parallel.nproc) or zero1 "
-                            "(ddp with the optimizer state split across the processes: ZeroRedundancyOptimizer).")
+                            "copy per process, gradients averaged; launch with torchrun or parallel.nproc), zero1 (ddp with "
+                            "the optimizer state split across the processes: ZeroRedundancyOptimizer) or fsdp (FSDP2: "
+                            "parameters, gradients and optimizer state split; fully_shard per block, then the root).")
     nproc: int = _f(1, "ddp: processes to start on this machine (llmtrain starts them: one run dir); leave 1 under "
                     "torchrun, which starts them itself.")
 

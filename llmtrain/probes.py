@@ -13,6 +13,8 @@ import sys
 import torch
 from torch import nn
 
+from llmtrain.parallel import local_value
+
 
 class ActivationProbe:
     """Forward hooks on each block that record the output's mean and variance of the first call
@@ -50,12 +52,17 @@ def block_norms(blocks: nn.ModuleList, grads: bool) -> torch.Tensor:
         if not tensors:
             norms.append(torch.zeros((), device=next(block.parameters()).device))
             continue
-        norms.append(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t.detach().float()) for t in tensors])))
+        norms.append(torch.linalg.vector_norm(torch.stack([_norm(t) for t in tensors])))
     return torch.stack(norms)
 
 
 def total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
-    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t.detach().float()) for t in tensors]))
+    return torch.linalg.vector_norm(torch.stack([_norm(t) for t in tensors]))
+
+
+def _norm(tensor: torch.Tensor) -> torch.Tensor:
+    """L2 norm as a plain tensor; for a parameter sharded by FSDP2 (a DTensor) over all its shards."""
+    return local_value(torch.linalg.vector_norm(tensor.detach().float()))
 
 
 def rss_mb() -> float:

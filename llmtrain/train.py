@@ -29,7 +29,7 @@ import os
 import random
 import secrets
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager as ContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -88,7 +88,10 @@ from llmtrain.model import GPT, flops_per_token, param_count
 from llmtrain.monitor import Alarm
 from llmtrain.optim import build_optimizer, clip_gradients
 from llmtrain.parallel import (
+    ConsolidatedOptimizerState,
     Layout,
+    ShardedModelState,
+    ShardedOptimizerState,
     all_reduce_sum,
     barrier,
     broadcast_from_main,
@@ -96,6 +99,7 @@ from llmtrain.parallel import (
     end_process_group,
     layout_from_env,
     resolve_device,
+    shard_model,
     start_process_group,
     zero_redundancy,
 )
@@ -134,6 +138,20 @@ def count_tokens(batches: Iterable[Batch]) -> int:
     return int(sum(int((y != IGNORE_INDEX).sum()) for _, y in batches))
 
 
+@contextlib.contextmanager
+def deferred_gradient_sync(model: torch.nn.Module) -> Iterator[None]:
+    """No gradient communication inside (DDP's no_sync; FSDP2 holds its reduce-scatter)."""
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        with model.no_sync():
+            yield
+
+
 def accumulate_gradients(
     model: torch.nn.Module,
     batches: list[Batch],
@@ -155,7 +173,7 @@ def accumulate_gradients(
     for i, (x, y) in enumerate(batches):
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         defer_sync = world_size > 1 and i < len(batches) - 1
-        with model.no_sync() if defer_sync else contextlib.nullcontext():
+        with deferred_gradient_sync(model) if defer_sync else contextlib.nullcontext():
             with autocast():
                 loss = loss_sum(model(x), y, label_smoothing) / n_tokens
                 if world_size > 1:
@@ -197,7 +215,9 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
     parallel.nproc, one rank of a DistributedDataParallel run (rank 0 prints and writes)."""
     layout = layout_from_env()
     try:
-        return _train(cfg, console, layout)
+        result = _train(cfg, console, layout)
+        barrier(layout)  # no rank tears the group down while another still talks to it (FSDP2 aborts)
+        return result
     finally:
         end_process_group()
 
@@ -267,13 +287,22 @@ def _train(cfg: Config, console: ConsoleSink | None, layout: Layout) -> TrainRes
     if cfg.compile is CompileMode.on or (cfg.compile is CompileMode.auto and device.type == "cuda"):
         for block in model.blocks:  # in place, per block: parameter names (and checkpoints) stay the same
             block.compile()
+    sharded = cfg.parallel.mode is ParallelMode.fsdp and layout.distributed
+    if sharded:  # FSDP2: parameters split across the ranks, gathered per block for its compute
+        shard_model(model, {Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}.get(precision.name))
     # The forward/backward goes through DDP (gradients averaged over the ranks, once per window);
     # everything else (state dicts, evaluation, the monitor's hooks) uses the plain model inside.
+    # FSDP2 shards the model in place: it is its own training module.
     train_model = (DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-                   if layout.distributed else model)
-    optimizer = build_optimizer(model, cfg.optim, device.type)
+                   if layout.distributed and not sharded else model)
+    optimizer = build_optimizer(model, cfg.optim, device.type, fused_ok=not sharded)
     if cfg.parallel.mode is ParallelMode.zero1 and layout.distributed:
         optimizer = zero_redundancy(optimizer)
+    # How checkpoints read and write the full state: plainly, or gathered from the ranks' shards.
+    model_state = ShardedModelState(model) if sharded else model
+    optimizer_state = (ShardedOptimizerState(model, optimizer) if sharded
+                       else ConsolidatedOptimizerState(optimizer, layout) if hasattr(optimizer, "consolidate_state_dict")
+                       else optimizer)
     autocast = autocast_factory(precision, device.type)
     scaler = build_grad_scaler(precision, device.type)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -312,7 +341,7 @@ def _train(cfg: Config, console: ConsoleSink | None, layout: Layout) -> TrainRes
 
     state = TrainState()
     if checkpoint is not None:
-        state = restore(checkpoint, config_dict, model, optimizer, scaler, train_batches, sink)
+        state = restore(checkpoint, config_dict, model_state, optimizer_state, scaler, train_batches, sink)
     resume_from = checkpoint.path if checkpoint is not None else None
     # Only now, with any resume accepted, is the run dir's description rewritten.
     if layout.is_main:
@@ -373,7 +402,8 @@ def _train(cfg: Config, console: ConsoleSink | None, layout: Layout) -> TrainRes
         watch.restart_interval(state.tokens)
         if checkpoint is not None and checkpoint.trainer.get("monitor"):
             watch.monitor.load_state_dict(checkpoint.trainer["monitor"])  # windows, counts, active alarms
-    saver = CheckpointPolicy(cfg.checkpoint, run_dir, model, optimizer, scaler, train_batches, config_dict, metrics, warn,
+    saver = CheckpointPolicy(cfg.checkpoint, run_dir, model_state, optimizer_state, scaler, train_batches, config_dict,
+                             metrics, warn,
                              extra_state=lambda: {"run_seed": run_seed,
                                                   **({"monitor": watch.monitor.state_dict()} if watch else {})},
                              writer=layout.is_main)
@@ -433,7 +463,7 @@ def _train(cfg: Config, console: ConsoleSink | None, layout: Layout) -> TrainRes
                                          state.tokens + window_tokens,
                                          scaler.get_scale() if scaler is not None else None)
                     alarms = broadcast_from_main(alarms, layout)  # every rank acts on rank 0's verdicts
-                    verdicts = [act_on_alarm(alarm, cfg, state, watch, saver, warn, model, optimizer, scaler)
+                    verdicts = [act_on_alarm(alarm, cfg, state, watch, saver, warn, model_state, optimizer_state, scaler)
                                 for alarm in alarms]
                     if "rolled_back" in verdicts:  # the run goes on from the checkpoint's step
                         watch.after_step(applied=False)
@@ -458,7 +488,8 @@ def _train(cfg: Config, console: ConsoleSink | None, layout: Layout) -> TrainRes
                 state.step += 1
                 state.tokens += window_tokens
                 if not finite and not skip_update:
-                    state = handle_nonfinite(cfg, state, loss, grad_norm, saver, metrics, warn, model, optimizer, scaler)
+                    state = handle_nonfinite(cfg, state, loss, grad_norm, saver, metrics, warn, model_state, optimizer_state,
+                                             scaler)
                     if state.step == step:  # rolled back: the loop goes on from the checkpoint's step
                         if watch is not None:
                             watch.restart_interval(state.tokens)
@@ -520,8 +551,9 @@ def _train(cfg: Config, console: ConsoleSink | None, layout: Layout) -> TrainRes
     # ---- the end: the final weights on their own, for `sample` and `export` --------------------
     if cfg.checkpoint.final and saver.last_saved_step != state.step:
         saver.save(state)  # the in-loop final save failed, or a resumed run had no step left to take
+    weights = model_state.state_dict()  # every rank: under FSDP2 this gathers the shards on rank 0
     if layout.is_main:
-        save_weights(model, run_dir / "model.pt")
+        save_weights(weights, run_dir / "model.pt")
     elapsed = time.perf_counter() - start
     trained = state.tokens - start_tokens
     summary = f"[bold]done[/]: step {state.step}, {trained:,} tokens in {elapsed:.1f}s ({trained / max(elapsed, 1e-9):,.0f} tok/s)"
@@ -689,7 +721,8 @@ def restore(
 
 
 def _engine(cfg: Config, device: torch.device) -> str:
-    name = {ParallelMode.ddp: "DDP", ParallelMode.zero1: "DDP + ZeRO-1 optimizer shards"}[cfg.parallel.mode]
+    name = {ParallelMode.ddp: "DDP", ParallelMode.zero1: "DDP + ZeRO-1 optimizer shards",
+            ParallelMode.fsdp: "FSDP2 (parameters, gradients and optimizer state sharded)"}[cfg.parallel.mode]
     return f", {name} over {'NCCL' if device.type == 'cuda' else 'gloo'}"
 
 
@@ -703,12 +736,12 @@ def describe_stages(stages: list[SeqLenStage], accum: int, keep: SeqLenKeep) -> 
     return f"{shown} (length x micro-batch); tokens/step {' -> '.join(f'{n:,}' for n in per_step)}"
 
 
-def save_weights(model: torch.nn.Module, path: Path) -> None:
+def save_weights(weights: dict, path: Path) -> None:
     """Write the unwrapped model's state dict atomically (temp file, fsync, rename)."""
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "wb") as fh:
-            torch.save(model.state_dict(), fh)
+            torch.save(weights, fh)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)

@@ -55,7 +55,8 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp / "run"
 
 
-@pytest.mark.parametrize(("mode", "banner"), [("ddp", "DDP over gloo"), ("zero1", "DDP + ZeRO-1 optimizer shards")])
+@pytest.mark.parametrize(("mode", "banner"), [("ddp", "DDP over gloo"), ("zero1", "DDP + ZeRO-1 optimizer shards"),
+                                            ("fsdp", "FSDP2 (parameters, gradients and optimizer state sharded)")])
 def test_two_processes_train_like_one(tmp_path: Path, reference: Path, mode: str, banner: str) -> None:
     proc = llmtrain(tmp_path, f"parallel={mode}", "parallel.nproc=2", f"hydra.run.dir={tmp_path / 'run'}")
     assert proc.returncode == 0, proc.stderr
@@ -66,6 +67,11 @@ def test_two_processes_train_like_one(tmp_path: Path, reference: Path, mode: str
     assert all(torch.allclose(single[k], ddp[k], atol=1e-5) for k in single)
     records = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert sum('"kind": "train"' in line for line in records) == 6, "rank 0 alone writes the records"
+    if mode == "fsdp":  # sharded while training; the weights and the export are whole
+        exported = subprocess.run([sys.executable, "-m", "llmtrain", "export", str(tmp_path / "run")], cwd=tmp_path,
+                                  capture_output=True, text=True, timeout=120)
+        assert exported.returncode == 0, exported.stderr
+        assert (tmp_path / "run" / "export" / "model.safetensors").is_file()
 
 
 def test_torchrun_ranks_agree_on_one_run_dir(tmp_path: Path, reference: Path) -> None:
@@ -79,11 +85,13 @@ def test_torchrun_ranks_agree_on_one_run_dir(tmp_path: Path, reference: Path) ->
 
 
 ZERO1 = ["parallel=zero1", "parallel.nproc=2"]
+FSDP = ["parallel=fsdp", "parallel.nproc=2"]
 
 
 @pytest.mark.parametrize(("first", "then"), [(DDP, ["parallel=single"]), (["parallel=single"], DDP),
-                                             (ZERO1, ["parallel=single"]), (["parallel=single"], ZERO1)],
-                         ids=["ddp-2-to-1", "ddp-1-to-2", "zero1-2-to-1", "zero1-1-to-2"])
+                                             (ZERO1, ["parallel=single"]), (["parallel=single"], ZERO1),
+                                             (FSDP, ["parallel=single"]), (["parallel=single"], FSDP)],
+                         ids=["ddp-2-to-1", "ddp-1-to-2", "zero1-2-to-1", "zero1-1-to-2", "fsdp-2-to-1", "fsdp-1-to-2"])
 def test_a_run_resumes_on_another_world_size(tmp_path: Path, reference: Path, first: list, then: list) -> None:
     run = tmp_path / "run"
     stopped = llmtrain(tmp_path, *first, f"hydra.run.dir={run}", env={"LLMTRAIN_TEST_STOP_AT_STEP": "3"})
