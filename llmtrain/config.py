@@ -668,7 +668,7 @@ def _validate_parallel(cfg: Config) -> None:
     launched = int(os.environ.get("WORLD_SIZE") or 1)
     _require(p.mode is not ParallelMode.single or (p.nproc == 1 and launched == 1),
              f"parallel.mode is single but {'parallel.nproc is ' + str(p.nproc) if p.nproc > 1 else f'torchrun started {launched} processes'}; "
-             "add parallel=ddp (or parallel=zero1) to train one model across them.")
+             "add parallel=ddp (or parallel=zero1 or parallel=fsdp) to train one model across them.")
     _require(launched == 1 or p.nproc in (1, launched),  # == launched: the ranks parallel.nproc started
              f"torchrun started {launched} processes and parallel.nproc is {p.nproc}: under torchrun leave "
              "parallel.nproc=1 (torchrun's --nproc_per_node sets the count).")
