@@ -256,10 +256,14 @@ class CheckpointPolicy:
         self, policy: CheckpointConfig, run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         scaler: torch.amp.GradScaler | None, sampler: Any, config_dict: dict,
         metrics: Any, warn: Callable[[str], None], extra_state: Callable[[], dict] = dict, writer: bool = True,
+        agree: Callable[[Any], Any] = lambda value: value,
     ) -> None:
         # sampler: anything with state_dict(); metrics: anything with write(record) (a JsonlSink).
         # writer=False (DDP ranks but 0): the same decisions, nothing written (rank 0 saves the state).
         self.writer = writer
+        # agree(value): rank 0's value on every rank, so all ranks know whether a save succeeded
+        # (the final save after the loop is a collective under ZeRO-1/FSDP2: all or none retry it).
+        self.agree = agree
         self.policy, self.run_dir = policy, run_dir
         self.model, self.optimizer, self.scaler, self.sampler = model, optimizer, scaler, sampler
         self.config_dict, self.metrics, self.warn = config_dict, metrics, warn
@@ -279,9 +283,13 @@ class CheckpointPolicy:
                 state.best_val_loss, state.best_step = self.last_val[1], state.step
         # On every rank: under ZeRO-1/FSDP2 reading the full state gathers the shards (a collective).
         model_state, optimizer_state = self.model.state_dict(), self.optimizer.state_dict()
-        if not self.writer:
-            self.last_saved_step, self.last_saved_time = state.step, time.monotonic()
-            return None
+        path = self._write(state, model_state, optimizer_state) if self.writer else None
+        if self.agree(path is not None):
+            self.last_saved_step = state.step
+        self.last_saved_time = time.monotonic()  # retry at the next due time, not at every step
+        return path
+
+    def _write(self, state: TrainState, model_state: dict, optimizer_state: dict) -> Path | None:
         began = time.perf_counter()
         try:
             path = save_checkpoint(
@@ -290,13 +298,11 @@ class CheckpointPolicy:
                 extra=self.extra_state(),
             )
         except CheckpointSaveError as err:
-            self.last_saved_time = time.monotonic()  # retry at the next due time, not at every step
             self.metrics.write({"kind": "checkpoint_error", "step": state.step, "error": str(err)})
             if self.policy.on_save_error is SaveErrorPolicy.stop:
                 raise RunStopped(f"{err}; stopping (checkpoint.on_save_error=stop)", run_dir=self.run_dir) from err
             self.warn(f"{err}; training goes on, the previous checkpoints are intact (checkpoint.on_save_error=warn)")
             return None
-        self.last_saved_step, self.last_saved_time = state.step, time.monotonic()
         removed = apply_retention(self.run_dir, self.policy.keep_last, state.best_step if self.policy.keep_best else None)
         self.metrics.write({"kind": "checkpoint", "step": state.step, "path": str(path),
                             "seconds": time.perf_counter() - began, "removed": [p.name for p in removed]})

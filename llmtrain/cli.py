@@ -108,8 +108,11 @@ def train_command(args: list[str]) -> None:
         )
     if parsed.config_dir and not Path(parsed.config_dir).expanduser().is_dir():
         fail(f"--config-dir is '{parsed.config_dir}', which is not a folder; give a folder of group options like conf/.")
-    if int(os.environ.get("WORLD_SIZE") or 1) > 1 and not parsed.multirun and not parsed.shell_completion \
-            and not any(o.startswith("hydra.run.dir=") for o in parsed.overrides):
+    launched = int(os.environ.get("WORLD_SIZE") or 1)
+    if launched > 1 and parsed.multirun:
+        fail(f"-m/--multirun under torchrun ({launched} processes): each rank would run the whole sweep. Sweep "
+             "from one process with parallel.nproc=N per job, or launch one torchrun per setting.")
+    if launched > 1 and not parsed.shell_completion and not _given(parsed.overrides, "hydra.run.dir"):
         args = [*args, f"hydra.run.dir={_shared_run_dir()}"]  # torchrun: one run dir for all ranks
     if not parsed.shell_completion and not parsed.hydra_help:
         from llmtrain.errors import UserError
@@ -125,7 +128,7 @@ def train_command(args: list[str]) -> None:
     if parsed.multirun and not parsed.shell_completion and not parsed.hydra_help and not (parsed.cfg or parsed.info):
         import datetime
 
-        given = [o.split("=", 1)[1] for o in parsed.overrides if o.startswith("hydra.sweep.dir=")]
+        given = [o.split("=", 1)[1] for o in parsed.overrides if o.lstrip("+").startswith("hydra.sweep.dir=")]
         # Named here (Hydra's default pattern) so that the closing comparison finds it, whichever
         # launcher ran the jobs (submitit runs them in other processes).
         sweep_dir = given[-1] if given else datetime.datetime.now().strftime("multirun/%Y-%m-%d/%H-%M-%S")
@@ -136,6 +139,11 @@ def train_command(args: list[str]) -> None:
         compare_command([sweep_dir])  # a sweep ends with its comparison table
 
 
+def _given(overrides: list[str], key: str) -> bool:
+    """Whether the command line sets `key` (as key=, +key= or ++key=)."""
+    return any(o.lstrip("+").startswith(f"{key}=") for o in overrides)
+
+
 def _shared_run_dir() -> str:
     """Under torchrun every rank runs Hydra, and each would take its own timestamped run dir. Rank 0
     picks Hydra's default name and hands it to the others through torchrun's own key-value store."""
@@ -143,12 +151,13 @@ def _shared_run_dir() -> str:
 
     from torch.distributed import TCPStore
 
-    key = f"llmtrain/run_dir/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '')}"
+    # Per torchrun run id, kept across torchrun's restarts: a restarted job finds its checkpoints.
+    key = f"llmtrain/run_dir/{os.environ.get('TORCHELASTIC_RUN_ID', '')}"
     try:
         store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                          timeout=datetime.timedelta(seconds=120))
-        if os.environ.get("RANK") == "0":
-            store.set(key, datetime.datetime.now().strftime("outputs/%Y-%m-%d/%H-%M-%S"))
+        if os.environ.get("RANK") == "0":  # the first value written stays
+            store.compare_set(key, "", datetime.datetime.now().strftime("outputs/%Y-%m-%d/%H-%M-%S"))
         return store.get(key).decode()
     except (KeyError, ValueError, RuntimeError) as err:
         fail(f"{os.environ.get('WORLD_SIZE')} processes were started (WORLD_SIZE) but they could not agree on a run dir "
@@ -184,7 +193,10 @@ def _train_task(node) -> float | None:  # node: the composed OmegaConf DictConfi
             cfg.out_dir = HydraConfig.get().runtime.output_dir
         if cfg.parallel.nproc > 1 and not os.environ.get("WORLD_SIZE"):
             _spawn_workers(cfg, resume_hint)
-            return
+            from llmtrain.compare import summarize  # the objective, from what rank 0 wrote
+
+            ran = summarize(Path(cfg.out_dir))
+            return ran.final_val_loss if ran.final_val_loss is not None else ran.final_train_loss
         from llmtrain.train import train
 
         result = train(cfg)
@@ -211,7 +223,7 @@ def _spawn_workers(cfg, resume_hint: Callable[[object], str]) -> None:
         code = err.exit_code if err.exit_code and err.exit_code > 0 else 1
         if code in (EXIT_INTERRUPTED, EXIT_NONFINITE_STOP, EXIT_HEALTH_STOP):
             fail(resume_hint(cfg.out_dir), code, label="stopped")
-        if code != 2:  # a user error was printed by rank 0 already
+        if code != 2 or err.error_index != 0:  # rank 0 prints its own user errors
             fail(f"rank {err.error_index} of {cfg.parallel.nproc} exited with code {err.exit_code}; the other ranks were "
                  "stopped", code)
         sys.exit(code)

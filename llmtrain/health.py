@@ -27,8 +27,9 @@ from llmtrain.sinks import ConsoleSink, JsonlSink, MetricsSink, NullSink
 class HealthWatch:
     def __init__(self, cfg: MonitorConfig, model: torch.nn.Module, run_dir: Path, sink: ConsoleSink,
                  metrics: MetricsSink | NullSink, steps_total: int, fp16_without_scaler: bool = False,
-                 flops_per_token: float = 0.0, write_events: bool = True) -> None:
+                 flops_per_token: float = 0.0, write_events: bool = True, world_size: int = 1) -> None:
         self.flops_per_token = flops_per_token
+        self.world_size = world_size  # tokens/s counts all ranks; the peak is one device's
         self.peak_flops: float | None = None  # measured at the first check, for MFU
         self.cfg, self.model, self.sink, self.metrics = cfg, model, sink, metrics
         self.fp16_without_scaler = fp16_without_scaler
@@ -93,7 +94,7 @@ class HealthWatch:
             "param_norm": param_v, "block_param_norms": block_params, "lr_applied": lr_applied,
             "lr_schedule": lr_schedule, "rss_mb": sample.rss_mb, "tokens_per_s": tokens_per_s,
             "data_wait_share": self.data_seconds / max(now - self.interval_start, 1e-9),
-            "mfu": tokens_per_s * self.flops_per_token / self.peak_flops, "peak_flops_per_s": self.peak_flops,
+            "mfu": tokens_per_s * self.flops_per_token / (self.peak_flops * self.world_size), "peak_flops_per_s": self.peak_flops,
             **cuda_memory_mb(device),
         }
         if act_mean is not None:

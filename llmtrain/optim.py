@@ -57,7 +57,7 @@ def clip_gradients(params: list[torch.Tensor], cfg: OptimConfig) -> torch.Tensor
     """Clip as configured and return the pre-clip global grad norm (a tensor: no host sync)."""
     if cfg.clip_grad_norm is not None:  # over FSDP2's sharded gradients the norm comes back as a DTensor
         return local_value(torch.nn.utils.clip_grad_norm_(params, cfg.clip_grad_norm))
-    norm = grad_norm(params)
+    norm = local_value(grad_norm(params))
     if cfg.clip_grad_value is not None:
         torch.nn.utils.clip_grad_value_(params, cfg.clip_grad_value)
     return norm

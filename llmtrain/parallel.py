@@ -7,6 +7,7 @@ every batch; `Layout` says which one this is. Rank 0 alone prints and writes fil
 
 from __future__ import annotations
 
+import datetime
 import inspect
 import os
 import pickle
@@ -80,9 +81,13 @@ def layout_from_env() -> Layout:
 def start_process_group(layout: Layout, device: torch.device) -> None:
     """Join the run's process group (gloo on CPU, NCCL on CUDA); nothing for one process."""
     if layout.distributed and not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
+        # On CUDA, NCCL for the tensors and gloo for the loop's small host-side collectives (token
+        # counts, stop/save votes). The timeout covers rank 0 preparing a large corpus while the
+        # others wait (NCCL's default watchdog would kill them after 10 minutes).
+        backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
         kwargs = {"device_id": device} if device.type == "cuda" else {}
-        dist.init_process_group(backend, rank=layout.rank, world_size=layout.world_size, **kwargs)
+        dist.init_process_group(backend, rank=layout.rank, world_size=layout.world_size,
+                                timeout=datetime.timedelta(hours=2), **kwargs)
 
 
 def end_process_group() -> None:
@@ -228,11 +233,21 @@ def spawn_local(nproc: int, target: Any, payload: Any) -> None:
     """Start `nproc` worker processes on this machine, as torchrun would (RANK, WORLD_SIZE, ... set),
     each calling `target(payload)`. Returns when all succeed. When one fails, the others are
     stopped and torch's ProcessExitedException / ProcessRaisedException names the rank."""
+    import signal
+
     import torch.multiprocessing as mp
 
     port = free_port()
-    mp.start_processes(_worker, args=(nproc, port, target, pickle.dumps(payload)), nprocs=nproc,
-                       start_method="spawn", join=True)
+    context = mp.start_processes(_worker, args=(nproc, port, target, pickle.dumps(payload)), nprocs=nproc,
+                                 start_method="spawn", join=False)
+    # Ctrl-C reaches every process of the terminal's group: the ranks stop after a step and save;
+    # this parent waits for them rather than dying first (their exit codes say what happened).
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        while not context.join():
+            pass
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _worker(rank: int, nproc: int, port: int, target: Any, payload: bytes) -> None:

@@ -322,7 +322,7 @@ def _train(cfg: Config, console: ConsoleSink | None, layout: Layout) -> TrainRes
     elif cfg.data.sampling is Sampling.epoch and not cfg.data.overfit_batches:
         try:
             train_batches = EpochSampler(data.tokens("train"), cfg.micro_batch_size, seq_len, data_seed,
-                                         layout.rank, layout.world_size)
+                                         layout.rank, layout.world_size, epoch_multiple=cfg.global_batch_size)
         except ValueError as err:
             raise ConfigError(f"data.sampling=epoch: {err}; use more data, a shorter data.seq_len, a smaller "
                               "micro_batch_size, or data.sampling=random.") from None
@@ -358,7 +358,8 @@ def _train(cfg: Config, console: ConsoleSink | None, layout: Layout) -> TrainRes
         [
             ("parameters", f"{param_count(model):,} ({param_count(model, exclude_positions=True):,} without positions)"),
             ("batch", f"{cfg.global_batch_size} sequences x {seq_len} tokens = {tokens_per_step:,} tokens/step"),
-            *([("seq_len stages", describe_stages(stages, accum, cfg.data.seq_len_keep))] if len(stages) > 1 else []),
+            *([("seq_len stages", describe_stages(stages, accum * layout.world_size, cfg.data.seq_len_keep))]
+              if len(stages) > 1 else []),
             ("accumulation", f"{accum} micro-batch{'es' if accum > 1 else ''} of {cfg.micro_batch_size} per process "
                              f"(world size {layout.world_size}{_engine(cfg, device) if layout.distributed else ''})"),
             ("steps", f"{steps_total:,} (warmup {resolved_warmup_steps(cfg.schedule, steps_total)}, {cfg.schedule.name.value}), "
@@ -397,7 +398,7 @@ def _train(cfg: Config, console: ConsoleSink | None, layout: Layout) -> TrainRes
     crash_rank, _, crash_step = os.environ.get("LLMTRAIN_TEST_CRASH_RANK_AT", "").partition(":")
     fp16_unscaled = precision.name is Precision.fp16 and scaler is None
     watch = (HealthWatch(cfg.monitor, model, run_dir, sink, metrics, steps_total, fp16_unscaled, flops_token,
-                         write_events=layout.is_main) if cfg.monitor.enabled else None)
+                         write_events=layout.is_main, world_size=layout.world_size) if cfg.monitor.enabled else None)
     if watch is not None:
         watch.restart_interval(state.tokens)
         if checkpoint is not None and checkpoint.trainer.get("monitor"):
@@ -406,7 +407,7 @@ def _train(cfg: Config, console: ConsoleSink | None, layout: Layout) -> TrainRes
                              metrics, warn,
                              extra_state=lambda: {"run_seed": run_seed,
                                                   **({"monitor": watch.monitor.state_dict()} if watch else {})},
-                             writer=layout.is_main)
+                             writer=layout.is_main, agree=lambda value: broadcast_from_main(value, layout))
     saver.last_saved_step = state.step if resume_from else None
     sink.start()
     sink.advance(state.step)
@@ -423,7 +424,7 @@ def _train(cfg: Config, console: ConsoleSink | None, layout: Layout) -> TrainRes
                     if (stage.micro_batch_size, stage.seq_len) != (train_batches.batch_size, train_batches.seq_len):
                         train_batches.reshape(stage.micro_batch_size, stage.seq_len)  # also on resume, silently
                     if step == stage.start_step:
-                        stage_tokens = stage.micro_batch_size * stage.seq_len * accum
+                        stage_tokens = stage.micro_batch_size * stage.seq_len * accum * layout.world_size
                         if step:  # the first stage is in the banner
                             sink.print(f"sequence length {stage.seq_len}, micro-batch {stage.micro_batch_size} from "
                                        f"step {step + 1} on ({stage_tokens:,} tokens/step)")
@@ -540,7 +541,8 @@ def _train(cfg: Config, console: ConsoleSink | None, layout: Layout) -> TrainRes
                     path = saver.save(state)
                     if stopping:
                         saved = f"checkpoint saved to {path}" if path else "its checkpoint could NOT be saved (see above)"
-                        raise Interrupted(f"stopped by {stop.signal_name} after step {state.step}; {saved}",
+                        raise Interrupted(f"stopped by {stop.signal_name or 'a signal to another rank'} after step "
+                                          f"{state.step}; {saved}",
                                           checkpoint=path, run_dir=run_dir)
     finally:
         sink.stop()

@@ -44,6 +44,13 @@ def test_a_learning_rate_sweep_ends_with_the_comparison(tmp_path: Path) -> None:
     assert image.ndim == 3 and image.shape[0] > 300 and image.shape[1] > 500
 
 
+def test_a_sweep_without_a_sweep_dir_gets_hydras_default_and_its_comparison(tmp_path: Path) -> None:
+    proc = llmtrain(tmp_path, "train", "-m", "optim.lr=1e-3,1e-2", *TINY, "max_steps=6", "eval_interval=3")
+    assert proc.returncode == 0, proc.stderr
+    sweeps = list((tmp_path / "multirun").glob("*/*"))
+    assert len(sweeps) == 1 and (sweeps[0] / "compare.csv").is_file() and (sweeps[0] / "0" / "model.pt").is_file()
+
+
 def test_compare_shows_an_unfinished_run_last_and_refuses_a_folder_without_runs(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
     done = llmtrain(tmp_path, "train", *TINY, f"hydra.run.dir={sweep / 'done'}")

@@ -19,6 +19,7 @@ RUN = [
     "data=text", f"data.path={TINY_CORPUS}", "data.tokenizer=char", "model.n_layer=2", "model.n_embd=32",
     "model.n_head=2", "model.block_size=32", "model.dropout=0.0", "micro_batch_size=2", "global_batch_size=8",
     "max_steps=6", "schedule.warmup_steps=1", "eval_interval=3", "log_interval=1", "checkpoint.every_steps=1",
+    "monitor.interval=2", "monitor.activation_interval=2",  # the health checks (collectives under fsdp) run too
 ]
 DDP = ["parallel=ddp", "parallel.nproc=2"]
 
@@ -112,6 +113,28 @@ def test_a_crashed_rank_ends_the_job_at_once_and_the_run_resumes(tmp_path: Path,
     resumed = llmtrain(tmp_path, *DDP, f"hydra.run.dir={run}")
     assert resumed.returncode == 0, resumed.stderr
     assert_close(losses(reference), losses(run))
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_a_non_finite_step_is_skipped_on_every_rank_as_in_one_process(tmp_path: Path, mode: str) -> None:
+    nan = {"LLMTRAIN_TEST_NAN_AT_STEPS": "3"}
+    single = llmtrain(tmp_path, f"hydra.run.dir={tmp_path / 'single'}", env=nan)
+    ranks = llmtrain(tmp_path, f"parallel={mode}", "parallel.nproc=2", f"hydra.run.dir={tmp_path / 'ranks'}", env=nan)
+    assert single.returncode == 0 and ranks.returncode == 0, ranks.stderr
+    assert 3 not in losses(tmp_path / "ranks"), "step 3 was skipped, not logged as a train step"
+    assert_close(losses(tmp_path / "single"), losses(tmp_path / "ranks"))
+
+
+def test_epoch_sampling_resumes_on_another_world_size(tmp_path: Path) -> None:
+    epochs = ["data.sampling=epoch", "data.max_bytes=1200", "max_steps=12"]  # ~4 steps per epoch
+    reference = llmtrain(tmp_path, *epochs, f"hydra.run.dir={tmp_path / 'single'}")
+    assert reference.returncode == 0, reference.stderr
+    run = tmp_path / "run"
+    stopped = llmtrain(tmp_path, *DDP, *epochs, f"hydra.run.dir={run}", env={"LLMTRAIN_TEST_STOP_AT_STEP": "6"})
+    assert stopped.returncode == 75, stopped.stderr
+    resumed = llmtrain(tmp_path, "parallel=single", *epochs, f"hydra.run.dir={run}")
+    assert resumed.returncode == 0, resumed.stderr
+    assert_close(losses(tmp_path / "single"), losses(run))
 
 
 def test_nproc_without_ddp_is_refused_before_any_run_dir(tmp_path: Path) -> None:

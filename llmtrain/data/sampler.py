@@ -77,27 +77,37 @@ class RandomWindowSampler:
 
 class EpochOrder:
     """Items (windows, examples) visited once per epoch in a permutation drawn from (seed, epoch).
-    Rank r of world_size takes every world_size-th item: disjoint shards covering the epoch. A
-    remainder smaller than a batch is dropped (drop_last). (epoch, cursor) is the whole state."""
 
-    def __init__(self, n_items: int, batch_size: int, seed: int, rank: int = 0, world_size: int = 1) -> None:
+    The permutation is read in blocks of batch_size x world_size items; rank r takes the r-th
+    batch of each block, so the ranks' shards are disjoint and cover the epoch, and together they
+    consume the permutation in order whatever the world size. The epoch is cut to a multiple of
+    `epoch_multiple` items (default: one block; the loop passes the global batch, so an epoch ends
+    on a step and is the same for any world size): drop_last. (epoch, cursor) is the whole state,
+    the cursor counting the items of all ranks, so a run resumes on another world size exactly."""
+
+    def __init__(self, n_items: int, batch_size: int, seed: int, rank: int = 0, world_size: int = 1,
+                 epoch_multiple: int | None = None) -> None:
         self.n_items, self.batch_size, self.seed = n_items, batch_size, seed
         self.rank, self.world_size = rank, world_size
+        self.block = batch_size * world_size
+        self.multiple = epoch_multiple or self.block
+        if self.multiple % self.block:
+            raise ValueError(f"an epoch multiple of {self.multiple} items is not whole blocks of {self.block}")
         self.epoch = 0
-        self.cursor = 0  # items of this rank's shard already served this epoch
-        self._order = self._shard(0)
+        self.cursor = 0  # items of the epoch already served, all ranks together
+        self._order = self._permutation(0)
 
-    def _shard(self, epoch: int) -> np.ndarray:
-        shard = np.random.default_rng([self.seed, epoch]).permutation(self.n_items)[self.rank::self.world_size]
-        return shard[: len(shard) - len(shard) % self.batch_size]  # drop_last
+    def _permutation(self, epoch: int) -> np.ndarray:
+        order = np.random.default_rng([self.seed, epoch]).permutation(self.n_items)
+        return order[: len(order) - len(order) % self.multiple]  # drop_last
 
     def next_items(self) -> np.ndarray:
-        if self.cursor + self.batch_size > len(self._order):
+        if self.cursor + self.block > len(self._order):
             self.epoch, self.cursor = self.epoch + 1, 0
-            self._order = self._shard(self.epoch)
-        chosen = self._order[self.cursor:self.cursor + self.batch_size]
-        self.cursor += self.batch_size
-        return chosen
+            self._order = self._permutation(self.epoch)
+        start = self.cursor + self.rank * self.batch_size
+        self.cursor += self.block
+        return self._order[start:start + self.batch_size]
 
     @property
     def epochs_done(self) -> float:
@@ -109,7 +119,7 @@ class EpochOrder:
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
-        self._order = self._shard(self.epoch)
+        self._order = self._permutation(self.epoch)
 
 
 class EpochSampler(EpochOrder):
@@ -119,15 +129,16 @@ class EpochSampler(EpochOrder):
     exactly the batches it would have seen."""
 
     def __init__(
-        self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int, rank: int = 0, world_size: int = 1
+        self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int, rank: int = 0, world_size: int = 1,
+        epoch_multiple: int | None = None,
     ) -> None:
         n_windows = (tokens.size - 1) // seq_len
-        if n_windows // world_size < batch_size:
+        needed = epoch_multiple or batch_size * world_size
+        if n_windows < needed:
             raise ValueError(
-                f"{tokens.size} tokens make {n_windows} windows of {seq_len + 1}, fewer than one batch of "
-                f"{batch_size} per rank"
+                f"{tokens.size} tokens make {n_windows} windows of {seq_len + 1}, fewer than one step's {needed}"
             )
-        super().__init__(n_windows, batch_size, seed, rank, world_size)
+        super().__init__(n_windows, batch_size, seed, rank, world_size, epoch_multiple)
         self.tokens, self.seq_len = tokens, seq_len
         self._offsets = np.arange(seq_len + 1)
 
