@@ -672,8 +672,6 @@ def _validate_parallel(cfg: Config) -> None:
     _require(launched == 1 or p.nproc in (1, launched),  # == launched: the ranks parallel.nproc started
              f"torchrun started {launched} processes and parallel.nproc is {p.nproc}: under torchrun leave "
              "parallel.nproc=1 (torchrun's --nproc_per_node sets the count).")
-    _require(p.mode is ParallelMode.single or cfg.data.source is not DataSource.instruct,
-             f"data=instruct does not run under parallel={p.mode.value} yet; use parallel=single.")
 
 
 def _validate_seq_len_schedule(cfg: Config, total: int) -> None:

@@ -316,7 +316,8 @@ def _train(cfg: Config, console: ConsoleSink | None, layout: Layout) -> TrainRes
     if data.meta.get("loss_mask"):  # instruction data: whole examples, prompt tokens masked out of the loss
         try:
             train_batches = InstructionSampler(data.tokens("train"), data.loss_mask("train"), data.offsets("train"),
-                                               cfg.micro_batch_size, seq_len, data_seed)
+                                               cfg.micro_batch_size, seq_len, data_seed, layout.rank,
+                                               layout.world_size, epoch_multiple=cfg.global_batch_size)
         except ValueError as err:
             raise ConfigError(f"data=instruct: {err}; use more examples or a smaller micro_batch_size.") from None
     elif cfg.data.sampling is Sampling.epoch and not cfg.data.overfit_batches:

@@ -137,6 +137,23 @@ def test_epoch_sampling_resumes_on_another_world_size(tmp_path: Path) -> None:
     assert_close(losses(tmp_path / "single"), losses(run))
 
 
+def test_instruction_data_trains_over_two_processes_like_one(tmp_path: Path) -> None:
+    from .test_prepare import instruction_file
+
+    path = instruction_file(tmp_path / "pairs.jsonl", n=40)
+    args = ["data=instruct", f"data.path={path}", "model.n_layer=1", "model.n_embd=32", "model.n_head=2",
+            "model.block_size=64", "model.dropout=0.0", "micro_batch_size=2", "global_batch_size=8", "max_steps=4",
+            "schedule.warmup_steps=1", "eval_interval=2", "eval_batches=1", "log_interval=1"]
+
+    def run(name: str, *extra: str) -> Path:
+        proc = subprocess.run([sys.executable, "-m", "llmtrain", "train", *args, *extra, f"hydra.run.dir={tmp_path / name}"],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        return tmp_path / name
+
+    assert_close(losses(run("single")), losses(run("ddp", *DDP)))
+
+
 def test_nproc_without_ddp_is_refused_before_any_run_dir(tmp_path: Path) -> None:
     proc = llmtrain(tmp_path, "parallel.nproc=2", f"hydra.run.dir={tmp_path / 'run'}")
     assert proc.returncode == 2 and "add parallel=ddp" in proc.stderr and "Traceback" not in proc.stderr

@@ -158,11 +158,12 @@ class InstructionSampler(EpochOrder):
     mask: a real token never attends to a later (padded) position."""
 
     def __init__(self, tokens: np.ndarray, mask: np.ndarray, offsets: np.ndarray, batch_size: int, seq_len: int,
-                 seed: int, rank: int = 0, world_size: int = 1) -> None:
+                 seed: int, rank: int = 0, world_size: int = 1, epoch_multiple: int | None = None) -> None:
         n_examples = len(offsets) - 1
-        if n_examples // world_size < batch_size:
-            raise ValueError(f"{n_examples} examples are fewer than one batch of {batch_size} per rank")
-        super().__init__(n_examples, batch_size, seed, rank, world_size)
+        needed = epoch_multiple or batch_size * world_size
+        if n_examples < needed:
+            raise ValueError(f"{n_examples} examples are fewer than one step's {needed}")
+        super().__init__(n_examples, batch_size, seed, rank, world_size, epoch_multiple)
         self.tokens, self.mask, self.offsets, self.seq_len = tokens, mask, offsets, seq_len
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
