@@ -17,6 +17,11 @@ else that needs the host (loss values, grad norm) waits for the log interval.
 Dividing each micro-batch's loss sum by the token count of the whole window makes the accumulated
 gradient exactly the gradient of one big batch, whatever the micro-batch size, and lets a final
 window with fewer micro-batches still step with the right scale.
+
+Several processes (parallel=ddp|zero1|fsdp) run this same loop, each on its slice of every window:
+the token count is summed over the ranks, gradients are averaged once per window, and every
+decision that ends in a collective (stop, save, health action, skip) is taken together; rank 0
+alone prints and writes. The single-process path is unchanged (no communication at all).
 """
 
 from __future__ import annotations
@@ -212,7 +217,7 @@ def use_deterministic_algorithms(device: torch.device, on: bool) -> None:
 
 def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
     """Train as this process's part of the run: the whole run for one process; under torchrun or
-    parallel.nproc, one rank of a DistributedDataParallel run (rank 0 prints and writes)."""
+    parallel.nproc, one rank of a ddp/zero1/fsdp run (rank 0 prints and writes)."""
     layout = layout_from_env()
     try:
         result = _train(cfg, console, layout)
