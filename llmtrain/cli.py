@@ -232,21 +232,29 @@ def _spawn_workers(cfg, resume_hint: Callable[[object], str]) -> None:
 
 
 def _rank_main(cfg) -> None:
-    """One rank started by parallel.nproc: rank 0 prints errors; every rank exits with the code."""
+    """One rank started by parallel.nproc: rank 0 prints errors; every rank exits with the code.
+
+    The exit skips interpreter teardown (os._exit after flushing): torch's C++ threads (FSDP2 over
+    gloo) can abort it ("terminate called without an active exception") after a run that went
+    well. An unexpected exception still propagates, so the parent shows its traceback."""
     from llmtrain.errors import RunStopped, UserError
     from llmtrain.train import train
 
     main = os.environ.get("RANK") == "0"
+    code = 0
     try:
         train(cfg)
     except UserError as err:
+        code = EXIT_USER_ERROR
         if main:
-            fail(str(err))
-        sys.exit(2)
+            sys.stderr.write(f"llmtrain: error: {err}\n")
     except RunStopped as stopped:
+        code = stopped.exit_code
         if main:
-            fail(str(stopped), stopped.exit_code, label="stopped")
-        sys.exit(stopped.exit_code)
+            sys.stderr.write(f"llmtrain: stopped: {stopped}\n")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def validate_overrides(

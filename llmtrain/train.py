@@ -86,7 +86,7 @@ from llmtrain.config import (
 from llmtrain.data import EpochSampler, InstructionSampler, RandomWindowSampler, prepare_data
 from llmtrain.data.sampler import IGNORE_INDEX, EpochOrder
 from llmtrain.data.tokenizers import Tokenizer, save_tokenizer
-from llmtrain.errors import HealthStop, Interrupted, NonFiniteStop
+from llmtrain.errors import HealthStop, Interrupted, NonFiniteStop, RunStopped
 from llmtrain.health import HealthWatch
 from llmtrain.interrupts import StopRequest
 from llmtrain.model import GPT, flops_per_token, param_count
@@ -223,6 +223,9 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
         result = _train(cfg, console, layout)
         barrier(layout)  # no rank tears the group down while another still talks to it (FSDP2 aborts)
         return result
+    except RunStopped:
+        barrier(layout)  # a stop (signal, non-finite, health) is decided on every rank at the same step
+        raise
     finally:
         end_process_group()
 
