@@ -112,7 +112,7 @@ def train_command(args: list[str]) -> None:
     if launched > 1 and parsed.multirun:
         fail(f"-m/--multirun under torchrun ({launched} processes): each rank would run the whole sweep. Sweep "
              "from one process with parallel.nproc=N per job, or launch one torchrun per setting.")
-    if launched > 1 and not parsed.shell_completion and not _given(parsed.overrides, "hydra.run.dir"):
+    if launched > 1 and not parsed.shell_completion and _given(parsed.overrides, "hydra.run.dir") is None:
         args = [*args, f"hydra.run.dir={_shared_run_dir()}"]  # torchrun: one run dir for all ranks
     if not parsed.shell_completion and not parsed.hydra_help:
         from llmtrain.errors import UserError
@@ -128,20 +128,21 @@ def train_command(args: list[str]) -> None:
     if parsed.multirun and not parsed.shell_completion and not parsed.hydra_help and not (parsed.cfg or parsed.info):
         import datetime
 
-        given = [o.split("=", 1)[1] for o in parsed.overrides if o.lstrip("+").startswith("hydra.sweep.dir=")]
         # Named here (Hydra's default pattern) so that the closing comparison finds it, whichever
         # launcher ran the jobs (submitit runs them in other processes).
-        sweep_dir = given[-1] if given else datetime.datetime.now().strftime("multirun/%Y-%m-%d/%H-%M-%S")
-        if not given:
+        sweep_dir = _given(parsed.overrides, "hydra.sweep.dir")
+        if sweep_dir is None:
+            sweep_dir = datetime.datetime.now().strftime("multirun/%Y-%m-%d/%H-%M-%S")
             args = [*args, f"hydra.sweep.dir={sweep_dir}"]
     _run_hydra(args, _train_task)
     if sweep_dir is not None and os.environ.get("RANK", "0") == "0" and Path(sweep_dir).is_dir():
         compare_command([sweep_dir])  # a sweep ends with its comparison table
 
 
-def _given(overrides: list[str], key: str) -> bool:
-    """Whether the command line sets `key` (as key=, +key= or ++key=)."""
-    return any(o.lstrip("+").startswith(f"{key}=") for o in overrides)
+def _given(overrides: list[str], key: str) -> str | None:
+    """The value the command line gives `key` (as key=, +key= or ++key=; the last one wins), or None."""
+    values = [o.split("=", 1)[1] for o in overrides if o.lstrip("+").startswith(f"{key}=")]
+    return values[-1] if values else None
 
 
 def _shared_run_dir() -> str:
