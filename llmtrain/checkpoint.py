@@ -12,6 +12,11 @@ Layout of a run dir:
         manifest.json         sha256 and size of every file above; written last
       latest                  the newest checkpoint's folder name; replaced last
 
+Under parallel=fsdp (checkpoint.format=auto or sharded) model.pt and the optimizer's tensors are
+replaced by `shards/`, which every rank writes its own part of (torch.distributed.checkpoint, see
+shards.py); optimizer.pt then holds the optimizer's parameter groups and the loss scaler. Either
+layout resumes in any parallel mode and world size.
+
 A checkpoint is written into a hidden temporary folder, every file fsync'ed, then renamed into
 place, so a crash mid-save leaves the previous checkpoints untouched. Loading checks the manifest
 (missing file, wrong size, wrong sha256) before anything is read, and `torch.load` runs with
@@ -38,12 +43,14 @@ import torch
 
 from llmtrain.config import CheckpointConfig, SaveErrorPolicy
 from llmtrain.errors import ConfigError, RunStopped, UserError
+from llmtrain.shards import SHARDS
 
 FORMAT_VERSION = 1
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 MANIFEST = "manifest.json"
 STATE_FILES = ("model.pt", "optimizer.pt", "rng.pt", "trainer_state.json")
+SHARDED_FILES = ("optimizer.pt", "rng.pt", "trainer_state.json")  # + every file under shards/
 
 
 class CheckpointError(UserError):
@@ -71,18 +78,52 @@ class TrainState:
 
 @dataclass
 class Checkpoint:
-    """A verified checkpoint read back from disk."""
+    """A verified checkpoint read back from disk. The tensors of a sharded one are read only when
+    asked for: whole through `model`/`optimizer`, or each rank its shards through `load_into`."""
 
     path: Path
-    model: dict[str, torch.Tensor]
-    optimizer: dict
+    full_state: tuple[dict[str, torch.Tensor], dict] | None  # (model, optimizer); None: not read yet
     scaler: dict | None
     rng: dict
     trainer: dict  # trainer_state.json
+    shards: dict | None = None  # sharded layout: optimizer.pt's non-tensor part (shards.py)
+    device: torch.device | str = "cpu"
     state: TrainState = field(init=False)
 
     def __post_init__(self) -> None:
         self.state = TrainState(**self.trainer["state"])
+
+    @property
+    def sharded(self) -> bool:
+        return self.shards is not None
+
+    @property
+    def model(self) -> dict[str, torch.Tensor]:
+        return self._full()[0]
+
+    @property
+    def optimizer(self) -> dict:
+        return self._full()[1]
+
+    def _full(self) -> tuple[dict[str, torch.Tensor], dict]:
+        if self.full_state is None:
+            from llmtrain.shards import read_full
+
+            self.full_state = read_full(self.path / SHARDS, self.shards, self.device)
+        return self.full_state
+
+    def load_into(self, model: Any, optimizer: Any) -> None:
+        """Weights and optimizer state into the run's objects: an FSDP2 model (its state objects
+        from parallel.py) reads just its shards of a sharded checkpoint; anything else the whole."""
+        from llmtrain.parallel import ShardedModelState, ShardedOptimizerState
+
+        if self.sharded and isinstance(model, ShardedModelState) and isinstance(optimizer, ShardedOptimizerState):
+            from llmtrain.shards import read_shards_into
+
+            read_shards_into(self.path / SHARDS, model.model, optimizer.optimizer, self.shards)
+            return
+        model.load_state_dict(self.model)
+        optimizer.load_state_dict(self.optimizer)
 
 
 def step_dir_name(step: int) -> str:
@@ -156,26 +197,41 @@ def restore_rng(tensors: dict, plain: dict) -> None:
     np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
 
 
+def staging_dir(run_dir: Path, step: int) -> Path:
+    """A fresh hidden folder to write a checkpoint of `step` into (renamed into place when whole)."""
+    root = checkpoint_root(run_dir)
+    tmp = root / f".tmp-{step_dir_name(step)}-{os.getpid()}"
+    root.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    return tmp
+
+
 def save_checkpoint(
     run_dir: Path,
     *,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
+    model: torch.nn.Module | None,
+    optimizer: torch.optim.Optimizer | None,
     scaler: torch.amp.GradScaler | None,
     sampler_state: dict,
     state: TrainState,
     config: dict,
     extra: dict | None = None,
+    staged: Path | None = None,
+    shards: dict | None = None,
 ) -> Path:
-    """Write a checkpoint of the current step atomically; raises CheckpointSaveError on failure."""
+    """Write a checkpoint of the current step atomically; raises CheckpointSaveError on failure.
+
+    Sharded layout: the ranks already wrote shards/ into `staged` (from staging_dir); `shards` is
+    {"files": manifest entries of those files, "non_tensor": the optimizer's groups and plain state};
+    model and optimizer are not used."""
     root = checkpoint_root(run_dir)
     name = step_dir_name(state.step)
     final = root / name
-    tmp = root / f".tmp-{name}-{os.getpid()}"
+    tmp = staged or root / f".tmp-{name}-{os.getpid()}"
     try:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
+        if staged is None:
+            tmp = staging_dir(run_dir, state.step)
         rng_tensors, rng_plain = rng_snapshot()
         trainer = {
             "format": FORMAT_VERSION,
@@ -187,16 +243,25 @@ def save_checkpoint(
             "saved_at": time.time(),
             **(extra or {}),
         }
-        files = {
-            "model.pt": _write_file(tmp / "model.pt", lambda f: torch.save(model.state_dict(), f)),
-            "optimizer.pt": _write_file(
-                tmp / "optimizer.pt",
-                lambda f: torch.save({"optimizer": optimizer.state_dict(), "scaler": scaler.state_dict() if scaler else None}, f),
-            ),
-            "rng.pt": _write_file(tmp / "rng.pt", lambda f: torch.save(rng_tensors, f)),
-            "trainer_state.json": _write_file(tmp / "trainer_state.json", lambda f: f.write(json.dumps(trainer).encode())),
-        }
-        manifest = {"format": FORMAT_VERSION, "step": state.step, "files": files}
+        scaler_state = scaler.state_dict() if scaler else None
+        if shards is None:
+            files = {
+                "model.pt": _write_file(tmp / "model.pt", lambda f: torch.save(model.state_dict(), f)),
+                "optimizer.pt": _write_file(
+                    tmp / "optimizer.pt", lambda f: torch.save({"optimizer": optimizer.state_dict(), "scaler": scaler_state}, f)
+                ),
+            }
+        else:
+            files = {
+                **shards["files"],
+                "optimizer.pt": _write_file(
+                    tmp / "optimizer.pt", lambda f: torch.save({"shards": shards["non_tensor"], "scaler": scaler_state}, f)
+                ),
+            }
+        files["rng.pt"] = _write_file(tmp / "rng.pt", lambda f: torch.save(rng_tensors, f))
+        files["trainer_state.json"] = _write_file(tmp / "trainer_state.json", lambda f: f.write(json.dumps(trainer).encode()))
+        manifest = {"format": FORMAT_VERSION, "step": state.step, "layout": "full" if shards is None else "sharded",
+                    "files": files}
         _write_file(tmp / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=2).encode()))
         _fsync_dir(tmp)
         if final.exists():  # the same step again (after a rollback or a re-run): replace it whole
@@ -256,7 +321,7 @@ class CheckpointPolicy:
         self, policy: CheckpointConfig, run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         scaler: torch.amp.GradScaler | None, sampler: Any, config_dict: dict,
         metrics: Any, warn: Callable[[str], None], extra_state: Callable[[], dict] = dict, writer: bool = True,
-        agree: Callable[[Any], Any] = lambda value: value,
+        agree: Callable[[Any], Any] = lambda value: value, shard_layout: tuple[int, int] | None = None,
     ) -> None:
         # sampler: anything with state_dict(); metrics: anything with write(record) (a JsonlSink).
         # writer=False (DDP ranks but 0): the same decisions, nothing written (rank 0 saves the state).
@@ -264,6 +329,9 @@ class CheckpointPolicy:
         # agree(value): rank 0's value on every rank, so all ranks know whether a save succeeded
         # (the final save after the loop is a collective under ZeRO-1/FSDP2: all or none retry it).
         self.agree = agree
+        # (rank, world size): sharded files, every rank writing its own shards (model and optimizer
+        # are then parallel.py's ShardedModelState / ShardedOptimizerState).
+        self.shard_layout = shard_layout
         self.policy, self.run_dir = policy, run_dir
         self.model, self.optimizer, self.scaler, self.sampler = model, optimizer, scaler, sampler
         self.config_dict, self.metrics, self.warn = config_dict, metrics, warn
@@ -278,35 +346,73 @@ class CheckpointPolicy:
         return by_steps or by_time
 
     def save(self, state: TrainState) -> Path | None:
+        """Save on every rank (a collective under ZeRO-1/FSDP2); the path on the writing rank."""
         if self.last_val is not None and self.last_val[0] == state.step and self.policy.keep_best:
             if state.best_val_loss is None or self.last_val[1] < state.best_val_loss:
                 state.best_val_loss, state.best_step = self.last_val[1], state.step
-        # On every rank: under ZeRO-1/FSDP2 reading the full state gathers the shards (a collective).
-        model_state, optimizer_state = self.model.state_dict(), self.optimizer.state_dict()
-        path = self._write(state, model_state, optimizer_state) if self.writer else None
-        if self.agree(path is not None):
-            self.last_saved_step = state.step
+        began = time.perf_counter()
+        path, error = None, None
+        try:
+            if self.shard_layout is not None:
+                path = self._save_sharded(state)
+            else:
+                # On every rank: under ZeRO-1/FSDP2 reading the full state gathers the shards.
+                model_state, optimizer_state = self.model.state_dict(), self.optimizer.state_dict()
+                if self.writer:
+                    path = self._write(state, model=_Held(model_state), optimizer=_Held(optimizer_state))
+        except CheckpointSaveError as err:
+            error = str(err)
+        # Rank 0's outcome decides for all: every rank then stops, warns or records the same save.
+        error = self.agree(error)
         self.last_saved_time = time.monotonic()  # retry at the next due time, not at every step
+        if error is not None:
+            self.metrics.write({"kind": "checkpoint_error", "step": state.step, "error": error})
+            if self.policy.on_save_error is SaveErrorPolicy.stop:
+                raise RunStopped(f"{error}; stopping (checkpoint.on_save_error=stop)", run_dir=self.run_dir)
+            self.warn(f"{error}; training goes on, the previous checkpoints are intact (checkpoint.on_save_error=warn)")
+            return None
+        self.last_saved_step = state.step
+        if self.writer:
+            removed = apply_retention(self.run_dir, self.policy.keep_last, state.best_step if self.policy.keep_best else None)
+            self.metrics.write({"kind": "checkpoint", "step": state.step, "path": str(path),
+                                "seconds": time.perf_counter() - began, "removed": [p.name for p in removed]})
         return path
 
-    def _write(self, state: TrainState, model_state: dict, optimizer_state: dict) -> Path | None:
-        began = time.perf_counter()
+    def _write(self, state: TrainState, **tensors: Any) -> Path:
+        return save_checkpoint(
+            self.run_dir, scaler=self.scaler, sampler_state=self.sampler.state_dict(), state=state,
+            config=self.config_dict, extra=self.extra_state(), **tensors,
+        )
+
+    def _save_sharded(self, state: TrainState) -> Path | None:
+        """Every rank writes its shards into the folder rank 0 staged, and hashes a share of the
+        files; rank 0 then writes the rest (optimizer groups, RNG, trainer state, manifest) and
+        renames the folder into place. A failure anywhere leaves the previous checkpoints as they were."""
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        from llmtrain.shards import all_gather_dicts, hash_files, write_shards
+
+        rank, world_size = self.shard_layout
+        staged, error = None, None
+        if self.writer:
+            try:
+                staged = staging_dir(self.run_dir, state.step)
+            except OSError as err:
+                error = f"could not save checkpoint {checkpoint_root(self.run_dir) / step_dir_name(state.step)}: {err}"
+        staged, error = self.agree((staged, error))
+        if staged is None:
+            raise CheckpointSaveError(error)
         try:
-            path = save_checkpoint(
-                self.run_dir, model=_Held(model_state), optimizer=_Held(optimizer_state), scaler=self.scaler,
-                sampler_state=self.sampler.state_dict(), state=state, config=self.config_dict,
-                extra=self.extra_state(),
-            )
-        except CheckpointSaveError as err:
-            self.metrics.write({"kind": "checkpoint_error", "step": state.step, "error": str(err)})
-            if self.policy.on_save_error is SaveErrorPolicy.stop:
-                raise RunStopped(f"{err}; stopping (checkpoint.on_save_error=stop)", run_dir=self.run_dir) from err
-            self.warn(f"{err}; training goes on, the previous checkpoints are intact (checkpoint.on_save_error=warn)")
+            non_tensor = write_shards(staged / SHARDS, self.model.model, self.optimizer.optimizer)
+            files = dict(sorted(all_gather_dicts(hash_files(staged / SHARDS, rank, world_size), world_size).items()))
+        except (OSError, RuntimeError, CheckpointException) as err:  # DCP raises on every rank
+            if self.writer:
+                shutil.rmtree(staged, ignore_errors=True)
+            raise CheckpointSaveError(f"could not save the shards of checkpoint {staged}: {err}") from None
+        if not self.writer:
             return None
-        removed = apply_retention(self.run_dir, self.policy.keep_last, state.best_step if self.policy.keep_best else None)
-        self.metrics.write({"kind": "checkpoint", "step": state.step, "path": str(path),
-                            "seconds": time.perf_counter() - began, "removed": [p.name for p in removed]})
-        return path
+        return self._write(state, model=None, optimizer=None, staged=staged,
+                           shards={"files": files, "non_tensor": non_tensor})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -331,11 +437,13 @@ def verify(path: Path) -> dict:
         files = manifest["files"]
     except (OSError, ValueError, KeyError) as err:
         raise CheckpointError(f"{path}: {MANIFEST} is missing or unreadable ({err})") from None
-    for name in STATE_FILES:
-        entry = files.get(name)
-        target = path / name
-        if entry is None:
+    sharded = manifest.get("layout") == "sharded"
+    required = SHARDED_FILES + (f"{SHARDS}/.metadata",) if sharded else STATE_FILES
+    for name in required:
+        if name not in files:
             raise CheckpointError(f"{path}: the manifest does not list {name}")
+    for name, entry in files.items():
+        target = path / name
         if not target.is_file():
             raise CheckpointError(f"{path}: {name} is missing")
         size = target.stat().st_size
@@ -383,14 +491,21 @@ def load_newest_good(run_dir: Path, warn: Callable[[str], None], device: torch.d
 
 def load_checkpoint(path: Path, device: torch.device | str = "cpu") -> Checkpoint:
     """Verify and read a checkpoint folder (weights_only: a checkpoint cannot run code)."""
-    verify(path)
+    manifest = verify(path)
     trainer = json.loads((path / "trainer_state.json").read_text())
     if trainer.get("format") != FORMAT_VERSION:
         raise CheckpointError(f"{path}: format {trainer.get('format')} is not {FORMAT_VERSION}, which this llmtrain reads")
-    model = torch.load(path / "model.pt", map_location=device, weights_only=True)
     opt = torch.load(path / "optimizer.pt", map_location=device, weights_only=True)
     rng = torch.load(path / "rng.pt", map_location="cpu", weights_only=True)
-    return Checkpoint(path, model, opt["optimizer"], opt["scaler"], rng, trainer)
+    if manifest.get("layout") == "sharded":  # tensors read when asked for (each rank its shards, or whole)
+        return Checkpoint(path, None, opt["scaler"], rng, trainer, shards=opt["shards"], device=device)
+    model = torch.load(path / "model.pt", map_location=device, weights_only=True)
+    return Checkpoint(path, (model, opt["optimizer"]), opt["scaler"], rng, trainer, device=device)
+
+
+def read_model_weights(path: Path) -> dict[str, torch.Tensor]:
+    """The whole model state_dict of a verified checkpoint folder, in either layout, on the CPU."""
+    return load_checkpoint(path).model
 
 
 def resume_checkpoint(

@@ -189,6 +189,7 @@ def _train_task(node) -> float | None:  # node: the composed OmegaConf DictConfi
         return f"To resume exactly where it stopped, run:\n  {command}"
 
     try:
+        _ranks_from_submitit_tasks()
         cfg = to_config(node)
         if cfg.out_dir is None:
             cfg.out_dir = HydraConfig.get().runtime.output_dir
@@ -208,6 +209,27 @@ def _train_task(node) -> float | None:  # node: the composed OmegaConf DictConfi
     if result.val_losses:
         return result.final_val_loss
     return result.train_losses[max(result.train_losses)] if result.train_losses else None
+
+
+def _ranks_from_submitit_tasks() -> None:
+    """A job of hydra/launcher=slurm (or submitit_local) with several tasks: each task is one rank,
+    as torchrun would set them (RANK, WORLD_SIZE, ...). The rendezvous is the job's first node, on a
+    port derived from the job id, so every task of the job finds it and other jobs do not."""
+    if os.environ.get("WORLD_SIZE") or not os.environ.get("SUBMITIT_EXECUTOR"):
+        return
+    import zlib
+
+    import submitit
+
+    job = submitit.JobEnvironment()
+    if job.num_tasks <= 1:
+        return
+    os.environ.update(
+        RANK=str(job.global_rank), WORLD_SIZE=str(job.num_tasks), LOCAL_RANK=str(job.local_rank),
+        LOCAL_WORLD_SIZE=str(job.num_tasks // max(job.num_nodes, 1)),
+        MASTER_ADDR=job.hostnames[0] if job.num_nodes > 1 else "127.0.0.1",
+        MASTER_PORT=str(20000 + zlib.crc32(str(job.job_id).encode()) % 20000),
+    )
 
 
 def _spawn_workers(cfg, resume_hint: Callable[[object], str]) -> None:

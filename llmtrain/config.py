@@ -145,6 +145,12 @@ class SaveErrorPolicy(str, Enum):
     stop = "stop"
 
 
+class CheckpointFormat(str, Enum):
+    auto = "auto"  # sharded under parallel=fsdp, full otherwise
+    full = "full"
+    sharded = "sharded"
+
+
 class MonitorAction(str, Enum):
     warn = "warn"
     reduce_lr = "reduce_lr"
@@ -306,6 +312,10 @@ class CheckpointConfig:
     keep_best: bool = _f(True, "Also keep the checkpoint with the best validation loss.")
     final: bool = _f(True, "Save a checkpoint at the end of the run.")
     on_save_error: SaveErrorPolicy = _f(SaveErrorPolicy.warn, "A failed save (disk full, permissions): warn and go on, or stop.")
+    format: CheckpointFormat = _f(
+        CheckpointFormat.auto, "full (rank 0 writes whole tensors) or sharded (parallel=fsdp: every rank writes its "
+        "shards, torch.distributed.checkpoint); auto: sharded under fsdp. Either resumes in any mode and world size."
+    )
     on_nonfinite: NonFinitePolicy = _f(
         NonFinitePolicy.skip, "NaN/Inf loss or gradient: stop, skip the update, or rollback to the last checkpoint."
     )
@@ -669,6 +679,9 @@ def _validate_parallel(cfg: Config) -> None:
     _require(p.mode is not ParallelMode.single or (p.nproc == 1 and launched == 1),
              f"parallel.mode is single but {'parallel.nproc is ' + str(p.nproc) if p.nproc > 1 else f'torchrun started {launched} processes'}; "
              "add parallel=ddp (or parallel=zero1 or parallel=fsdp) to train one model across them.")
+    _require(cfg.checkpoint.format is not CheckpointFormat.sharded or p.mode is ParallelMode.fsdp,
+             f"checkpoint.format is sharded but parallel.mode is {p.mode.value}: only parallel=fsdp shards the model "
+             "and optimizer across the ranks; use checkpoint.format=full or auto (sharded files under fsdp).")
     _require(launched == 1 or p.nproc in (1, launched),  # == launched: the ranks parallel.nproc started
              f"torchrun started {launched} processes and parallel.nproc is {p.nproc}: under torchrun leave "
              "parallel.nproc=1 (torchrun's --nproc_per_node sets the count).")

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_model, save_model
 
-from llmtrain.checkpoint import find_good_checkpoint
+from llmtrain.checkpoint import MANIFEST, find_good_checkpoint, read_model_weights
 from llmtrain.config import config_to_dict, model_config_from_dict
 from llmtrain.errors import UserError
 from llmtrain.model import GPT
@@ -25,20 +25,21 @@ WEIGHTS = "model.safetensors"
 MODEL_CONFIG = "model_config.json"
 
 
-def weights_file(run_dir: Path, warn: Callable[[str], None] | None = None) -> Path:
-    """The newest weights of a run: model.pt of a finished run, unless a checkpoint is newer (a run
-    extended and interrupted later), else its newest good checkpoint's (an interrupted run)."""
+def newest_weights(run_dir: Path, warn: Callable[[str], None] | None = None) -> dict[str, torch.Tensor]:
+    """The newest weights of a run (a CPU state_dict): model.pt of a finished run, unless a
+    checkpoint is newer (a run extended and interrupted later), else its newest good checkpoint's
+    (an interrupted run), whole even when the checkpoint is sharded."""
     warn = warn or (lambda message: print(f"llmtrain: warning: {message}", file=sys.stderr))
     final = run_dir / "model.pt"
     checkpoint = find_good_checkpoint(run_dir, warn)
-    if final.is_file() and (checkpoint is None or final.stat().st_mtime >= (checkpoint / "model.pt").stat().st_mtime):
-        return final
+    if final.is_file() and (checkpoint is None or final.stat().st_mtime >= (checkpoint / MANIFEST).stat().st_mtime):
+        return torch.load(final, map_location="cpu", weights_only=True)
     if checkpoint is None:
         raise UserError(
             f"'{run_dir}' has no weights: neither model.pt (a finished run) nor a usable checkpoint "
             "under checkpoints/. Give a run directory that `llmtrain train` wrote."
         )
-    return checkpoint / "model.pt"
+    return read_model_weights(checkpoint)
 
 
 def export_model(model: GPT, tokenizer_file: Path, context: int, out_dir: Path) -> Path:

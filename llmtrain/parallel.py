@@ -32,7 +32,11 @@ def usable_cores() -> int:
 
 
 def default_threads() -> int:
-    """Cores divided among the local processes: more threads than cores only slows matmuls."""
+    """Cores divided among the local processes: more threads than cores only slows matmuls. A
+    SLURM task (hydra/launcher=slurm) has cpus_per_task cores of its own, shared with nobody."""
+    slurm_cores = os.environ.get("SLURM_CPUS_PER_TASK")
+    if slurm_cores and os.environ.get("SUBMITIT_EXECUTOR") == "slurm":
+        return max(1, min(usable_cores(), int(slurm_cores)))
     return max(1, usable_cores() // local_world_size())
 
 

@@ -24,7 +24,7 @@ class TrainedRun:
 def load_run(run_dir: Path, device: str = "cpu") -> TrainedRun:
     """The trained model, its tokenizer and its training context from a run directory (its final
     weights, else its newest good checkpoint's) or from an `llmtrain export` folder."""
-    from llmtrain.export import is_export, load_exported, weights_file
+    from llmtrain.export import is_export, load_exported, newest_weights
 
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
@@ -47,8 +47,8 @@ def load_run(run_dir: Path, device: str = "cpu") -> TrainedRun:
     except ConfigError as err:
         raise UserError(f"'{needed[0]}' is not a valid llmtrain config: {err}") from None
     tokenizer = load_tokenizer(needed[1])
-    # weights_only: a weights file must not be able to run code when loaded.
-    state = torch.load(weights_file(run_dir), map_location=device, weights_only=True)
+    # Weights load with weights_only=True (or as bare tensors from shards): they cannot run code.
+    state = newest_weights(run_dir)
     model = GPT(cfg.model, state["wte.weight"].shape[0])
     try:
         model.load_state_dict(state)

@@ -62,6 +62,7 @@ from llmtrain.checkpoint import (
     resume_checkpoint,
 )
 from llmtrain.config import (
+    CheckpointFormat,
     CompileMode,
     Config,
     ConfigError,
@@ -306,7 +307,9 @@ def _train(cfg: Config, console: ConsoleSink | None, layout: Layout) -> TrainRes
     optimizer = build_optimizer(model, cfg.optim, device.type, fused_ok=not sharded)
     if cfg.parallel.mode is ParallelMode.zero1 and layout.distributed:
         optimizer = zero_redundancy(optimizer)
-    # How checkpoints read and write the full state: plainly, or gathered from the ranks' shards.
+    # How checkpoints read and write the full state: plainly, or gathered from the ranks' shards;
+    # or, sharded files, each rank writing and reading its own shards.
+    sharded_files = sharded and cfg.checkpoint.format is not CheckpointFormat.full
     model_state = ShardedModelState(model) if sharded else model
     optimizer_state = (ShardedOptimizerState(model, optimizer) if sharded
                        else ConsolidatedOptimizerState(optimizer, layout) if hasattr(optimizer, "consolidate_state_dict")
@@ -382,8 +385,8 @@ def _train(cfg: Config, console: ConsoleSink | None, layout: Layout) -> TrainRes
                      f"vocab {data.vocab_size}, {cfg.data.tokenizer.value} tokens"),
             ("baseline", f"unigram entropy {data.unigram_entropy:.4f} nats/token: the loss to beat"),
             ("checkpoints", f"every {cfg.checkpoint.every_steps or '-'} steps / {cfg.checkpoint.every_minutes or '-'} min, "
-                            f"keep {cfg.checkpoint.keep_last}{' + best' if cfg.checkpoint.keep_best else ''}; "
-                            f"non-finite: {cfg.checkpoint.on_nonfinite.value}"
+                            f"keep {cfg.checkpoint.keep_last}{' + best' if cfg.checkpoint.keep_best else ''}"
+                            f"{', sharded files (every rank its shards)' if sharded_files else ''}; non-finite: {cfg.checkpoint.on_nonfinite.value}"
                             + (f"; resumed at step {state.step}" if resume_from else "")),
             ("check", f"{len(check.rows) - len(check.warnings) - len(check.failures)} of {len(check.rows)} pre-flight "
                       f"items pass" + ("" if check.warnings or check.failures else " (llmtrain check)")),
@@ -416,7 +419,8 @@ def _train(cfg: Config, console: ConsoleSink | None, layout: Layout) -> TrainRes
                              metrics, warn,
                              extra_state=lambda: {"run_seed": run_seed,
                                                   **({"monitor": watch.monitor.state_dict()} if watch else {})},
-                             writer=layout.is_main, agree=lambda value: broadcast_from_main(value, layout))
+                             writer=layout.is_main, agree=lambda value: broadcast_from_main(value, layout),
+                             shard_layout=(layout.rank, layout.world_size) if sharded_files else None)
     saver.last_saved_step = state.step if resume_from else None
     sink.start()
     sink.advance(state.step)
@@ -627,8 +631,7 @@ def roll_back(
     """Reload weights, optimizer, scaler and RNG from a checkpoint; the data sampler is NOT rewound,
     so the windows since the checkpoint (the bad one included) are skipped."""
     checkpoint = load_checkpoint(target, next(model.parameters()).device)
-    model.load_state_dict(checkpoint.model)
-    optimizer.load_state_dict(checkpoint.optimizer)
+    checkpoint.load_into(model, optimizer)
     if scaler is not None and checkpoint.scaler is not None:
         scaler.load_state_dict(checkpoint.scaler)
     restore_rng(checkpoint.rng, checkpoint.trainer["rng"])
@@ -712,8 +715,7 @@ def restore(
     """Load a checkpoint into the freshly built objects and report what came back and what changed."""
     changes = config_changes(checkpoint.trainer["config"], config_dict)
     try:
-        model.load_state_dict(checkpoint.model)
-        optimizer.load_state_dict(checkpoint.optimizer)
+        checkpoint.load_into(model, optimizer)  # an FSDP2 run reads just its shards of a sharded checkpoint
     except (RuntimeError, ValueError, KeyError) as err:
         raise ConfigError(f"Cannot resume from {checkpoint.path}: its state does not fit this model/optimizer ({err}).") from None
     if scaler is not None and checkpoint.scaler is not None:

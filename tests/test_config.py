@@ -22,6 +22,7 @@ from omegaconf import OmegaConf
 from llmtrain.cli import conf_dir
 from llmtrain.config import (
     GROUPS,
+    CheckpointFormat,
     Config,
     ConfigError,
     DataConfig,
@@ -31,6 +32,7 @@ from llmtrain.config import (
     NonFinitePolicy,
     NormPosition,
     OptimizerName,
+    ParallelMode,
     Precision,
     ScheduleConfig,
     ScheduleName,
@@ -304,6 +306,15 @@ def test_neither_max_steps_nor_max_tokens() -> None:
 def test_validate_rejects_bad_top_level_values(changes: dict, pattern: str) -> None:
     with pytest.raises(ConfigError, match=pattern):
         validate(make(**changes))
+
+
+def test_sharded_checkpoint_files_need_a_sharded_model() -> None:
+    cfg = make()
+    cfg.checkpoint.format = CheckpointFormat.sharded
+    with pytest.raises(ConfigError, match="checkpoint.format is sharded but parallel.mode is single.*parallel=fsdp"):
+        validate(cfg)
+    cfg.parallel.mode = ParallelMode.fsdp
+    validate(cfg)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -87,16 +87,24 @@ def test_torchrun_ranks_agree_on_one_run_dir(tmp_path: Path, reference: Path) ->
 
 ZERO1 = ["parallel=zero1", "parallel.nproc=2"]
 FSDP = ["parallel=fsdp", "parallel.nproc=2"]
+FSDP_FULL_FILES = [*FSDP, "checkpoint.format=full"]
+FSDP_4 = ["parallel=fsdp", "parallel.nproc=4"]  # 2 x 4 = the global batch of 8: no accumulation
 
 
 @pytest.mark.parametrize(("first", "then"), [(DDP, ["parallel=single"]), (["parallel=single"], DDP),
                                              (ZERO1, ["parallel=single"]), (["parallel=single"], ZERO1),
-                                             (FSDP, ["parallel=single"]), (["parallel=single"], FSDP)],
-                         ids=["ddp-2-to-1", "ddp-1-to-2", "zero1-2-to-1", "zero1-1-to-2", "fsdp-2-to-1", "fsdp-1-to-2"])
+                                             (FSDP, ["parallel=single"]), (["parallel=single"], FSDP),
+                                             (FSDP, FSDP_4), (FSDP_FULL_FILES, ["parallel=single"])],
+                         ids=["ddp-2-to-1", "ddp-1-to-2", "zero1-2-to-1", "zero1-1-to-2", "fsdp-2-to-1", "fsdp-1-to-2",
+                              "fsdp-sharded-files-2-to-4", "fsdp-full-files-2-to-1"])
 def test_a_run_resumes_on_another_world_size(tmp_path: Path, reference: Path, first: list, then: list) -> None:
     run = tmp_path / "run"
     stopped = llmtrain(tmp_path, *first, f"hydra.run.dir={run}", env={"LLMTRAIN_TEST_STOP_AT_STEP": "3"})
     assert stopped.returncode == 75, stopped.stderr
+    saved = run / "checkpoints" / "step_00000003"
+    sharded_files = first == FSDP  # checkpoint.format=auto: every rank writes its own shards under fsdp
+    assert (saved / "shards" / "__1_0.distcp").is_file() == sharded_files
+    assert (saved / "model.pt").is_file() != sharded_files
     resumed = llmtrain(tmp_path, *then, f"hydra.run.dir={run}")
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed at step 3" in resumed.stdout

@@ -85,3 +85,15 @@ def test_deterministic_mode_does_not_leak_into_the_next_run(tmp_path: Path) -> N
     assert torch.are_deterministic_algorithms_enabled()
     train(tiny_config(tmp_path / "b", max_steps=3))
     assert not torch.are_deterministic_algorithms_enabled()
+
+
+def test_threads_share_the_cores_between_local_ranks_unless_slurm_gave_each_task_its_own(monkeypatch) -> None:
+    from llmtrain import parallel
+
+    monkeypatch.setattr(parallel, "usable_cores", lambda: 16)
+    monkeypatch.delenv("SUBMITIT_EXECUTOR", raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert parallel.default_threads() == 4  # torchrun: four ranks share the machine's 16 cores
+    monkeypatch.setenv("SUBMITIT_EXECUTOR", "slurm")
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "8")
+    assert parallel.default_threads() == 8  # a SLURM task owns its cpus_per_task cores

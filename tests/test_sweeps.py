@@ -4,6 +4,7 @@ stand-in), Optuna's sweeper searches the learning rate; both end with `llmtrain 
 from __future__ import annotations
 
 import csv
+import json
 import os
 import subprocess
 import sys
@@ -39,6 +40,22 @@ def test_submitit_local_launcher_runs_a_two_job_sweep(tmp_path: Path) -> None:
     rows = compared(sweep)
     assert sorted(r["overrides"] for r in rows) == ["optim.lr=0.001", "optim.lr=0.01"]
     assert all(r["status"] == "finished" for r in rows)
+
+
+def test_the_tasks_of_a_submitit_job_are_the_ranks_of_one_run(tmp_path: Path) -> None:
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    sweep = tmp_path / "sweep"
+    proc = llmtrain(tmp_path, "train", "-m", "hydra/launcher=submitit_local", "hydra.launcher.tasks_per_node=2",
+                    "parallel=ddp", *TINY, f"hydra.sweep.dir={sweep}")
+    assert proc.returncode == 0, proc.stderr
+    task_logs = sorted((sweep / ".submitit").glob("*/*_0_log.out"))
+    assert "(world size 2, DDP over gloo)" in task_logs[0].read_text(), "task 0 is rank 0 of 2"
+    single = llmtrain(tmp_path, "train", *TINY, f"hydra.run.dir={tmp_path / 'single'}")
+    assert single.returncode == 0, single.stderr
+    losses = [{r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+               if r["kind"] == "train"} for run in (tmp_path / "single", sweep / "0")]
+    assert losses[0].keys() == losses[1].keys() == {10, 20}
+    assert all(losses[1][k] == pytest.approx(losses[0][k], rel=1e-5) for k in losses[0])
 
 
 def test_the_shipped_slurm_launcher_config_composes(tmp_path: Path) -> None:
