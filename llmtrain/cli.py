@@ -31,8 +31,9 @@ COMMANDS: dict[str, str] = {
     "sample": "Generate text from a run directory's trained model (or an export).",
     "export": "Write a run's weights as safetensors + the model config as JSON.",
     "compare": "The runs of a sweep side by side: a table sorted by val loss, a CSV and a PNG of the loss curves.",
+    "report": "Post-run review (seed 8.3) of a run dir: report.md + report.html with plots, a verdict per question.",
+    "doctor": "Diagnostic experiments that find bugs fast: overfit, lr-range, grad-check, eval-consistency.",
 }
-# Later commands (report, doctor) register here.
 
 USAGE = """usage: llmtrain <command> [args]
 
@@ -77,7 +78,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     command, rest = args[0], args[1:]
     handlers: dict[str, Callable[[list[str]], None]] = {
         "train": train_command, "prepare": prepare_command, "check": check_command, "sample": sample_command, "export": export_command,
-        "compare": compare_command,
+        "compare": compare_command, "report": report_command, "doctor": doctor_command,
     }
     if command not in handlers:
         fail(f"unknown command '{command}'; valid commands: {', '.join(COMMANDS)}. See `llmtrain --help`.")
@@ -198,17 +199,35 @@ def _train_task(node) -> float | None:  # node: the composed OmegaConf DictConfi
             from llmtrain.compare import summarize  # the objective, from what rank 0 wrote
 
             ran = summarize(Path(cfg.out_dir))
+            _report_after_run(cfg)
             return ran.final_val_loss if ran.final_val_loss is not None else ran.final_train_loss
         from llmtrain.train import train
 
         result = train(cfg)
+        _report_after_run(cfg)
     except UserError as err:
         fail(str(err))
     except RunStopped as stopped:
+        _report_after_run(cfg)  # an interrupted run is reviewed too
         fail(f"{stopped}\n{resume_hint(stopped.run_dir or cfg.out_dir)}", stopped.exit_code, label="stopped")
     if result.val_losses:
         return result.final_val_loss
     return result.train_losses[max(result.train_losses)] if result.train_losses else None
+
+
+def _report_after_run(cfg) -> None:
+    """`train` ends with the post-run review (report=true), written by rank 0. The run's own results
+    are on disk by then: a report that fails is a warning, never a failed run."""
+    if not cfg.report or os.environ.get("RANK", "0") != "0" or not (Path(cfg.out_dir) / "metrics.jsonl").is_file():
+        return
+    from llmtrain.report import render_summary, write_report
+    from llmtrain.sinks import default_console
+
+    try:
+        render_summary(write_report(Path(cfg.out_dir)), default_console())
+    except Exception as err:  # noqa: BLE001 - see the docstring
+        print(f"llmtrain: warning: the post-run report could not be written ({type(err).__name__}: {err}); "
+              f"`llmtrain report {cfg.out_dir}` retries it.", file=sys.stderr)
 
 
 def _ranks_from_submitit_tasks() -> None:
@@ -640,3 +659,76 @@ def compare_command(args: list[str]) -> None:
     write_csv(summaries, opts.sweep_dir, csv_path)
     plot_curves(summaries, png_path, title + (f"\ncommon: {' '.join(common)}" if common else ""))
     console.print(f"wrote {csv_path} and {png_path}")
+
+
+# ---------------------------------------------------------------------------------------------
+# report
+# ---------------------------------------------------------------------------------------------
+
+
+def report_command(args: list[str]) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="llmtrain report",
+        description="The post-run review (seed 8.3) of a run dir, finished, interrupted or crashed: is the loss smooth, "
+        "does validation track training, does inference behave like training, peak memory and headroom, time per "
+        "step and its bottleneck, alarms and actions. Writes report.md and a self-contained report.html (plots "
+        "inside) into the run dir and prints the verdicts. `llmtrain train` writes it at the end of every run.",
+        epilog="example: llmtrain report outputs/2026-11-30/10-00-00",
+    )
+    parser.add_argument("run_dir", type=Path, help="a run dir written by `llmtrain train`")
+    parser.add_argument("--no-inference", action="store_true",
+                        help="skip reloading the weights for the inference-vs-training check")
+    opts = parser.parse_args(args)
+
+    from llmtrain.errors import UserError
+    from llmtrain.report import render_summary, write_report
+    from llmtrain.sinks import default_console
+
+    console = default_console()
+    try:
+        report = write_report(opts.run_dir, inference=not opts.no_inference)
+    except UserError as err:
+        fail(str(err))
+    render_summary(report, console)
+
+
+# ---------------------------------------------------------------------------------------------
+# doctor
+# ---------------------------------------------------------------------------------------------
+
+
+def doctor_command(args: list[str]) -> None:
+    import argparse
+
+    from llmtrain.doctor import EXPERIMENTS
+
+    parser = argparse.ArgumentParser(
+        prog="llmtrain doctor",
+        description="Diagnostic experiments on a config (the same overrides as `llmtrain train`):\n"
+        + "\n".join(f"  {name}: {doc}" for name, doc in EXPERIMENTS.items())
+        + "\nExit code 0: the experiment passed; 1: it found a problem (the output says which and what to check).",
+        epilog="examples: llmtrain doctor overfit\n          llmtrain doctor lr-range optim=adamw model.n_layer=4\n"
+        "          llmtrain doctor grad-check model.dropout=0.1",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("experiment", choices=list(EXPERIMENTS), help="which experiment to run")
+    parser.add_argument("overrides", nargs="*", help="config overrides, as for `llmtrain train` (GROUP=OPTION, KEY=VALUE)")
+    parser.add_argument("--config-dir", "-cd", default=None, help="a folder of your own group options (as for train)")
+    parser.add_argument("--out", type=Path, default=Path("doctor"),
+                        help="where plots and results go (default: ./doctor)")
+    opts = parser.parse_args(args)
+    if opts.config_dir and not Path(opts.config_dir).expanduser().is_dir():
+        fail(f"--config-dir is '{opts.config_dir}', which is not a folder; give a folder of group options like conf/.")
+
+    from llmtrain.doctor import run_doctor
+    from llmtrain.errors import UserError
+    from llmtrain.sinks import default_console
+
+    try:
+        cfg = compose_config(opts.overrides, opts.config_dir)
+        code = run_doctor(opts.experiment, cfg, opts.out, default_console())
+    except UserError as err:
+        fail(str(err))
+    sys.exit(code)

@@ -377,6 +377,11 @@ class Config:
     eval_interval: int = _f(100, "Evaluate every this many steps (and at the end); 0 disables.")
     eval_batches: int = _f(10, "Fixed validation batches per evaluation.")
     log_interval: int = _f(10, "Write metrics.jsonl and the console line every this many steps.")
+    timing_interval: int = _f(
+        50, "Time the phases (data, forward, backward, optimizer, other) of every this-many-th step for the report; "
+        "on CUDA those steps synchronize at each phase. 0 disables."
+    )
+    report: bool = _f(True, "Write report.md and report.html (the 8.3 post-run review) into the run dir when train ends.")
     out_dir: str | None = _f(None, "Run directory; null uses Hydra's run dir.")
     device: str = _f("auto", "auto, cpu, cuda, cuda:N or mps.")
     threads: int | None = _f(None, "CPU threads per process; null = usable cores / local processes.")
@@ -519,6 +524,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     ]:
         _require(value >= 1, f"'{key}' is {value}; it must be a positive integer.")
     _require(cfg.eval_interval >= 0, f"'eval_interval' is {cfg.eval_interval}; use a step count >= 1, or 0 to disable evaluation.")
+    _require(cfg.timing_interval >= 0,
+             f"'timing_interval' is {cfg.timing_interval}; use a step count >= 1, or 0 to time no step.")
     _validate_parallel(cfg)
     world_size = world_size or world_size_of(cfg)
     if m.n_embd % m.n_head:

@@ -103,3 +103,30 @@ def matmul_peak_flops(device: torch.device, size: int = 1024, repeats: int = 8) 
         c = a @ b
     c.sum().item()  # waits for the device
     return 2 * size**3 * repeats / (time.perf_counter() - start)
+
+
+def peak_rss_mb() -> float:
+    """The highest resident memory this process reached, in MB (VmHWM on Linux)."""
+    try:
+        for line in open("/proc/self/status").read().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10
+
+
+def device_memory_mb(device: torch.device) -> float | None:
+    """All the memory a run on `device` could use, in MB: the GPU's, or the host's (its cgroup
+    limit when that is lower), the figure peak memory is measured against."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory / 2**20
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**20
+    try:
+        limit = open("/sys/fs/cgroup/memory.max").read().strip()
+        if limit.isdigit():
+            total = min(total, int(limit) / 2**20)
+    except OSError:
+        pass
+    return total

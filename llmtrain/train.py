@@ -110,8 +110,10 @@ from llmtrain.parallel import (
     zero_redundancy,
 )
 from llmtrain.precision import autocast_factory, build_grad_scaler, resolve_precision
+from llmtrain.probes import cuda_memory_mb, device_memory_mb, peak_rss_mb
 from llmtrain.schedule import lr_at
 from llmtrain.sinks import ConsoleSink, MetricsSink, NullSink
+from llmtrain.timing import StepTimer
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -167,24 +169,30 @@ def accumulate_gradients(
     label_smoothing: float = 0.0,
     n_tokens: int | None = None,
     world_size: int = 1,
+    timer: StepTimer | None = None,
 ) -> torch.Tensor:
     """Forward/backward over one accumulation window; returns the window's mean loss (a tensor).
 
     The loss is summed over real tokens and divided by `n_tokens`, the window's tokens over all
     ranks (default: this window's). Under DDP, which averages the ranks' gradients, each rank's
     loss is also multiplied by `world_size`, and gradients are synchronized once, on the window's
-    last micro-batch (no_sync before): the result is the gradient one process would compute."""
+    last micro-batch (no_sync before): the result is the gradient one process would compute.
+    `timer` (on sampled steps) times the copies to the device, each forward and each backward."""
     n_tokens = max(1, n_tokens if n_tokens is not None else count_tokens(batches))
+    lap = timer.lap if timer is not None else lambda phase: None
     window_loss = torch.zeros((), device=device)
     for i, (x, y) in enumerate(batches):
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        lap("data")
         defer_sync = world_size > 1 and i < len(batches) - 1
         with deferred_gradient_sync(model) if defer_sync else contextlib.nullcontext():
             with autocast():
                 loss = loss_sum(model(x), y, label_smoothing) / n_tokens
                 if world_size > 1:
                     loss = loss * world_size
+            lap("forward")
             (scaler.scale(loss) if scaler is not None else loss).backward()
+        lap("backward")
         window_loss += loss.detach()
     return window_loss
 
@@ -398,12 +406,14 @@ def _train(cfg: Config, console: ConsoleSink | None, layout: Layout) -> TrainRes
     # ---- the loop ------------------------------------------------------------------------------
     metrics = (MetricsSink(run_dir, cfg.tensorboard, cfg.wandb.value, cfg.wandb_project, config_dict) if layout.is_main
                else NullSink())
+    flops_token = flops_per_token(model, seq_len)
     # Appending (never truncating) keeps earlier records (a resumed run continues the same file).
     metrics.write({"kind": "start", "time": time.time(), "steps": steps_total, "tokens_per_step": tokens_per_step,
                    "resumed_from": str(resume_from) if resume_from else None, "step": state.step, "seed": run_seed,
-                   "check": {row.item: row.status.value for row in check.rows}})
+                   "check": {row.item: row.status.value for row in check.rows}, "device": str(device),
+                   "device_memory_mb": device_memory_mb(device), "world_size": layout.world_size,
+                   "flops_per_token": flops_token, "precision": precision.name.value})
     result = TrainResult(run_dir=run_dir, steps=state.step, tokens=state.tokens, unigram_entropy=data.unigram_entropy)
-    flops_token = flops_per_token(model, seq_len)
     # Test-only hook: poison the loss at these steps, each listed occurrence once ("6,6": twice).
     nan_steps = [int(s) for s in os.environ.get("LLMTRAIN_TEST_NAN_AT_STEPS", "").split(",") if s]
     # Test-only hook: "RANK:STEP" makes that rank fail at that step (a crashed DDP worker).
@@ -422,6 +432,7 @@ def _train(cfg: Config, console: ConsoleSink | None, layout: Layout) -> TrainRes
                              writer=layout.is_main, agree=lambda value: broadcast_from_main(value, layout),
                              shard_layout=(layout.rank, layout.world_size) if sharded_files else None)
     saver.last_saved_step = state.step if resume_from else None
+    timer = StepTimer(cfg.timing_interval, device)
     sink.start()
     sink.advance(state.step)
     start = last_log_time = time.perf_counter()
@@ -443,8 +454,10 @@ def _train(cfg: Config, console: ConsoleSink | None, layout: Layout) -> TrainRes
                                        f"step {step + 1} on ({stage_tokens:,} tokens/step)")
                         metrics.write({"kind": "seq_len", "step": step, "seq_len": stage.seq_len,
                                        "micro_batch_size": stage.micro_batch_size, "tokens_per_step": stage_tokens})
+                timer.start(step + 1)  # every timing_interval-th step: where its time goes, for the report
                 fetch_start = time.perf_counter()
                 window = [train_batches.next_batch() for _ in range(min(accum, micro_total - step * accum))]
+                timer.lap("data")
                 # real targets over all ranks (instruction padding and prompts do not count)
                 window_tokens = int(all_reduce_sum([count_tokens(window)], layout)[0])
                 lr_schedule = lr_at(step, peak_lr, steps_total, cfg.schedule)
@@ -454,9 +467,10 @@ def _train(cfg: Config, console: ConsoleSink | None, layout: Layout) -> TrainRes
                 if watch is not None:
                     watch.data_seconds += time.perf_counter() - fetch_start
                     watch.before_forward(step + 1)
+                timer.lap("other")
 
                 loss = accumulate_gradients(train_model, window, device, autocast, scaler, cfg.optim.label_smoothing,
-                                            n_tokens=window_tokens, world_size=layout.world_size)
+                                            n_tokens=window_tokens, world_size=layout.world_size, timer=timer)
                 if layout.distributed:  # each rank's share -> the window's loss, the same on every rank
                     torch.distributed.all_reduce(loss)
                     loss /= layout.world_size
@@ -489,6 +503,7 @@ def _train(cfg: Config, console: ConsoleSink | None, layout: Layout) -> TrainRes
                 elif watch is not None:
                     watch.probe = None  # a sampled step that was not checked: its activations are not reported later
                 finite = finite and not skip_update
+                timer.lap("other")
                 if finite:
                     if scaler is not None:
                         scaler.step(optimizer)  # skips the step if the gradients overflowed
@@ -499,6 +514,7 @@ def _train(cfg: Config, console: ConsoleSink | None, layout: Layout) -> TrainRes
                 if watch is not None:
                     watch.after_step(applied=finite)
                 optimizer.zero_grad(set_to_none=True)
+                timer.lap("optimizer")
                 state.step += 1
                 state.tokens += window_tokens
                 if not finite and not skip_update:
@@ -536,6 +552,9 @@ def _train(cfg: Config, console: ConsoleSink | None, layout: Layout) -> TrainRes
                     result.train_losses[state.step] = record["loss"]
                     metrics.write(record)
                     sink.log_train(record)
+                timing = timer.finish(state.step)
+                if timing is not None:
+                    metrics.write(timing)
                 stopping = stop.requested(state.step)
                 saving = saver.due(state.step) or stopping or (last_step and cfg.checkpoint.final)
                 if layout.distributed:  # signals and the clock differ per rank: stop and save together
@@ -558,6 +577,8 @@ def _train(cfg: Config, console: ConsoleSink | None, layout: Layout) -> TrainRes
                                           f"{state.step}; {saved}",
                                           checkpoint=path, run_dir=run_dir)
     finally:
+        # The run's peaks, also when it stops or fails: the report's memory verdict reads them.
+        metrics.write({"kind": "end", "step": state.step, "peak_rss_mb": peak_rss_mb(), **cuda_memory_mb(device)})
         sink.stop()
         if watch is not None:
             watch.close()

@@ -133,6 +133,17 @@ def test_a_non_finite_step_is_skipped_on_every_rank_as_in_one_process(tmp_path: 
     assert_close(losses(tmp_path / "single"), losses(tmp_path / "ranks"))
 
 
+def test_a_rollback_under_fsdp_reads_its_sharded_checkpoint_as_one_process_would(tmp_path: Path) -> None:
+    nan, rollback = {"LLMTRAIN_TEST_NAN_AT_STEPS": "5"}, ["checkpoint.on_nonfinite=rollback", "checkpoint.every_steps=2"]
+    single = llmtrain(tmp_path, *rollback, f"hydra.run.dir={tmp_path / 'single'}", env=nan)
+    ranks = llmtrain(tmp_path, *FSDP, *rollback, f"hydra.run.dir={tmp_path / 'ranks'}", env=nan)
+    assert single.returncode == 0 and ranks.returncode == 0, ranks.stderr
+    assert (tmp_path / "ranks" / "checkpoints" / "step_00000004" / "shards").is_dir()
+    records = [json.loads(line) for line in (tmp_path / "ranks" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["to_step"]) for r in records if r["kind"] == "rollback"] == [(5, 4)]
+    assert_close(losses(tmp_path / "single"), losses(tmp_path / "ranks"))
+
+
 def test_epoch_sampling_resumes_on_another_world_size(tmp_path: Path) -> None:
     epochs = ["data.sampling=epoch", "data.max_bytes=1200", "max_steps=12"]  # ~4 steps per epoch
     reference = llmtrain(tmp_path, *epochs, f"hydra.run.dir={tmp_path / 'single'}")

@@ -27,6 +27,10 @@ def test_non_editable_install_runs_from_any_directory(tmp_path: Path) -> None:
     assert (target / "llmtrain" / "conf" / "config.yaml").is_file()
     assert (target / "llmtrain" / "conf" / "model" / "gpt_tiny.yaml").is_file()
     assert (target / "llmtrain" / "conf" / "hydra" / "launcher" / "slurm.yaml").is_file()  # two levels down
+    # every subpackage is listed in pyproject.toml (a package left out imports from a checkout only)
+    shipped = {p.relative_to(target).as_posix() for p in (target / "llmtrain").rglob("*.py")}
+    in_tree = {p.relative_to(ROOT).as_posix() for p in (ROOT / "llmtrain").rglob("*.py")}
+    assert in_tree <= shipped, sorted(in_tree - shipped)
     code = (
         f"import sys; sys.path.insert(0, {str(target)!r}); import llmtrain.cli as c; "
         "print(c.__file__); c.main(['train', 'model=gpt_small', '--cfg', 'job'])"

@@ -1,0 +1,294 @@
+"""The shared part of `llmtrain doctor`: the bench (device, data and models, as `llmtrain train` sets
+them up), the out-dir and strict-JSON helpers, the gradient helpers and the `Check` table used by
+several experiments.
+
+`llmtrain.train` is imported inside the functions that call it (`backward` here, the lr-range sweep,
+eval-consistency's `check_evaluate`), so that a test's monkeypatch of `llmtrain.train.accumulate_gradients`
+reaches the experiments.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+from torch import nn
+
+from llmtrain.check import vocab_too_small
+from llmtrain.config import Config, ConfigError, ModelConfig, seq_len_of, validate
+from llmtrain.data import InstructionSampler, RandomWindowSampler, prepare_data
+from llmtrain.data.prepare import PreparedData
+from llmtrain.errors import UserError
+from llmtrain.model import GPT
+from llmtrain.parallel import default_threads, resolve_device
+from llmtrain.precision import resolve_precision
+
+ModelFactory = Callable[[ModelConfig, int], nn.Module]
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+# ---------------------------------------------------------------------------------------------
+# the bench: device, data and models, shared by every experiment
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Bench:
+    """What an experiment works on: the config, its device, the prepared data and the model factory."""
+
+    cfg: Config
+    device: torch.device
+    data: PreparedData
+    vocab_size: int
+    seq_len: int
+    seed: int
+    build_model: ModelFactory
+
+    def model(self, **changes: Any) -> nn.Module:
+        """A fresh model of the config's model section with `changes` (e.g. dropout=0.0), in train
+        mode. Seeded the same every time, so models that differ only in dropout or checkpointing
+        start from the same weights (the experiments still copy weights where they compare)."""
+        torch.manual_seed(self.seed)
+        model = self.build_model(dataclasses.replace(self.cfg.model, **changes), self.vocab_size).to(self.device)
+        model.train()
+        return model
+
+    def sampler(self, batch_size: int, seq_len: int | None = None, seed_offset: int = 0) -> Any:
+        """The train split's batches as the train loop draws them: whole instruction examples (prompt
+        tokens masked out of the loss) for instruction data, random windows otherwise."""
+        seq_len = seq_len or self.seq_len
+        seed = (self.cfg.data.seed if self.cfg.data.seed is not None else self.seed) + seed_offset
+        try:
+            if self.data.meta.get("loss_mask"):
+                return InstructionSampler(self.data.tokens("train"), self.data.loss_mask("train"),
+                                          self.data.offsets("train"), batch_size, seq_len, seed)
+            return RandomWindowSampler(self.data.tokens("train"), batch_size, seq_len, seed)
+        except ValueError as err:
+            raise ConfigError(f"the train split cannot give a batch of {batch_size} x {seq_len} tokens ({err}); "
+                              "use more data, a shorter data.seq_len or a smaller micro_batch_size.") from None
+
+    def batch(self, batch_size: int, seq_len: int | None = None) -> Batch:
+        """One batch, on the device."""
+        x, y = self.sampler(batch_size, seq_len).next_batch()
+        return x.to(self.device), y.to(self.device)
+
+
+def make_bench(cfg: Config, console: Console, build_model: ModelFactory | None = None) -> Bench:
+    """Device, threads, seed and prepared data, as `llmtrain train` sets them up; user mistakes
+    (too little data, a vocabulary too small) raise ConfigError before any compute."""
+    validate(cfg)  # the CLI's config already is; a direct API call gets the same checks
+    if build_model is None:
+        build_model = GPT
+    device = resolve_device(cfg.device)
+    torch.set_num_threads(cfg.threads or default_threads())
+    data = prepare_data(cfg.data, log=lambda message: console.print(f"[dim]{escape(message)}[/]"),
+                        progress=console.is_terminal)
+    vocab_size = cfg.model.vocab_size or data.vocab_size
+    if vocab_size < data.vocab_size:
+        raise ConfigError(vocab_too_small(cfg, data.vocab_size))
+    seq_len = seq_len_of(cfg)
+    if data.meta["train_tokens"] < seq_len + 1:
+        raise ConfigError(f"The train split has {data.meta['train_tokens']} tokens, fewer than one sequence of "
+                          f"{seq_len} (+1 target); use more text or a shorter data.seq_len.")
+    # An unseeded config still gets a repeatable diagnosis: a doctor run is an experiment, not a run.
+    seed = cfg.seed if cfg.seed is not None else 0
+    return Bench(cfg, device, data, vocab_size, seq_len, seed, build_model)
+
+
+def fastest_threads(bench: Bench, model: nn.Module, batch: Batch, autocast: Callable[[], Any],
+                    console: Console) -> int:
+    """On CPU, with `threads` unset: keep the default thread count or drop to 1, whichever runs this
+    experiment's forward/backward faster (timed, gradients discarded). OpenMP threads spin-wait for
+    each other, so when another process holds a core a small step slows down many times (measured on
+    2 cores next to a training run: 1.2 s per overfit step with 2 threads, 17 ms with 1)."""
+    current = torch.get_num_threads()
+    if bench.device.type != "cpu" or bench.cfg.threads is not None or current == 1:
+        return current
+    timings = {}
+    for threads in (current, 1):
+        torch.set_num_threads(threads)
+        backward(model, [batch], bench.device, autocast)  # warm-up
+        begin = time.perf_counter()
+        for _ in range(2):
+            backward(model, [batch], bench.device, autocast)
+        timings[threads] = (time.perf_counter() - begin) / 2
+    model.zero_grad(set_to_none=True)
+    best = min(timings, key=timings.get)
+    torch.set_num_threads(best)
+    if best != current:
+        console.print(f"[dim]1 CPU thread: {timings[1] * 1e3:.0f} ms per forward/backward against "
+                      f"{timings[current] * 1e3:.0f} ms with {current} (the cores are busy elsewhere)[/]")
+    return best
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers shared by the experiments: out dir, strict JSON, report, plots, eval mode
+# ---------------------------------------------------------------------------------------------
+
+
+def prepare_out_dir(out_dir: Path) -> Path:
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserError(f"--out is '{out_dir}', which is not a folder; give a folder for the plots and results "
+                        "(it is created when missing).")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UserError(f"--out is '{out_dir}', which cannot be created ({err.strerror or err}); give a folder "
+                        "you can write to.") from None
+    return out_dir
+
+
+def write_json(path: Path, payload: dict) -> None:
+    """Strict JSON: non-finite floats (a diverged loss) become the strings "nan"/"inf"."""
+    path.write_text(json.dumps(_strict(payload), indent=2) + "\n")
+
+
+def _strict(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _strict(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict(v) for v in value]
+    return value
+
+
+def _param_count(model: nn.Module) -> int:
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def _verdict(passed: bool) -> str:
+    return "[bold green]PASS[/]" if passed else "[bold red]FAIL[/]"
+
+
+def _precision_name(cfg: Config, device: torch.device) -> str:
+    return resolve_precision(cfg.precision.name, device).value
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+@contextlib.contextmanager
+def eval_mode(model: nn.Module) -> Iterator[None]:
+    """Eval mode and no autograd inside; the previous mode comes back."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        model.train(was_training)
+
+
+def _names(names: list[str], limit: int = 6) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+# ---------------------------------------------------------------------------------------------
+# gradients
+# ---------------------------------------------------------------------------------------------
+
+
+def backward(
+    model: nn.Module, batches: list[Batch], device: torch.device, autocast: Callable[[], Any] = contextlib.nullcontext,
+    label_smoothing: float = 0.0, scaler: torch.amp.GradScaler | None = None,
+) -> float:
+    """The train loop's forward/backward of one accumulation window on zeroed gradients; the mean loss."""
+    from llmtrain.train import accumulate_gradients  # looked up per call: tests monkeypatch it
+
+    model.zero_grad(set_to_none=True)
+    return float(accumulate_gradients(model, batches, device, autocast, scaler, label_smoothing).item())
+
+
+def gradients(model: nn.Module, scale: float = 1.0) -> dict[str, torch.Tensor]:
+    """Name -> fp32 copy of each trainable parameter's gradient (zeros where it got none)."""
+    return {name: (p.grad.detach().float() / scale if p.grad is not None else torch.zeros_like(p, dtype=torch.float32))
+            for name, p in model.named_parameters() if p.requires_grad}
+
+
+@dataclass
+class GradDiff:
+    """How far gradients `a` are from reference gradients `b`."""
+
+    rel_diff: float  # ||a - b|| / ||b|| over all parameters together
+    cosine: float  # cosine similarity of the flattened gradients
+    norm_ratio: float  # ||a|| / ||b||
+    worst_param: str  # the parameter with the largest relative difference
+    worst_rel_diff: float
+    finite: bool
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def compare_gradients(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> GradDiff:
+    flat_a = torch.cat([g.flatten() for g in a.values()]).double()
+    flat_b = torch.cat([b[name].flatten() for name in a]).double()
+    norm_b = float(flat_b.norm())
+    tiny = 1e-30
+    per_param = {name: float((a[name].double() - b[name].double()).norm() / max(float(b[name].double().norm()), tiny))
+                 for name in a if float(b[name].norm()) > 0 or float(a[name].norm()) > 0}
+    worst = max(per_param, key=per_param.get) if per_param else ""
+    return GradDiff(
+        rel_diff=float((flat_a - flat_b).norm()) / max(norm_b, tiny),
+        cosine=float(torch.nn.functional.cosine_similarity(flat_a, flat_b, dim=0)),
+        norm_ratio=float(flat_a.norm()) / max(norm_b, tiny),
+        worst_param=worst,
+        worst_rel_diff=per_param.get(worst, 0.0),
+        finite=bool(torch.isfinite(flat_a).all()),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# checks: the table of measured comparisons grad-check and eval-consistency print
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Check:
+    """One measured comparison: its verdict, the number that decided it and the bar it had to clear."""
+
+    name: str
+    passed: bool
+    measured: str  # the deciding number(s), short: the table's column
+    tolerance: str  # the pass criterion, short
+    info: str = ""  # more numbers, printed under the table
+    hint: str = ""  # what a failure points at, printed when it failed
+    details: dict[str, Any] = field(default_factory=dict)  # everything, for the JSON file
+
+
+def render_checks(checks: list[Check], console: Console, title: str) -> None:
+    """A table (check, verdict, the deciding number, the criterion), then one line of detail per check,
+    and what each failure points at."""
+    table = Table(title=f"doctor {title}")
+    table.add_column("check")
+    table.add_column("result")
+    table.add_column("measured")
+    table.add_column("pass when")
+    for check in checks:
+        table.add_row(escape(check.name), _verdict(check.passed), escape(check.measured), escape(check.tolerance))
+    console.print(table)
+    for check in checks:
+        if check.info:
+            console.print(f"  {escape(check.name)}: [dim]{escape(check.info)}[/]")
+        if not check.passed and check.hint:
+            console.print(f"  [bold red]{escape(check.name)} failed[/]: {escape(check.hint)}")

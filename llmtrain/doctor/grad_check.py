@@ -1,0 +1,184 @@
+"""`llmtrain doctor grad-check`: gradients with activation checkpointing on and off, in fp32 and under
+autocast, and accumulated over micro-batches as the train loop does against the whole batch at once."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from rich.console import Console
+
+from llmtrain.config import Config, Precision
+from llmtrain.data.sampler import IGNORE_INDEX
+from llmtrain.doctor.bench import (
+    Bench,
+    Check,
+    ModelFactory,
+    _precision_name,
+    _verdict,
+    backward,
+    compare_gradients,
+    gradients,
+    make_bench,
+    prepare_out_dir,
+    render_checks,
+    write_json,
+)
+from llmtrain.precision import autocast_factory, native_bf16
+
+# ---------------------------------------------------------------------------------------------
+# grad-check
+# ---------------------------------------------------------------------------------------------
+
+CHECKPOINT_TOL = 1e-5  # relative L2 difference: the same math, recomputed, in fp32
+AUTOCAST_MIN_COSINE = 0.99  # bf16 keeps ~3 significant digits: the direction must still agree
+AUTOCAST_MAX_NORM_DIFF = 0.05  # |‖g_amp‖ / ‖g_fp32‖ - 1|
+ACCUMULATION_TOL = 1e-5  # relative L2 difference: only the summation order differs
+ACCUMULATION_MAX_MICRO = 8  # micro-batches compared (the property does not depend on the window's length)
+
+
+@dataclass
+class GradCheckResult:
+    passed: bool
+    checks: list[Check]
+    seconds: float = 0.0
+
+
+def run_grad_check(
+    cfg: Config, out_dir: Path, console: Console, build_model: ModelFactory | None = None
+) -> GradCheckResult:
+    """(a) activation checkpointing on = off, (b) autocast close to fp32, (c) micro-batch accumulation
+    as the train loop does it = the whole batch at once."""
+    start = time.perf_counter()
+    out_dir = prepare_out_dir(out_dir)
+    bench = make_bench(cfg, console, build_model)
+    console.print(f"[bold]doctor grad-check[/]: {cfg.model.name}, micro-batch {cfg.micro_batch_size} x {bench.seq_len} "
+                  f"tokens, global batch {cfg.global_batch_size}, dropout {cfg.model.dropout:g}")
+    checks = [check_activation_checkpointing(bench), check_autocast(bench), *check_accumulation(bench)]
+    result = GradCheckResult(all(c.passed for c in checks), checks, time.perf_counter() - start)
+    render_checks(checks, console, "grad-check")
+    write_json(out_dir / "grad-check.json", {"experiment": "grad-check", **dataclasses.asdict(result)})
+    console.print(f"{_verdict(result.passed)}; wrote {out_dir / 'grad-check.json'} ({result.seconds:.1f}s)")
+    return result
+
+
+def check_activation_checkpointing(bench: Bench) -> Check:
+    """Same weights, same batch and the same RNG seed before each forward (so the same dropout
+    masks: checkpointing replays the RNG state when it recomputes); fp32."""
+    plain = bench.model(activation_checkpointing=False)
+    ckpt = bench.model(activation_checkpointing=True)
+    ckpt.load_state_dict(plain.state_dict())
+    batch = bench.batch(bench.cfg.micro_batch_size)
+    grads, saved, losses = [], [], []
+    for model in (plain, ckpt):
+        torch.manual_seed(bench.seed)
+        with saved_activation_bytes() as counter:
+            losses.append(backward(model, [batch], bench.device))
+        saved.append(counter["bytes"])
+        grads.append(gradients(model))
+    diff = compare_gradients(grads[1], grads[0])
+    info = (f"worst parameter {diff.worst_param} ({diff.worst_rel_diff:.2e}); loss {losses[0]:.6f} off, "
+            f"{losses[1]:.6f} on; tensors saved for backward {saved[0] / 2**20:.1f} MiB off, "
+            f"{saved[1] / 2**20:.1f} MiB on")
+    if saved[1] >= saved[0]:  # not a wrong gradient, but the memory the user asked for is not saved
+        info += " -- checkpointing saved NO memory: the model ignores model.activation_checkpointing"
+    return Check(
+        "activation checkpointing on = off", diff.finite and diff.rel_diff <= CHECKPOINT_TOL,
+        f"rel. diff {diff.rel_diff:.2e}", f"<= {CHECKPOINT_TOL:g} (fp32, same RNG)", info,
+        "the checkpointed path computes something else than the plain one: an argument not passed through "
+        "checkpoint() (positions, RoPE tables, masks), a stateful forward (a counter, a cache) that changes when "
+        "recomputed, or the RNG not replayed (preserve_rng_state=False with dropout)",
+        {"gradients": diff.as_dict(), "losses": losses, "saved_activation_bytes": saved},
+    )
+
+
+@contextlib.contextmanager
+def saved_activation_bytes() -> Iterator[dict[str, int]]:
+    """Bytes of the tensors autograd saves for backward inside the block (the activation memory)."""
+    counter = {"bytes": 0}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        counter["bytes"] += tensor.numel() * tensor.element_size()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        yield counter
+
+
+def check_autocast(bench: Bench) -> Check:
+    """fp32 against mixed precision (bf16 on CPU; the config's precision on GPU, bf16/fp16 when fp32)
+    on the same weights and batch, dropout 0."""
+    name = Precision.bf16  # CPU and MPS: bf16 autocast, whatever the config says (fp32 is their default)
+    if bench.device.type == "cuda":
+        name = Precision(_precision_name(bench.cfg, bench.device))
+        if name is Precision.fp32:
+            name = Precision.bf16 if native_bf16() else Precision.fp16
+    precision = dataclasses.replace(bench.cfg.precision, name=name)
+    model = bench.model(dropout=0.0)
+    batch = bench.batch(bench.cfg.micro_batch_size)
+    backward(model, [batch], bench.device)
+    reference = gradients(model)
+    # fp16 gradients underflow without loss scaling; scale by a constant here and divide it out.
+    scaler = None
+    if name is Precision.fp16:
+        scaler = torch.amp.GradScaler(bench.device.type, init_scale=precision.init_scale)
+    backward(model, [batch], bench.device, autocast_factory(precision, bench.device.type), scaler=scaler)
+    mixed = gradients(model, scale=scaler.get_scale() if scaler is not None else 1.0)
+    diff = compare_gradients(mixed, reference)
+    norm_diff = abs(diff.norm_ratio - 1.0)
+    return Check(
+        f"fp32 ~ {name.value} autocast",
+        diff.finite and diff.cosine >= AUTOCAST_MIN_COSINE and norm_diff <= AUTOCAST_MAX_NORM_DIFF,
+        f"cosine {diff.cosine:.5f}, norm diff {norm_diff:.2%}",
+        f"cosine >= {AUTOCAST_MIN_COSINE:g}, norm diff <= {AUTOCAST_MAX_NORM_DIFF:.0%}",
+        f"rel. diff {diff.rel_diff:.2e}, worst parameter {diff.worst_param} ({diff.worst_rel_diff:.2e})"
+        + ("" if diff.finite else "; NON-FINITE gradients under autocast"),
+        "mixed precision changes the gradients beyond rounding: a loss or softmax computed in low precision, fp16 "
+        "gradients underflowing without loss scaling, or a cast that cuts a tensor from the graph",
+        {"precision": name.value, "gradients": diff.as_dict()},
+    )
+
+
+def check_accumulation(bench: Bench) -> list[Check]:
+    """Micro-batches accumulated the train loop's way (`accumulate_gradients`: loss sum / tokens in
+    the window) against an independent reference: one forward of the whole batch with a plain
+    token-mean cross-entropy. First the config's own split, then (when the micro-batch holds several
+    sequences) one sequence per micro-batch, the split most sensitive to a wrong normalization."""
+    cfg = bench.cfg
+    accum = min(cfg.global_batch_size // cfg.micro_batch_size, ACCUMULATION_MAX_MICRO)
+    sampler = bench.sampler(cfg.micro_batch_size, seed_offset=2)
+    window = [sampler.next_batch() for _ in range(accum)]
+    x, y = torch.cat([b[0] for b in window]), torch.cat([b[1] for b in window])
+    model = bench.model(dropout=0.0)
+    model.zero_grad(set_to_none=True)
+    logits = model(x.to(bench.device))
+    targets = y.to(bench.device).reshape(-1)
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets,
+                                             ignore_index=IGNORE_INDEX, label_smoothing=cfg.optim.label_smoothing)
+    loss.backward()
+    whole_loss = loss.item()
+    reference = gradients(model)
+    splits = [(f"{accum} x {cfg.micro_batch_size} (the config's window)", window)]
+    if cfg.micro_batch_size > 1:
+        splits.append((f"{x.shape[0]} x 1", [(x[i:i + 1], y[i:i + 1]) for i in range(x.shape[0])]))
+    checks = []
+    for label, batches in splits:
+        split_loss = backward(model, batches, bench.device, label_smoothing=cfg.optim.label_smoothing)
+        diff = compare_gradients(gradients(model), reference)
+        checks.append(Check(
+            f"accumulated {label} = whole batch", diff.finite and diff.rel_diff <= ACCUMULATION_TOL,
+            f"rel. diff {diff.rel_diff:.2e}", f"<= {ACCUMULATION_TOL:g} (fp32, dropout 0)",
+            f"worst parameter {diff.worst_param} ({diff.worst_rel_diff:.2e}); loss {split_loss:.6f} accumulated, "
+            f"{whole_loss:.6f} whole; {x.shape[0]} sequences, {int((y != IGNORE_INDEX).sum()):,} real target tokens",
+            "the accumulated gradient is not the big batch's: the loss is not divided by the token count of the whole "
+            "window (a mean per micro-batch, or a division by the number of micro-batches when their token counts "
+            "differ), or gradients are zeroed or clipped inside the window",
+            {"gradients": diff.as_dict(), "loss": split_loss, "whole_batch_loss": whole_loss,
+             "sequences": int(x.shape[0]), "real_tokens": int((y != IGNORE_INDEX).sum())},
+        ))
+    return checks

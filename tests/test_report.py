@@ -1,0 +1,173 @@
+"""`llmtrain report`: the 8.3 review of a real run (every section, sane values, plots that open),
+of an interrupted and of a crashed run, and each verdict on records that show the problem."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import matplotlib.image
+import pytest
+
+from llmtrain.report import NA, OK, WARN, RunRecords, alarms, build_report, overfitting, smoothness, step_time
+
+from .conftest import TINY_CORPUS
+
+RUN = [
+    "data=text", f"data.path={TINY_CORPUS}", "data.tokenizer=char", "model.n_layer=2", "model.n_embd=32",
+    "model.n_head=2", "model.block_size=32", "model.dropout=0.1", "micro_batch_size=4", "global_batch_size=8",
+    "max_steps=40", "schedule.warmup_steps=4", "eval_interval=10", "log_interval=5", "timing_interval=5",
+    "monitor.interval=5", "monitor.activation_interval=10", "checkpoint.every_steps=10", "threads=1",
+]
+QUESTIONS = ["Is the loss curve smooth?", "Does validation track training?", "Does inference behave like training?",
+             "Peak memory and headroom?", "Where does a step's time go?", "Which alarms were raised, and what was done?"]
+
+
+def llmtrain(cwd: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "llmtrain", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "COLUMNS": "200", **(env or {})})
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    tmp = tmp_path_factory.mktemp("report")
+    proc = llmtrain(tmp, "train", *RUN, f"hydra.run.dir={tmp / 'run'}")
+    assert proc.returncode == 0, proc.stderr
+    return tmp / "run", proc.stdout
+
+
+def test_train_ends_with_a_report_that_answers_every_question(finished: tuple[Path, str]) -> None:
+    run, stdout = finished
+    assert "post-run review (seed 8.3)" in stdout
+    assert all(question in stdout for question in QUESTIONS)
+    page = (run / "report.html").read_text()
+    assert all(question.replace("'", "&#x27;") in page for question in QUESTIONS)
+    assert page.count("data:image/png;base64,") == 9, "every plot is inside the page (loss twice)"
+    markdown = (run / "report.md").read_text()
+    for name in ("loss", "lr", "grad_norm", "param_norm", "activations", "memory", "throughput", "step_time"):
+        assert f"(report/{name}.png)" in markdown
+        image = matplotlib.image.imread(run / "report" / f"{name}.png")
+        assert image.ndim == 3 and image.shape[0] > 150 and image.shape[1] > 500, name
+
+
+def test_the_verdicts_of_a_healthy_run_hold_sane_numbers(finished: tuple[Path, str]) -> None:
+    run, _ = finished
+    report = build_report(run)
+    verdict = {v.key: v for v in report.verdicts}
+    assert dict(report.facts)["status"] == "finished" and dict(report.facts)["steps"] == "40 of 40"
+    assert verdict["smoothness"].status == OK and "no spike among" in verdict["smoothness"].finding
+    assert verdict["overfitting"].status == OK and "best validation loss" in verdict["overfitting"].finding
+    inference = verdict["inference"]
+    assert inference.status == OK, inference.details
+    assert "eval mode twice: identical logits." in inference.details
+    assert any(d.startswith("sampled continuation") for d in inference.details)
+    memory = verdict["memory"]
+    assert memory.status == OK
+    peak = float(memory.finding.split("peak ")[1].split(" of ")[0].replace(",", ""))
+    assert 50 < peak < 4000, memory.finding  # MB of a tiny model's process
+    timing = verdict["step_time"]
+    assert timing.status == OK
+    assert "bottleneck: forward" in timing.finding or "bottleneck: backward" in timing.finding
+    shares = [int(part.split()[1].rstrip("%")) for part in timing.finding.split(" of ")[0].split(", ")]
+    assert 97 <= sum(shares) <= 103, timing.finding
+    assert "7 timed step(s)" in timing.details[0]  # steps 6, 11, ..., 36
+    assert verdict["alarms"].status == OK
+
+
+def test_an_interrupted_run_gets_its_report_from_its_checkpoint(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    proc = llmtrain(tmp_path, "train", *RUN, f"hydra.run.dir={run}", env={"LLMTRAIN_TEST_STOP_AT_STEP": "12"})
+    assert proc.returncode == 75, proc.stderr
+    assert "post-run review" in proc.stdout and (run / "report.html").is_file()
+    assert not (run / "model.pt").exists()
+    report = build_report(run)
+    verdict = {v.key: v for v in report.verdicts}
+    assert dict(report.facts)["status"] == "stopped at 12/40"
+    assert verdict["inference"].status == OK, "the weights come from the newest checkpoint"
+    assert verdict["memory"].status == OK
+
+    # A crash: the last line of metrics.jsonl cut in half, no weights at all.
+    crashed = tmp_path / "crashed"
+    shutil.copytree(run, crashed)
+    shutil.rmtree(crashed / "checkpoints")
+    metrics = crashed / "metrics.jsonl"
+    metrics.write_text(metrics.read_text()[:-40])
+    proc = llmtrain(tmp_path, "report", str(crashed))
+    assert proc.returncode == 0, proc.stderr
+    assert "post-run review" in proc.stdout
+    verdict = {v.key: v for v in build_report(crashed).verdicts}
+    assert verdict["inference"].status == NA and "has no weights" in verdict["inference"].finding
+    assert verdict["alarms"].status == OK
+
+
+def test_report_of_a_folder_that_is_no_run_is_a_clear_error(tmp_path: Path) -> None:
+    proc = llmtrain(tmp_path, "report", str(tmp_path))
+    assert proc.returncode == 2 and "has no metrics.jsonl" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def records(**by_kind: list[dict]) -> RunRecords:
+    return RunRecords(by_kind)
+
+
+def test_a_loss_spike_is_counted_and_placed() -> None:
+    losses = [3.0 - 0.01 * i + 0.002 * (-1) ** i for i in range(60)]
+    losses[41] = 4.5
+    verdict = smoothness(records(train=[{"step": 10 * i, "loss": v} for i, v in enumerate(losses)]), spike_z=6.0)
+    assert verdict.status == WARN and verdict.marks == [410]
+    assert "1 spike(s); the largest at step 410: loss 4.5000" in verdict.finding
+
+
+def test_overfitting_is_found_where_validation_turns_up() -> None:
+    train = [{"step": s, "loss": 3.0 - s / 100} for s in range(10, 210, 10)]
+    val = [{"step": s, "val_loss": v} for s, v in [(50, 2.7), (100, 2.5), (150, 2.6), (200, 2.8)]]
+    verdict = overfitting(records(train=train, eval=val))
+    assert verdict.status == WARN and "overfitting from about step 100" in verdict.finding
+    tracking = overfitting(records(train=train, eval=[{"step": s, "val_loss": 3.1 - s / 100} for s in (50, 100, 200)]))
+    assert tracking.status == OK
+
+
+def test_alarms_and_actions_are_listed() -> None:
+    alarm = {"kind": "alarm", "alarm": "grad_norm_high", "step": 30, "severity": "warning", "metric": "grad_norm",
+             "band": "<= 100", "action": "reduce_lr", "_source": "events.jsonl"}
+    action = {"kind": "action", "alarm": "grad_norm_high", "step": 30, "action": "reduce_lr",
+              "detail": "LR scale now 0.5 (x0.5)", "_source": "events.jsonl"}
+    verdict = alarms(records(alarm=[alarm], action=[action], nonfinite=[{"step": 44, "action": "skip"}]))
+    assert verdict.status == WARN and verdict.finding.startswith("grad_norm_high; 1 non-finite step(s)")
+    assert "step 30: grad_norm_high (warning): grad_norm left the band <= 100 -> reduce_lr: LR scale now 0.5 (x0.5)" \
+        in verdict.details
+
+
+def test_the_bottleneck_is_named_with_advice_when_it_is_not_compute() -> None:
+    timing = [{"step": s, "total_s": 1.0, "data_s": 0.6, "forward_s": 0.2, "backward_s": 0.15, "optimizer_s": 0.03,
+               "other_s": 0.02} for s in (6, 11, 16)]
+    verdict = step_time(records(timing=timing, train=[{"step": 5, "tokens_per_s": 100.0}, {"step": 10, "tokens_per_s": 120.0}]))
+    assert verdict.status == WARN and "bottleneck: data (the model waits for batches" in verdict.finding
+    assert "data 60%" in verdict.finding and "median 120 tokens/s" in verdict.finding
+    none = step_time(records())
+    assert none.status == NA and "no step was timed" in none.finding
+
+
+def test_records_of_a_resumed_run_keep_the_last_take_of_each_step(tmp_path: Path) -> None:
+    lines = [{"kind": "train", "step": 5, "loss": 3.0}, {"kind": "train", "step": 10, "loss": 2.0},
+             {"kind": "start", "steps": 20}, {"kind": "train", "step": 10, "loss": 2.5}]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in lines) + "\n{\"kind\": \"tra")
+    assert RunRecords.read(tmp_path).series("train", "loss") == ([5, 10], [3.0, 2.5])
+
+
+def test_a_stretch_of_slow_steps_is_reported_as_a_shared_or_stalled_machine() -> None:
+    timing = [{"step": 51, "total_s": 0.2, "data_s": 0.0, "forward_s": 0.07, "backward_s": 0.12, "optimizer_s": 0.005,
+               "other_s": 0.005}]
+    speeds = [24000.0] * 40
+    speeds[10:20] = [2200.0] * 10  # another process took the cores for a while
+    train = [{"step": 10 * (i + 1), "tokens_per_s": v} for i, v in enumerate(speeds)]
+    verdict = step_time(records(timing=timing, train=train))
+    assert verdict.status == WARN
+    assert "fell below half its median in 10 of 39 log intervals" in verdict.finding and "steps 110-200" in verdict.finding
+    train[15]["tokens_per_s"] = 2200.0  # one stray slow interval is not a finding
+    steady = step_time(records(timing=timing, train=[{**r, "tokens_per_s": 24000.0} for r in train[:15]] + [train[15]]
+                               + [{**r, "tokens_per_s": 24000.0} for r in train[16:]]))
+    assert steady.status == OK
