@@ -57,7 +57,8 @@ def time_bare(cfg: Config, warmup: int) -> float:
     accum = accumulation_steps(cfg)
     rng = np.random.default_rng(cfg.seed)
     offsets = np.arange(seq_len + 1)
-    model = GPT(cfg.model, data.vocab_size)
+    vocab = cfg.model.vocab_size or data.vocab_size  # as train() sizes it (gpt_small pads to 50304)
+    model = GPT(cfg.model, vocab)
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     opt = torch.optim.AdamW(
@@ -72,7 +73,7 @@ def time_bare(cfg: Config, warmup: int) -> float:
             starts = rng.integers(0, tokens.size - seq_len, size=micro)
             window = torch.from_numpy(tokens[starts[:, None] + offsets].astype(np.int64))
             x, y = window[:, :-1], window[:, 1:]
-            loss = F.cross_entropy(model(x).view(-1, data.vocab_size), y.reshape(-1)) / accum
+            loss = F.cross_entropy(model(x).view(-1, vocab), y.reshape(-1)) / accum
             loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.clip_grad_norm)
         opt.step()
@@ -90,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--global-batch-size", type=int, default=16, help="sequences per step (micro-batch is 16)")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args(argv)
+    torch.set_flush_denormal(True)  # both loops, before any compute (as `llmtrain train` does)
     torch.set_num_threads(2)
     console = Console()
     bare, ours = [], []

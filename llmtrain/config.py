@@ -368,6 +368,9 @@ class Config:
     resume: str = _f("auto", "auto (newest good checkpoint of the run dir), never, or a checkpoint/run dir path.")
     seed: int | None = _f(1337, "Global seed: model init, dropout and (by default) data order; null draws one (logged).")
     deterministic: bool = _f(False, "Deterministic algorithms only (torch.use_deterministic_algorithms): bitwise repeatable, maybe slower.")
+    flush_denormal: bool = _f(
+        True, "CPU: flush subnormal floats (< 1.2e-38) to zero; subnormal arithmetic can make steps several times slower."
+    )
     compile: CompileMode = _f(CompileMode.off, "torch.compile each block: off, on, or auto (CUDA only; on CPU it costs ~30 s, gains nothing).")
     allow_check_failures: bool = _f(False, "Train even when the pre-flight check (llmtrain check) reports FAIL rows.")
     max_steps: int | None = _f(1000, "Optimizer steps to run (ignored when max_tokens is set).")

@@ -122,7 +122,7 @@ def _load_config(run_dir: Path) -> Any:
         return None
     try:
         return config_from_dict(yaml.safe_load(path.read_text()))
-    except (ConfigError, ValueError, TypeError):
+    except (ConfigError, ValueError, TypeError, yaml.YAMLError):
         return None
 
 
@@ -223,15 +223,19 @@ def inference(run_dir: Path, cfg: Any) -> Verdict:
         return Verdict("inference", question, NA, "config.yaml is missing or unreadable; cannot rebuild the model.")
     import torch
 
-    from llmtrain.data import prepare_data
+    from llmtrain.data.prepare import cached_data
     from llmtrain.export import newest_weights
     from llmtrain.model import GPT
 
     try:
         state = newest_weights(run_dir, warn=lambda message: None)
-        data = prepare_data(cfg.data, log=lambda message: None)
-    except (UserError, OSError) as err:
+        data = cached_data(cfg.data)
+    except (UserError, OSError, ValueError) as err:
         return Verdict("inference", question, NA, f"not checked: {str(err).splitlines()[0][:300]}")
+    if data is None:  # a report never tokenizes a corpus: that is `llmtrain prepare`'s job
+        return Verdict("inference", question, NA,
+                       "not checked: the run's prepared data is not in the cache (deleted, or the corpus changed "
+                       "since); `llmtrain prepare` with the run's data settings brings it back.")
     vocab = state["wte.weight"].shape[0]
     model = GPT(cfg.model, vocab)
     model.load_state_dict(state)

@@ -182,6 +182,8 @@ def accumulate_gradients(
     lap = timer.lap if timer is not None else lambda phase: None
     window_loss = torch.zeros((), device=device)
     for i, (x, y) in enumerate(batches):
+        if device.type == "cuda":  # page-locked: the copy runs asynchronously (nanoGPT does the same)
+            x, y = x.pin_memory(), y.pin_memory()
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         lap("data")
         defer_sync = world_size > 1 and i < len(batches) - 1
@@ -257,6 +259,11 @@ def _train(cfg: Config, console: ConsoleSink | None, layout: Layout) -> TrainRes
     threads = cfg.threads or default_threads()
     torch.set_num_threads(threads)
     use_deterministic_algorithms(device, cfg.deterministic)
+    # Subnormal floats (< 1.2e-38) make x86 CPU arithmetic many times slower; a run that drifts
+    # into them slowed 2.8x here. The switch is per thread and torch's pools copy it when they
+    # start: `llmtrain train` sets it before any compute (cli.flush_denormals_first); here it
+    # reaches a fresh process (parallel.nproc ranks) and this thread. CPU only.
+    torch.set_flush_denormal(cfg.flush_denormal)
     precision = dataclasses.replace(cfg.precision, name=resolve_precision(cfg.precision.name, device))
 
     steps_total = total_steps(cfg)

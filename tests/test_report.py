@@ -12,7 +12,10 @@ from pathlib import Path
 
 import matplotlib.image
 import pytest
+import yaml
 
+from llmtrain.config import config_from_dict
+from llmtrain.data.prepare import cached_meta
 from llmtrain.report import NA, OK, WARN, RunRecords, alarms, build_report, overfitting, smoothness, step_time
 
 from .conftest import TINY_CORPUS
@@ -35,7 +38,9 @@ def llmtrain(cwd: Path, *args: str, env: dict | None = None) -> subprocess.Compl
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     tmp = tmp_path_factory.mktemp("report")
-    proc = llmtrain(tmp, "train", *RUN, f"hydra.run.dir={tmp / 'run'}")
+    # Module fixtures start before conftest's per-test cache isolation: give the run the same cache.
+    cache = {"LLMTRAIN_CACHE": str(tmp_path_factory.getbasetemp() / "cache")}
+    proc = llmtrain(tmp, "train", *RUN, f"hydra.run.dir={tmp / 'run'}", env=cache)
     assert proc.returncode == 0, proc.stderr
     return tmp / "run", proc.stdout
 
@@ -62,7 +67,7 @@ def test_the_verdicts_of_a_healthy_run_hold_sane_numbers(finished: tuple[Path, s
     assert verdict["smoothness"].status == OK and "no spike among" in verdict["smoothness"].finding
     assert verdict["overfitting"].status == OK and "best validation loss" in verdict["overfitting"].finding
     inference = verdict["inference"]
-    assert inference.status == OK, inference.details
+    assert inference.status == OK, (inference.finding, inference.details)
     assert "eval mode twice: identical logits." in inference.details
     assert any(d.startswith("sampled continuation") for d in inference.details)
     memory = verdict["memory"]
@@ -171,3 +176,16 @@ def test_a_stretch_of_slow_steps_is_reported_as_a_shared_or_stalled_machine() ->
     steady = step_time(records(timing=timing, train=[{**r, "tokens_per_s": 24000.0} for r in train[:15]] + [train[15]]
                                + [{**r, "tokens_per_s": 24000.0} for r in train[16:]]))
     assert steady.status == OK
+
+
+def test_the_inference_check_never_prepares_data_that_is_not_cached(finished: tuple[Path, str], tmp_path: Path) -> None:
+    run, _ = finished
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    moved = tmp_path / "corpus.txt"  # the same text elsewhere: another cache entry, never prepared
+    shutil.copy(TINY_CORPUS, moved)
+    config = copy / "config.yaml"
+    config.write_text(config.read_text().replace(str(TINY_CORPUS), str(moved)))
+    verdict = {v.key: v for v in build_report(copy).verdicts}["inference"]
+    assert verdict.status == NA and "not in the cache" in verdict.finding
+    assert cached_meta(config_from_dict(yaml.safe_load(config.read_text())).data) is None, "nothing was prepared"

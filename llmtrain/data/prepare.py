@@ -198,6 +198,13 @@ def cached_meta(cfg: DataConfig) -> dict | None:
     return meta if cfg.source is DataSource.hf or meta.get("fingerprint") == fingerprint(files) else None
 
 
+def cached_data(cfg: DataConfig) -> PreparedData | None:
+    """The prepared, up-to-date data for `cfg` when it is in the cache; None otherwise (nothing is
+    built: for readers, like the post-run report, that must not tokenize a corpus)."""
+    meta = cached_meta(cfg)
+    return PreparedData(_location(cfg)[1], meta) if meta is not None else None
+
+
 def prepare_data(cfg: DataConfig, log: Callable[[str], None] = print, progress: bool = False) -> PreparedData:
     """Return the prepared data for `cfg`, building it only when missing or stale. `progress` shows
     a live bar (bytes, documents, tokens/s, ETA) on stderr while a build runs."""
