@@ -390,7 +390,7 @@ class CheckpointPolicy:
         renames the folder into place. A failure anywhere leaves the previous checkpoints as they were."""
         from torch.distributed.checkpoint.api import CheckpointException
 
-        from llmtrain.shards import all_gather_dicts, hash_files, write_shards
+        from llmtrain.shards import ERROR_KEY, all_gather_dicts, hash_files, write_shards
 
         rank, world_size = self.shard_layout
         staged, error = None, None
@@ -402,13 +402,25 @@ class CheckpointPolicy:
         staged, error = self.agree((staged, error))
         if staged is None:
             raise CheckpointSaveError(error)
-        try:
-            non_tensor = write_shards(staged / SHARDS, self.model.model, self.optimizer.optimizer)
-            files = dict(sorted(all_gather_dicts(hash_files(staged / SHARDS, rank, world_size), world_size).items()))
-        except (OSError, RuntimeError, CheckpointException) as err:  # DCP raises on every rank
+        def failed(err: object) -> CheckpointSaveError:
             if self.writer:
                 shutil.rmtree(staged, ignore_errors=True)
-            raise CheckpointSaveError(f"could not save the shards of checkpoint {staged}: {err}") from None
+            return CheckpointSaveError(f"could not save the shards of checkpoint {staged}: {err}")
+
+        try:
+            non_tensor = write_shards(staged / SHARDS, self.model.model, self.optimizer.optimizer)
+        except (OSError, RuntimeError, CheckpointException) as err:  # DCP raises on every rank
+            raise failed(err) from None
+        # A rank that cannot hash its share still joins the gather (with its error), or the
+        # others would wait in it forever; then every rank fails the save together.
+        try:
+            share = hash_files(staged / SHARDS, rank, world_size)
+        except OSError as err:
+            share = {ERROR_KEY: f"rank {rank}: {err}"}
+        files = all_gather_dicts(share, world_size)
+        if ERROR_KEY in files:
+            raise failed(files[ERROR_KEY])
+        files = dict(sorted(files.items()))
         if not self.writer:
             return None
         return self._write(state, model=None, optimizer=None, staged=staged,
@@ -489,9 +501,11 @@ def load_newest_good(run_dir: Path, warn: Callable[[str], None], device: torch.d
     return _first_good(run_dir, lambda path: load_checkpoint(path, device), warn)
 
 
-def load_checkpoint(path: Path, device: torch.device | str = "cpu") -> Checkpoint:
-    """Verify and read a checkpoint folder (weights_only: a checkpoint cannot run code)."""
-    manifest = verify(path)
+def load_checkpoint(path: Path, device: torch.device | str = "cpu", verify_files: bool = True) -> Checkpoint:
+    """Verify and read a checkpoint folder (weights_only: a checkpoint cannot run code).
+    `verify_files=False`: the folder was verified just now (by find_good_checkpoint, or by rank 0
+    for all ranks); its files are not hashed again."""
+    manifest = verify(path) if verify_files else json.loads((path / MANIFEST).read_text())
     trainer = json.loads((path / "trainer_state.json").read_text())
     if trainer.get("format") != FORMAT_VERSION:
         raise CheckpointError(f"{path}: format {trainer.get('format')} is not {FORMAT_VERSION}, which this llmtrain reads")
@@ -504,8 +518,14 @@ def load_checkpoint(path: Path, device: torch.device | str = "cpu") -> Checkpoin
 
 
 def read_model_weights(path: Path) -> dict[str, torch.Tensor]:
-    """The whole model state_dict of a verified checkpoint folder, in either layout, on the CPU."""
-    return load_checkpoint(path).model
+    """The whole model state_dict of a verified checkpoint folder, in either layout, on the CPU
+    (of a sharded one, the weights alone: not the optimizer's moments)."""
+    checkpoint = load_checkpoint(path)
+    if checkpoint.sharded:
+        from llmtrain.shards import read_full
+
+        return read_full(path / SHARDS, checkpoint.shards, model_only=True)[0]
+    return checkpoint.model
 
 
 def resume_checkpoint(

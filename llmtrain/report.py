@@ -230,15 +230,20 @@ def inference(run_dir: Path, cfg: Any) -> Verdict:
     try:
         state = newest_weights(run_dir, warn=lambda message: None)
         data = cached_data(cfg.data)
-    except (UserError, OSError, ValueError) as err:
-        return Verdict("inference", question, NA, f"not checked: {str(err).splitlines()[0][:300]}")
+    except Exception as err:  # noqa: BLE001 - unreadable weights or data: this question has no answer, the others do
+        return Verdict("inference", question, NA, f"not checked: {type(err).__name__}: {str(err).splitlines()[0][:300]}"
+                       if str(err) else f"not checked: {type(err).__name__}")
     if data is None:  # a report never tokenizes a corpus: that is `llmtrain prepare`'s job
         return Verdict("inference", question, NA,
                        "not checked: the run's prepared data is not in the cache (deleted, or the corpus changed "
                        "since); `llmtrain prepare` with the run's data settings brings it back.")
     vocab = state["wte.weight"].shape[0]
     model = GPT(cfg.model, vocab)
-    model.load_state_dict(state)
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as err:  # e.g. an old model.pt left in a reused run dir
+        first = (str(err).strip().splitlines()[1:2] or [str(err)])[0].strip()[:300]
+        return Verdict("inference", question, NA, f"not checked: the weights do not fit config.yaml ({first})")
     tokens = data.tokens("val")
     if len(tokens) < 3:
         tokens = data.tokens("train")
@@ -306,6 +311,8 @@ def memory(records: RunRecords) -> Verdict:
                    + [_number(r["rss_mb"]) for r in health if r.get("rss_mb") is not None], default=None)
     total = start.get("device_memory_mb")
     device = str(start.get("device", "cpu"))
+    # CPU ranks on one host share its memory: rank 0's peak stands for each of them.
+    sharing = int(start.get("local_world_size") or 1) if not device.startswith("cuda") else 1
     peak, what = (cuda_peak, "GPU memory allocated by tensors") if cuda_peak is not None else (rss_peak, "process RSS")
     if peak is None:
         return Verdict("memory", question, NA, "no memory figures recorded (monitor off and no end record).",
@@ -317,6 +324,10 @@ def memory(records: RunRecords) -> Verdict:
     if not total:
         return Verdict("memory", question, NA, f"peak {peak:,.0f} MB ({what}); the device's total was not recorded.",
                        details, ["memory.png"])
+    if sharing > 1:
+        details.append(f"{sharing} processes share this host's memory: rank 0's peak x {sharing} = "
+                       f"{peak * sharing:,.0f} MB is what the host held (the other ranks' peaks are alike).")
+        peak *= sharing
     share = peak / total
     details.append(f"{device} memory: {total:,.0f} MB; headroom {total - peak:,.0f} MB ({1 - share:.0%}).")
     leaks = [r for r in records.of("alarm") if r.get("alarm") == "memory_leak"]
@@ -563,6 +574,8 @@ def _plots(records: RunRecords, folder: Path, spikes: list[int]) -> dict[str, Pa
 
 
 def build_report(run_dir: Path, inference_check: bool = True) -> Report:
+    """Answer the six questions and draw the plots (into RUN_DIR/report/); `write_report` also
+    writes the two pages. Raises UserError for a folder that is not a run dir."""
     from llmtrain.compare import summarize
 
     run_dir = Path(run_dir)
@@ -603,11 +616,15 @@ def build_report(run_dir: Path, inference_check: bool = True) -> Report:
 
 def write_report(run_dir: Path, inference: bool = True) -> Report:
     """Build the report and write report.md and report.html into the run dir."""
-    report = build_report(run_dir, inference)
-    report.markdown = report.run_dir / "report.md"
-    report.html = report.run_dir / "report.html"
-    _atomic_write(report.markdown, to_markdown(report))
-    _atomic_write(report.html, to_html(report))
+    try:
+        report = build_report(run_dir, inference)
+        report.markdown = report.run_dir / "report.md"
+        report.html = report.run_dir / "report.html"
+        _atomic_write(report.markdown, to_markdown(report))
+        _atomic_write(report.html, to_html(report))
+    except OSError as err:  # a read-only run dir, a full disk
+        raise UserError(f"the report for '{run_dir}' could not be written: {err}. Give a run dir you can write to, "
+                        "or copy it somewhere writable first.") from None
     return report
 
 

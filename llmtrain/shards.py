@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 SHARDS = "shards"
+ERROR_KEY = "<error>"  # in a gathered dict of file hashes: a rank could not hash its share
 _MODEL, _OPTIMIZER = "model/", "optimizer/"
 
 
@@ -103,18 +104,23 @@ def read_shards_into(folder: Path, model: torch.nn.Module, optimizer: torch.opti
         set_optimizer_state_dict(model, optimizer, {"state": state, "param_groups": non_tensor["param_groups"]})
 
 
-def read_full(folder: Path, non_tensor: dict, device: torch.device | str = "cpu") -> tuple[dict, dict]:
+def read_full(folder: Path, non_tensor: dict, device: torch.device | str = "cpu",
+              model_only: bool = False) -> tuple[dict, dict]:
     """(model state_dict, optimizer state_dict) whole, in the plain formats of one process (the
-    optimizer's keyed by parameter index in group order), read without any process group."""
+    optimizer's keyed by parameter index in group order), read without any process group.
+    `model_only`: the weights alone (a third of the bytes under Adam); the optimizer comes back {}."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     tensors = {key: torch.empty(meta.size, dtype=meta.properties.dtype, device=device)
-               for key, meta in saved_keys(folder).items() if isinstance(meta, TensorStorageMetadata)}
+               for key, meta in saved_keys(folder).items()
+               if isinstance(meta, TensorStorageMetadata) and (key.startswith(_MODEL) or not model_only)}
     with _as_checkpoint_error(folder), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
         dcp.load(tensors, checkpoint_id=str(folder), no_dist=True)
     model = {key[len(_MODEL):]: value for key, value in tensors.items() if key.startswith(_MODEL)}
+    if model_only:
+        return model, {}
     by_name = _unflatten_optimizer(tensors, non_tensor["plain_state"])
     groups = non_tensor["param_groups"]
     index = {name: i for i, name in enumerate(name for group in groups for name in group["params"])}

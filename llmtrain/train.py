@@ -87,7 +87,7 @@ from llmtrain.config import (
 from llmtrain.data import EpochSampler, InstructionSampler, RandomWindowSampler, prepare_data
 from llmtrain.data.sampler import IGNORE_INDEX, EpochOrder
 from llmtrain.data.tokenizers import Tokenizer, save_tokenizer
-from llmtrain.errors import HealthStop, Interrupted, NonFiniteStop, RunStopped
+from llmtrain.errors import HealthStop, Interrupted, NonFiniteStop, RunStopped, UserError
 from llmtrain.health import HealthWatch
 from llmtrain.interrupts import StopRequest
 from llmtrain.model import GPT, flops_per_token, param_count
@@ -104,6 +104,7 @@ from llmtrain.parallel import (
     default_threads,
     end_process_group,
     layout_from_env,
+    local_world_size,
     resolve_device,
     shard_model,
     start_process_group,
@@ -301,7 +302,7 @@ def _train(cfg: Config, console: ConsoleSink | None, layout: Layout) -> TrainRes
     config_dict = config_to_dict(cfg)
     if layout.is_main:
         remove_stale_temps(run_dir)  # one writer per run dir: leftovers are from a process that died
-    checkpoint = resume_checkpoint(cfg.resume, run_dir, warn, device)
+    checkpoint = agreed_resume(cfg.resume, run_dir, warn, device, layout)
     if checkpoint is not None:
         check_resumable(checkpoint, config_dict)
         check_same_tokenizer(checkpoint, data.tokenizer())
@@ -419,6 +420,7 @@ def _train(cfg: Config, console: ConsoleSink | None, layout: Layout) -> TrainRes
                    "resumed_from": str(resume_from) if resume_from else None, "step": state.step, "seed": run_seed,
                    "check": {row.item: row.status.value for row in check.rows}, "device": str(device),
                    "device_memory_mb": device_memory_mb(device), "world_size": layout.world_size,
+                   "local_world_size": local_world_size(),
                    "flops_per_token": flops_token, "precision": precision.name.value})
     result = TrainResult(run_dir=run_dir, steps=state.step, tokens=state.tokens, unigram_entropy=data.unigram_entropy)
     # Test-only hook: poison the loss at these steps, each listed occurrence once ("6,6": twice).
@@ -578,6 +580,7 @@ def _train(cfg: Config, console: ConsoleSink | None, layout: Layout) -> TrainRes
                     last_log_time, last_log_tokens = time.perf_counter(), state.tokens
                 if saving:
                     path = saver.save(state)
+                    last_log_time = time.perf_counter()  # tokens/s measures training, not saving
                     if stopping:
                         saved = f"checkpoint saved to {path}" if path else "its checkpoint could NOT be saved (see above)"
                         raise Interrupted(f"stopped by {stop.signal_name or 'a signal to another rank'} after step "
@@ -597,6 +600,10 @@ def _train(cfg: Config, console: ConsoleSink | None, layout: Layout) -> TrainRes
     weights = model_state.state_dict()  # every rank: under FSDP2 this gathers the shards on rank 0
     if layout.is_main:
         save_weights(weights, run_dir / "model.pt")
+        # The peaks again, now that the final save and (FSDP2) the gather of the weights are done.
+        with open(run_dir / "metrics.jsonl", "a", encoding="utf-8") as fh:
+            fh.write(json.dumps({"kind": "end", "step": state.step, "peak_rss_mb": peak_rss_mb(),
+                                 **cuda_memory_mb(device)}) + "\n")
     elapsed = time.perf_counter() - start
     trained = state.tokens - start_tokens
     summary = f"[bold]done[/]: step {state.step}, {trained:,} tokens in {elapsed:.1f}s ({trained / max(elapsed, 1e-9):,.0f} tok/s)"
@@ -630,7 +637,7 @@ def handle_nonfinite(
         if state.rollbacks >= policy.max_rollbacks:
             action, why = NonFinitePolicy.stop, f"it recurred after {state.rollbacks} rollback(s) (checkpoint.max_rollbacks)"
         else:
-            target = find_good_checkpoint(saver.run_dir, warn)
+            target = agreed_good_checkpoint(saver, warn)
             if target is None:
                 action, why = NonFinitePolicy.stop, "there is no checkpoint to roll back to yet"
     record = {"kind": "nonfinite", "step": state.step, "loss": loss.item(), "grad_norm": grad_norm.item(),
@@ -652,13 +659,40 @@ def handle_nonfinite(
     return state
 
 
+def agreed_good_checkpoint(saver: CheckpointPolicy, warn: Callable[[str], None]) -> Path | None:
+    """The newest checkpoint that verifies, as rank 0 finds it, on every rank: one rank hashes the
+    files, and all ranks roll back to the same step even if a file looks different from another node."""
+    return saver.agree(find_good_checkpoint(saver.run_dir, warn) if saver.writer else None)
+
+
+def agreed_resume(resume: str, run_dir: Path, warn: Callable[[str], None], device: torch.device,
+                  layout: Layout) -> Checkpoint | None:
+    """The checkpoint `resume=` names, chosen and verified by rank 0 and read by every rank: one
+    rank hashes the files, and all resume from the same step. A refusal is raised on every rank."""
+    if not layout.distributed:
+        return resume_checkpoint(resume, run_dir, warn, device)
+    found, chosen, refusal = None, None, None
+    if layout.is_main:
+        try:
+            found = resume_checkpoint(resume, run_dir, warn, device)
+            chosen = found.path if found is not None else None
+        except UserError as err:
+            refusal = str(err)
+    chosen, refusal = broadcast_from_main((chosen, refusal), layout)
+    if refusal is not None:
+        raise ConfigError(refusal)
+    if layout.is_main or chosen is None:
+        return found
+    return load_checkpoint(chosen, device, verify_files=False)
+
+
 def roll_back(
     target: Path, state: TrainState, lr_factor: float, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     scaler: torch.amp.GradScaler | None, metrics: MetricsSink,
 ) -> TrainState:
     """Reload weights, optimizer, scaler and RNG from a checkpoint; the data sampler is NOT rewound,
     so the windows since the checkpoint (the bad one included) are skipped."""
-    checkpoint = load_checkpoint(target, next(model.parameters()).device)
+    checkpoint = load_checkpoint(target, next(model.parameters()).device, verify_files=False)  # verified: agreed_good_checkpoint
     checkpoint.load_into(model, optimizer)
     if scaler is not None and checkpoint.scaler is not None:
         scaler.load_state_dict(checkpoint.scaler)
@@ -690,14 +724,14 @@ def act_on_alarm(
         watch.action_taken(alarm, "this step's update was not applied")
         return "skip"
     elif action is MonitorAction.rollback:
-        target = find_good_checkpoint(saver.run_dir, warn)
+        target = agreed_good_checkpoint(saver, warn)
         if target is None or state.rollbacks >= cfg.checkpoint.max_rollbacks:
             why = "no checkpoint to roll back to" if target is None else "checkpoint.max_rollbacks reached"
             action, alarm.action = MonitorAction.stop, f"stop ({why})"
         else:
             restored = roll_back(target, state, cfg.checkpoint.rollback_lr_factor, model, optimizer, scaler, watch.metrics)
             state.__dict__.update(dataclasses.asdict(restored))
-            monitor_state = load_checkpoint(target).trainer.get("monitor")
+            monitor_state = json.loads((target / "trainer_state.json").read_text()).get("monitor")
             if monitor_state:  # the monitor goes back too: a recurring pattern is raised again
                 watch.monitor.load_state_dict(monitor_state)
             watch.action_taken(alarm, f"rolled back to step {restored.step} ({target})")

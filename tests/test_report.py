@@ -189,3 +189,13 @@ def test_the_inference_check_never_prepares_data_that_is_not_cached(finished: tu
     verdict = {v.key: v for v in build_report(copy).verdicts}["inference"]
     assert verdict.status == NA and "not in the cache" in verdict.finding
     assert cached_meta(config_from_dict(yaml.safe_load(config.read_text())).data) is None, "nothing was prepared"
+
+
+def test_ranks_sharing_a_host_count_against_its_memory_together() -> None:
+    from llmtrain.report import memory
+
+    start = {"kind": "start", "device": "cpu", "device_memory_mb": 10000.0, "local_world_size": 4}
+    verdict = memory(records(start=[start], end=[{"step": 5, "peak_rss_mb": 2200.0}]))
+    assert verdict.status == WARN and "peak 8,800 of 10,000 MB (88%)" in verdict.finding
+    alone = memory(records(start=[{**start, "local_world_size": 1}], end=[{"step": 5, "peak_rss_mb": 2200.0}]))
+    assert alone.status == OK and "peak 2,200 of 10,000 MB (22%)" in alone.finding

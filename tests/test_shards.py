@@ -59,6 +59,7 @@ def _worker(rank: int, world_size: int, port: int, run_dir: str, job: str) -> No
     import torch.distributed as dist
     import torch.distributed.checkpoint.filesystem as dcp_files
 
+    import llmtrain.shards as shards_module
     from llmtrain.parallel import (
         Layout,
         ShardedModelState,
@@ -80,6 +81,7 @@ def _worker(rank: int, world_size: int, port: int, run_dir: str, job: str) -> No
         {"model": {}}, _Records(), warnings.append, writer=layout.is_main,
         agree=lambda value: broadcast_from_main(value, layout), shard_layout=(rank, world_size),
     )
+    real_write_item = dcp_files._write_item
     if job == "save":
         _step(model, optimizer, seed=1)
         assert policy.save(TrainState(step=1, tokens=64)) is not None or not layout.is_main
@@ -97,6 +99,16 @@ def _worker(rank: int, world_size: int, port: int, run_dir: str, job: str) -> No
         assert policy.save(TrainState(step=2, tokens=128)) is None
         assert policy.last_saved_step == 1, "every rank knows the save failed"
         assert any("No space left on device" in w or "could not save" in w for w in warnings), warnings
+        dcp_files._write_item = real_write_item
+        if rank == 1:  # the shards are written, but rank 1 cannot read its share back to hash it
+
+            def unreadable(*args: object, **kwargs: object) -> dict:
+                raise OSError(5, "Input/output error")
+
+            shards_module.hash_files = unreadable
+        assert policy.save(TrainState(step=3, tokens=192)) is None, "rank 0 must not finish a save rank 1 failed"
+        assert policy.last_saved_step == 1
+        assert any("rank 1: [Errno 5] Input/output error" in w for w in warnings), warnings
     else:  # load on this world size, each rank reading just its pieces, and compare whole
         checkpoint = load_checkpoint(Path(run_dir) / "checkpoints" / "step_00000001")
         checkpoint.load_into(model_state, optimizer_state)
@@ -145,7 +157,7 @@ def test_each_rank_writes_its_own_shard_and_the_manifest_lists_them(saved: Path)
     assert json.loads((folder / "trainer_state.json").read_text())["sampler"] == {"position": 7}
 
 
-def test_a_failed_shard_write_keeps_the_previous_checkpoint(saved: Path) -> None:
+def test_a_failed_shard_write_or_hash_keeps_the_previous_checkpoint(saved: Path) -> None:
     assert [p.name for p in list_checkpoints(saved)] == ["step_00000001"]
     assert (saved / "checkpoints" / "latest").read_text() == "step_00000001"
     assert not list((saved / "checkpoints").glob(".tmp-*")), "the failed save left its staging folder"
