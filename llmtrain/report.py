@@ -448,6 +448,14 @@ def alarms(records: RunRecords) -> Verdict:
 # ---------------------------------------------------------------------------------------------
 
 
+def _plot_series(ax: Any, series: tuple[list[int], list[float]], label: str) -> bool:
+    """Draw one (steps, values) curve; False when there is nothing to draw."""
+    if not series[0]:
+        return False
+    ax.plot(*series, label=label or None)
+    return True
+
+
 def _plots(records: RunRecords, folder: Path, spikes: list[int]) -> dict[str, Path]:
     import matplotlib
 
@@ -502,14 +510,19 @@ def _plots(records: RunRecords, folder: Path, spikes: list[int]) -> dict[str, Pa
     ax.set(xlabel="step", ylabel="gradient norm (pre-clip)", title="Gradient norm")
     save(fig, "grad_norm.png")
 
-    fig, ax = plt.subplots(figsize=(8, 3))
-    p_steps, p = records.series("health", "param_norm")
-    if p:
-        ax.plot(p_steps, p)
-    else:
-        empty(ax, "parameter norm (monitor off?)")
-    ax.set(xlabel="step", ylabel="parameter norm", title="Parameter norm")
-    save(fig, "param_norm.png")
+    def lines(name: str, title: str, ylabel: str, curves: list[tuple[str, str, str]], missing: str) -> None:
+        """One plot of record fields against the step: (kind, key, legend label) per curve."""
+        fig, ax = plt.subplots(figsize=(8, 3))
+        drawn = [label for kind, key, label in curves if _plot_series(ax, records.series(kind, key), label)]
+        if any(drawn):  # named curves (memory's) get a legend
+            ax.legend()
+        if not drawn:
+            empty(ax, missing)
+        ax.set(xlabel="step", ylabel=ylabel, title=title)
+        save(fig, name)
+
+    lines("param_norm.png", "Parameter norm", "parameter norm", [("health", "param_norm", "")],
+          "parameter norm (monitor off?)")
 
     fig, (ax_mean, ax_var) = plt.subplots(1, 2, figsize=(10, 3.5))
     samples = [r for r in records.of("health") if r.get("activation_mean")]
@@ -528,28 +541,9 @@ def _plots(records: RunRecords, folder: Path, spikes: list[int]) -> dict[str, Pa
     ax_var.set(xlabel="step", ylabel="variance", title="Block output variance")
     save(fig, "activations.png")
 
-    fig, ax = plt.subplots(figsize=(8, 3))
-    plotted = False
-    for key, label in (("rss_mb", "process RSS"), ("cuda_allocated_mb", "GPU allocated"), ("cuda_peak_mb", "GPU peak")):
-        series = records.series("health", key)
-        if series[0]:
-            ax.plot(*series, label=label)
-            plotted = True
-    if plotted:
-        ax.legend()
-    else:
-        empty(ax, "memory (monitor off?)")
-    ax.set(xlabel="step", ylabel="MB", title="Memory")
-    save(fig, "memory.png")
-
-    fig, ax = plt.subplots(figsize=(8, 3))
-    t_steps, speeds = records.series("train", "tokens_per_s")
-    if speeds:
-        ax.plot(t_steps, speeds)
-    else:
-        empty(ax, "throughput")
-    ax.set(xlabel="step", ylabel="tokens/s", title="Throughput")
-    save(fig, "throughput.png")
+    lines("memory.png", "Memory", "MB", [("health", "rss_mb", "process RSS"), ("health", "cuda_allocated_mb",
+          "GPU allocated"), ("health", "cuda_peak_mb", "GPU peak")], "memory (monitor off?)")
+    lines("throughput.png", "Throughput", "tokens/s", [("train", "tokens_per_s", "")], "throughput")
 
     fig, ax = plt.subplots(figsize=(8, 2.6))
     timings = records.of("timing")
