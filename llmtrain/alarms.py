@@ -36,7 +36,7 @@ _KINDS = (
     AlarmKind(
         name="grad_norm_high",
         metric="grad_norm",
-        title="Gradient norm persistently above its band (8.2: 100)",
+        title="Gradient norm persistently above its band (alarm above 100)",
         healthy="0.1 to 10",
         causes=(
             "Learning rate too high: each step overshoots and the next gradient is larger still",
@@ -56,7 +56,7 @@ _KINDS = (
     AlarmKind(
         name="grad_norm_low",
         metric="grad_norm",
-        title="Gradient norm persistently below its band (8.2: 0.001)",
+        title="Gradient norm persistently below its band (alarm below 0.001)",
         healthy="0.1 to 10",
         causes=(
             "Vanishing gradients: residual connections missing or broken, so the gradient shrinks layer by layer",

@@ -21,15 +21,21 @@ import torch
 
 from llmtrain.config import (
     Config,
-    ConfigError,
+    DataSource,
     HeadInit,
     NormPosition,
     OptimizerName,
     Precision,
     ResidualInit,
+    TokenizerKind,
     accumulation_steps,
+    default_lr,
     effective_lr,
+    expected_data_vocab,
+    lr_defaulted,
+    model_vocab_size,
     resolved_warmup_steps,
+    sane_lr_range,
     seq_len_of,
     total_steps,
 )
@@ -51,9 +57,9 @@ from llmtrain.estimate import (
 
 EXIT_PASS, EXIT_WARN, EXIT_FAIL = 0, 1, 2
 MEMORY_WARN_FRACTION = 0.85  # above this share of the free memory, fragmentation and spikes can OOM
-# Adam-family LR that suits a model of width n_embd: ~3e-3 at 128 wide (tuned, conf/optim/adamw.yaml),
-# ~6e-4 at 768 (GPT-2 small): roughly inversely proportional to the width.
-ADAM_LR_AT_WIDTH_128 = 3e-3
+# An explicit model.vocab_size this many times the data's vocabulary (and 64+ ids above it) warns:
+# the unused rows cost weights, optimizer state and, above all, logits memory and head FLOPs.
+VOCAB_WASTE_FACTOR = 2
 
 
 class Status(str, Enum):
@@ -88,6 +94,8 @@ class Facts:
     fitting_micro_batch: int | None  # the largest micro-batch (dividing the global batch) that fits
     layout_peaks: dict[str, float]  # per-rank peak if the run were spread over `layout_world` processes
     layout_world: int
+    data_vocab: int | None = None  # the data's own vocabulary (None: a char vocabulary not read yet)
+    data_meta: dict | None = None  # the prepared data's meta.json (None: not prepared yet)
 
 
 class CheckFailed(UserError):
@@ -143,14 +151,18 @@ def gather_facts(cfg: Config, measure_compute: bool = True, data_meta: dict | No
     precision = resolve_precision(cfg.precision.name, device)
     meta = data_meta if data_meta is not None else cached_meta(cfg.data)
     if meta is not None:
-        vocab, train_tokens, itemsize = int(meta["vocab_size"]), int(meta["train_tokens"]), 2 if meta["dtype"] == "uint16" else 4
+        data_vocab, train_tokens, itemsize = int(meta["vocab_size"]), int(meta["train_tokens"]), 2 if meta["dtype"] == "uint16" else 4
         note = "prepared data"
     else:
-        vocab, train_tokens, itemsize = 256, _estimated_train_tokens(cfg), 2
-        note = "data not prepared yet: sizes estimated from the source (byte-sized vocabulary)"
-    if meta is not None and cfg.model.vocab_size is not None and cfg.model.vocab_size < vocab:
-        raise ConfigError(vocab_too_small(cfg, vocab))
-    vocab = cfg.model.vocab_size or vocab
+        data_vocab, train_tokens = expected_data_vocab(cfg.data), _estimated_train_tokens(cfg)
+        itemsize = 2 if (data_vocab or 256) <= 2**16 else 4
+        note = ("data not prepared yet: sizes estimated from the source"
+                + ("" if data_vocab is not None else " (byte-sized vocabulary)"))
+    if meta is None and cfg.data.tokenizer is TokenizerKind.bpe and cfg.model.vocab_size is not None:
+        data_vocab = min(data_vocab, cfg.model.vocab_size)  # bpe's is an upper bound: refuse only the real one
+    # char: the data's vocabulary is unknown until prepared, so an explicit size is not refused here
+    vocab = (cfg.model.vocab_size if data_vocab is None and cfg.model.vocab_size is not None
+             else model_vocab_size(cfg, data_vocab or 256))
     shape = model_shape(cfg, vocab)
     seq = seq_len_of(cfg)
     windows = total_steps(cfg) * cfg.global_batch_size
@@ -169,14 +181,7 @@ def gather_facts(cfg: Config, measure_compute: bool = True, data_meta: dict | No
         layouts[layout] = estimate_memory(per_rank, shape, vocab, device.type, precision, layout, world,
                                           runtime_bytes=runtime, data_bytes=data_bytes).peak
     return Facts(device, precision, vocab, train_tokens, note, shape, memory, budget, source, compute, fitting,
-                 layouts, world)
-
-
-def vocab_too_small(cfg: Config, data_vocab: int) -> str:
-    return (
-        f"'model.vocab_size' ({cfg.model.vocab_size}) is smaller than the data's vocabulary ({data_vocab} tokens, "
-        f"{cfg.data.tokenizer.value} tokenizer); use model.vocab_size>={data_vocab} or model.vocab_size=null."
-    )
+                 layouts, world, data_vocab=data_vocab, data_meta=meta)
 
 
 def _estimated_train_tokens(cfg: Config) -> int | None:
@@ -198,6 +203,70 @@ def _estimated_train_tokens(cfg: Config) -> int | None:
 # ---------------------------------------------------------------------------------------------
 # The items
 # ---------------------------------------------------------------------------------------------
+
+
+def check_data_content(cfg: Config, facts: Facts) -> Row | None:
+    """Degenerate data (NUL bytes, whitespace only, one repeated token, undecodable bytes) trains
+    with a loss that looks fine, since the loss to beat is about 0: warn, naming the files. From the
+    prepared data's meta; before it is prepared, from the first MB of each text file."""
+    from llmtrain.data import quality
+
+    meta = facts.data_meta
+    if meta is None and cfg.data.source is DataSource.python_stdlib:
+        return Row("data content", Status.PASS, "Python's own sources (judged in full once prepared)",
+                   "The embedded default corpus is ordinary text.")
+    if meta is None:
+        sampled = _sampled_degenerate_files(cfg)
+        if sampled is None:
+            return None  # not text files, or unreadable: judged once the data is prepared
+        files, count = sampled
+        seen = f"not prepared yet: the first {quality.SAMPLE_BYTES // 2**20} MB of each file look like text"
+    else:
+        files, count = meta.get("degenerate_files", []), int(meta.get("degenerate_file_count", 0))
+        seen = (f"unigram entropy {float(meta['unigram_entropy_nats']):.2f} nats/token"
+                + (f", most common token {meta['dominant_token']} {float(meta['dominant_token_share']):.0%}"
+                   if "dominant_token_share" in meta else ""))
+    why = ("Near-constant or undecodable text (NUL bytes, only whitespace, one token repeated, binary or "
+           "wrongly encoded files) teaches nothing, yet its loss looks fine: the loss to beat is about 0.")
+    fix = ("remove or replace the named file(s) (UTF-16 without a byte-order mark: iconv -f UTF-16LE -t UTF-8 "
+           "FILE > FILE.txt)")
+    problems = [quality.describe(f) for f in files]
+    if count > len(files):
+        problems.append(f"and {count - len(files)} more file(s)")
+    if not problems and meta is not None:  # no file stands out: the corpus as a whole may
+        problems = _corpus_problems(meta)
+    if problems:
+        return Row("data content", Status.WARN, "; ".join(problems), why, fix)
+    return Row("data content", Status.PASS, seen, why)
+
+
+def _corpus_problems(meta: dict) -> list[str]:
+    """The prepared train split as a whole: near-constant tokens, one token dominating."""
+    from llmtrain.data import quality
+
+    found = []
+    entropy = float(meta.get("unigram_entropy_nats", math.inf))
+    share = float(meta.get("dominant_token_share", 0.0))
+    if entropy < quality.LOW_ENTROPY_NATS:
+        found.append(f"the train split's unigram entropy is {entropy:.2f} nats/token (text has ~2-5)")
+    if share > quality.DOMINANT_SHARE:
+        found.append(f"one token, {meta.get('dominant_token', '?')}, is {share:.0%} of the train tokens")
+    if float(meta.get("replacement_share", 0.0)) > quality.REPLACEMENT_SHARE:
+        found.append(f"{float(meta['replacement_share']):.0%} of the characters are undecodable (U+FFFD)")
+    return found
+
+
+def _sampled_degenerate_files(cfg: Config) -> tuple[list[dict], int] | None:
+    """Degenerate files among a not yet prepared text corpus, judged on a sample of each file."""
+    from llmtrain.data import quality
+    from llmtrain.data.prepare import source_files
+
+    if cfg.data.source is not DataSource.text:
+        return None
+    try:
+        return quality.sample_degenerate_files([(f.name, f.path) for f in source_files(cfg.data)])
+    except (OSError, UserError):
+        return None
 
 
 def check_data_order(cfg: Config, facts: Facts) -> Row:
@@ -238,7 +307,7 @@ def check_warmup(cfg: Config, facts: Facts) -> Row:
 
 def check_clipping(cfg: Config, facts: Facts) -> Row:
     o = cfg.optim
-    why = ("Clipping caps the update when one batch's gradient explodes; the seed uses 1.0-5.0 (PASS: 0.5-10).")
+    why = ("Clipping caps the update when one batch's gradient explodes; common values are 1.0-5.0 (PASS: 0.5-10).")
     if o.clip_grad_value is not None:
         return Row("gradient clipping", Status.WARN, f"by value {o.clip_grad_value:g}",
                    "Per-element clipping changes the gradient's direction; clipping the norm keeps it.",
@@ -414,24 +483,18 @@ def check_effective_batch(cfg: Config, facts: Facts) -> Row:
 
 def suggested_lr(cfg: Config) -> tuple[float, float]:
     """(low, high) sane peak LRs for the optimizer and, for Adam-like ones, the model width."""
-    name = cfg.optim.name
-    if name is OptimizerName.sgd:
-        return 1e-3, 0.5
-    if name is OptimizerName.adafactor:
-        return 1e-4, 3e-2
-    center = ADAM_LR_AT_WIDTH_128 * 128 / cfg.model.n_embd
-    return center / 30, center * 3
+    return sane_lr_range(cfg.optim.name, cfg.model.n_embd)
 
 
 def check_learning_rate(cfg: Config, facts: Facts) -> Row:
     lr = effective_lr(cfg)
     low, high = suggested_lr(cfg)
-    name = cfg.optim.name.value
+    name = cfg.optim.name.value + (", the default" if lr_defaulted(cfg) else "")
     seen = f"{lr:g} ({name}" + (f", {cfg.schedule.lr_scaling.value}-scaled from {cfg.optim.lr:g}" if lr != cfg.optim.lr else "") + ")"
     why = "Too high diverges (NaN after warmup); too low stalls. The sane range depends on the optimizer and the width."
     adam_like = cfg.optim.name in (OptimizerName.adamw, OptimizerName.adam)
-    target = math.sqrt(low * high) if not adam_like else high / 3
-    fix = f"optim.lr={_round_lr(target * cfg.optim.lr / lr)}"  # optim.lr is scaled again by lr_scaling
+    # The fix is what optim.lr=null would give (the same function sets the default), undoing lr_scaling.
+    fix = f"optim.lr={_round_lr(default_lr(cfg.optim.name, cfg.model.n_embd) * cfg.optim.lr / lr)}"
     if (adam_like and lr >= 0.05) or (not adam_like and lr >= 10 * high):
         return Row("learning rate", Status.FAIL, seen + " - diverges", why, fix)
     if lr > high or lr < low:
@@ -442,6 +505,32 @@ def check_learning_rate(cfg: Config, facts: Facts) -> Row:
 
 def _round_lr(lr: float) -> str:
     return f"{float(f'{lr:.1g}'):g}"
+
+
+def check_vocabulary(cfg: Config, facts: Facts) -> Row:
+    """An explicit model.vocab_size far above the data's: rows no token uses, paid for in every step."""
+    data = facts.data_vocab
+    model = facts.vocab_size
+    origin = ("model.vocab_size" if cfg.model.vocab_size is not None
+              else f"the data's, padded to a multiple of {cfg.model.vocab_multiple}")
+    seen = f"{model:,} ids ({origin}); the data has " + (f"{data:,}" if data is not None else "an unknown number")
+    why = "The model needs an id for every token of the data; each id beyond costs weights, optimizer state and logits."
+    if data is None or cfg.model.vocab_size is None or model < VOCAB_WASTE_FACTOR * data or model - data < 64:
+        return Row("vocabulary", Status.PASS, seen, why)
+    unused = model - data
+    # what the data's own vocabulary would cost, padded as gpt_small pads it
+    lean_model = dataclasses.replace(cfg.model, vocab_size=None, vocab_multiple=64)
+    padded = model_vocab_size(dataclasses.replace(cfg, model=lean_model), data)
+    lean_shape = model_shape(cfg, padded)
+    lean = estimate_memory(cfg, lean_shape, padded, facts.device.type, facts.precision,
+                           runtime_bytes=facts.memory.runtime, data_bytes=facts.memory.data)
+    extra = facts.memory.peak - lean.peak
+    rows = unused * cfg.model.n_embd * (1 if cfg.model.tie_weights else 2)
+    flops = 1 - lean_shape.flops_per_token / facts.shape.flops_per_token
+    return Row("vocabulary", Status.WARN, f"{seen}: {unused:,} ids are never used",
+               f"They add {rows:,} parameters and ~{format_bytes(max(0.0, extra))} to the peak memory (logits, "
+               f"weights, gradients, optimizer state), and {flops:.0%} of each step's FLOPs.",
+               f"model.vocab_size=null model.vocab_multiple=64 ({padded:,} ids)")
 
 
 def check_residual_norm(cfg: Config, facts: Facts) -> Row:
@@ -509,8 +598,8 @@ def check_run_time(cfg: Config, facts: Facts) -> Row | None:
 
 
 ITEMS: list[Callable[[Config, Facts], Row | None]] = [
-    check_data_order, check_warmup, check_clipping, check_precision, check_memory, check_train_mode, check_seed,
-    check_effective_batch, check_learning_rate, check_residual_norm, check_init, check_token_budget, check_run_time,
+    check_data_content, check_data_order, check_warmup, check_clipping, check_precision, check_memory, check_train_mode, check_seed,
+    check_effective_batch, check_learning_rate, check_vocabulary, check_residual_norm, check_init, check_token_budget, check_run_time,
 ]
 
 
@@ -528,14 +617,12 @@ _STYLE = {Status.PASS: "green", Status.WARN: "yellow", Status.FAIL: "bold red"}
 
 
 def render(report: CheckReport, console=None, estimates: bool = True) -> None:  # console: rich.console.Console
-    import sys
-
-    from rich.console import Console
     from rich.table import Table
 
-    # Piped or captured output gets a wide table (rich would use 80 columns) so rows stay readable.
-    console = console or (Console() if sys.stdout.isatty() else Console(width=180))
-    table = Table(title="llmtrain check: pre-flight (seed 8.1)", title_justify="left")
+    from llmtrain.sinks import default_console
+
+    console = console or default_console()  # piped: a wide table, no padding, unwrapped lines
+    table = Table(title="llmtrain check: pre-flight checklist", title_justify="left")
     for name, kwargs in (("item", {"no_wrap": True}), ("", {"no_wrap": True}), ("seen", {"ratio": 3}),
                          ("why it matters", {"ratio": 4}), ("fix", {"ratio": 3})):
         table.add_column(name, **kwargs)
@@ -578,5 +665,5 @@ def estimate_summary(facts: Facts) -> str:
         # Seed 6.1: size the model from the data: millions of tokens want ~12 layers, billions 24+.
         depth = "about 12 layers is enough" if facts.train_tokens < 1e9 else "24 or more layers can pay off"
         lines.append(f"  data: {facts.train_tokens:,} train tokens; for that much data {depth} "
-                     f"(seed 6.1; {facts.shape.n_layers} configured)")
+                     f"({facts.shape.n_layers} configured)")
     return "\n".join(lines)

@@ -19,18 +19,22 @@ layout resumes in any parallel mode and world size.
 
 A checkpoint is written into a hidden temporary folder, every file fsync'ed, then renamed into
 place, so a crash mid-save leaves the previous checkpoints untouched. Loading checks the manifest
-(missing file, wrong size, wrong sha256) before anything is read, and `torch.load` runs with
-`weights_only=True`: a checkpoint cannot execute code.
+(missing file, wrong size, wrong sha256) before anything is read, `torch.load` runs with
+`weights_only=True` and a sharded checkpoint's DCP metadata goes through a restricted unpickler
+(shards.read_metadata): a checkpoint cannot execute code. Any file that still fails to load makes
+the checkpoint damaged (CheckpointError), passed over for an older one.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import os
 import platform
 import random
+import re
 import shutil
 import time
 from collections.abc import Callable
@@ -42,7 +46,7 @@ import numpy as np
 import torch
 
 from llmtrain.config import CheckpointConfig, SaveErrorPolicy
-from llmtrain.errors import ConfigError, RunStopped, UserError
+from llmtrain.errors import ConfigError, SaveFailed, UserError
 from llmtrain.shards import SHARDS
 
 FORMAT_VERSION = 1
@@ -146,23 +150,129 @@ class _HashingWriter:
         self.fh = fh
         self.sha256 = hashlib.sha256()
         self.size = 0
+        # The first failed write. torch's zip writer swallows it and raises its own RuntimeError
+        # ("[enforce fail at inline_container.cc] unexpected pos ..."), which names neither the
+        # errno nor the file: _write_file reports this one instead.
+        self.error: OSError | None = None
 
     def write(self, data: bytes) -> int:
+        try:
+            written = self.fh.write(data)
+        except OSError as err:
+            self.error = self.error or err
+            raise
         self.sha256.update(data)
         self.size += len(data)
-        return self.fh.write(data)
+        return written
 
     def flush(self) -> None:
         self.fh.flush()
 
 
 def _write_file(path: Path, write: Callable[[_HashingWriter], None]) -> dict[str, Any]:
-    with open(path, "wb") as fh:
-        writer = _HashingWriter(fh)
-        write(writer)
-        fh.flush()
-        os.fsync(fh.fileno())
+    """Write, flush and fsync one file; a failed write raises its OSError, naming `path`."""
+    writer = None
+    try:
+        with open(path, "wb") as fh:
+            writer = _HashingWriter(fh)
+            write(writer)
+            fh.flush()
+            os.fsync(fh.fileno())
+    except (OSError, RuntimeError) as err:
+        cause = writer.error if writer is not None and writer.error is not None else err
+        if not isinstance(cause, OSError):
+            raise
+        if cause.filename is None:  # a file object's write() does not say which file it was
+            raise OSError(cause.errno, cause.strerror, str(path)) from err
+        if cause is err:
+            raise
+        raise cause from err
     return {"sha256": writer.sha256.hexdigest(), "bytes": writer.size}
+
+
+def write_atomically(path: Path, write: Callable[[BinaryIO], None]) -> None:
+    """Write `path` whole or not at all: into a temp file beside it, fsync'ed, then renamed over
+    it. On failure the temp file is removed and an existing `path` is left as it was."""
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    try:
+        _write_file(tmp, write)
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _mb(n_bytes: float) -> str:
+    return f"{n_bytes / 1e6:,.1f} MB"
+
+
+def _existing(path: Path) -> Path:
+    path = Path(os.path.abspath(path))
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def mount_point(path: Path) -> Path:
+    """The mount point of the file system `path` is (or would be) on."""
+    path = _existing(path)
+    while not os.path.ismount(path):
+        path = path.parent
+    return path
+
+
+def os_error_of(err: BaseException) -> OSError | None:
+    """The OSError behind a failed write: `err` itself, the one torch or torch.distributed.checkpoint
+    (a CheckpointException's per-rank failures) wrapped, or None."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError):
+            return err
+        for failure in (getattr(err, "failures", None) or {}).values():  # DCP: {rank: (exception, trace)}
+            found = os_error_of(failure[0] if isinstance(failure, tuple) else failure)
+            if found is not None:
+                return found
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def describe_write_error(err: BaseException, where: Path, needed: int | None, subject: str = "the checkpoint") -> str:
+    """A failed write in words. A full disk or quota names the file system, the space `subject`
+    needs (`needed` bytes, an estimate) and the space free; other OSErrors keep errno text and path."""
+    os_error = os_error_of(err)
+    if os_error is None:
+        return f"{type(err).__name__}: {' '.join(str(err).split())}"
+    if os_error.errno not in (errno.ENOSPC, errno.EDQUOT):
+        return str(os_error)
+    what = "no space left" if os_error.errno == errno.ENOSPC else "disk quota exceeded"
+    try:
+        free = _mb(shutil.disk_usage(_existing(where)).free)
+    except OSError:
+        free = "an unknown amount"
+    need = f"needs ~{_mb(needed)}" if needed else "does not fit"
+    file = f" writing {os_error.filename}" if os_error.filename else ""
+    return (f"{what} on {mount_point(where)} ({errno.errorcode[os_error.errno]}): {subject} {need}, {free} free "
+            f"({os_error.strerror}{file})")
+
+
+def tensor_bytes(tree: Any) -> int:
+    """Bytes of the tensors in a (nested) state dict: what saving it writes, give or take a little."""
+    if isinstance(tree, torch.Tensor):
+        return tree.numel() * tree.element_size()
+    if isinstance(tree, dict):
+        return sum(tensor_bytes(value) for value in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(tensor_bytes(value) for value in tree)
+    return 0
+
+
+def checkpoint_bytes(path: Path) -> int | None:
+    """The size of a checkpoint folder as its manifest lists it (None: no readable manifest)."""
+    try:
+        return sum(entry["bytes"] for entry in json.loads((path / MANIFEST).read_text())["files"].values())
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _fsync_dir(path: Path) -> None:
@@ -229,6 +339,7 @@ def save_checkpoint(
     name = step_dir_name(state.step)
     final = root / name
     tmp = staged or root / f".tmp-{name}-{os.getpid()}"
+    latest_tmp = root / f".{LATEST}.tmp"
     try:
         if staged is None:
             tmp = staging_dir(run_dir, state.step)
@@ -264,6 +375,10 @@ def save_checkpoint(
                     "files": files}
         _write_file(tmp / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=2).encode()))
         _fsync_dir(tmp)
+        # The new `latest` is written before the rename: every byte of the save lands before the
+        # checkpoint is in place, so a full disk fails the save with nothing half-done (renames
+        # need no space).
+        _write_file(latest_tmp, lambda f: f.write(name.encode()))
         if final.exists():  # the same step again (after a rollback or a re-run): replace it whole
             old = root / f".old-{name}-{os.getpid()}"
             os.replace(final, old)
@@ -272,13 +387,52 @@ def save_checkpoint(
         else:
             os.replace(tmp, final)
         _fsync_dir(root)
-        _write_file(root / f".{LATEST}.tmp", lambda f: f.write(name.encode()))
-        os.replace(root / f".{LATEST}.tmp", root / LATEST)
+        os.replace(latest_tmp, root / LATEST)
         _fsync_dir(root)
     except (OSError, RuntimeError) as err:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointSaveError(f"could not save checkpoint {final}: {err}") from err
+        latest_tmp.unlink(missing_ok=True)
+        needed = _needed_bytes(run_dir, model, optimizer, shards)
+        raise CheckpointSaveError(f"could not save checkpoint {final}: {describe_write_error(err, root, needed)}") from err
     return final
+
+
+def newest_good_checkpoint(run_dir: Path) -> Path | None:
+    """The checkpoint a resume of this run dir would start from, verified (none: None)."""
+    return find_good_checkpoint(run_dir, lambda message: None)
+
+
+def resume_point(checkpoint: Path | None, step: int | None = None) -> str:
+    """What is left to resume from after a failed save at `step`, in words."""
+    if checkpoint is None:
+        return "There is no good checkpoint to resume from: a rerun starts again from step 0."
+    saved = int(checkpoint.name[5:])
+    if saved == step:
+        return (f"The newest good checkpoint, {checkpoint}, holds these weights (step {saved}): once there is space, "
+                "the same command writes them out from it without training again.")
+    return (f"The newest good checkpoint is {checkpoint} (step {saved}), intact: once there is space, the same "
+            "command continues from it.")
+
+
+def _needed_bytes(run_dir: Path, model: Any, optimizer: Any, shards: dict | None) -> int | None:
+    """About what a checkpoint takes: the bytes of its tensors, else the newest checkpoint's size."""
+    try:
+        if shards is not None:
+            return sum(entry["bytes"] for entry in shards["files"].values()) + tensor_bytes(shards["non_tensor"])
+        if model is not None and optimizer is not None:
+            return tensor_bytes(model.state_dict()) + tensor_bytes(optimizer.state_dict())
+    except Exception:  # noqa: BLE001 - only an estimate for a message; the previous size will do
+        pass
+    return previous_checkpoint_bytes(run_dir)
+
+
+def previous_checkpoint_bytes(run_dir: Path) -> int | None:
+    """The size of the newest checkpoint with a readable manifest (None: there is none)."""
+    for path in list_checkpoints(run_dir):
+        size = checkpoint_bytes(path)
+        if size is not None:
+            return size
+    return None
 
 
 def remove_stale_temps(run_dir: Path) -> None:
@@ -368,7 +522,9 @@ class CheckpointPolicy:
         if error is not None:
             self.metrics.write({"kind": "checkpoint_error", "step": state.step, "error": error})
             if self.policy.on_save_error is SaveErrorPolicy.stop:
-                raise RunStopped(f"{error}; stopping (checkpoint.on_save_error=stop)", run_dir=self.run_dir)
+                newest = self.agree(newest_good_checkpoint(self.run_dir) if self.writer else None)
+                raise SaveFailed(f"{error}; stopping (checkpoint.on_save_error=stop). {resume_point(newest)}",
+                                 checkpoint=newest, run_dir=self.run_dir)
             self.warn(f"{error}; training goes on, the previous checkpoints are intact (checkpoint.on_save_error=warn)")
             return None
         self.last_saved_step = state.step
@@ -398,14 +554,17 @@ class CheckpointPolicy:
             try:
                 staged = staging_dir(self.run_dir, state.step)
             except OSError as err:
-                error = f"could not save checkpoint {checkpoint_root(self.run_dir) / step_dir_name(state.step)}: {err}"
+                where = checkpoint_root(self.run_dir)
+                error = (f"could not save checkpoint {where / step_dir_name(state.step)}: "
+                         f"{describe_write_error(err, where, self._sharded_bytes())}")
         staged, error = self.agree((staged, error))
         if staged is None:
             raise CheckpointSaveError(error)
         def failed(err: object) -> CheckpointSaveError:
+            why = err if isinstance(err, str) else self._shard_error(err, staged)
             if self.writer:
                 shutil.rmtree(staged, ignore_errors=True)
-            return CheckpointSaveError(f"could not save the shards of checkpoint {staged}: {err}")
+            return CheckpointSaveError(f"could not save the shards of checkpoint {staged}: {why}")
 
         try:
             non_tensor = write_shards(staged / SHARDS, self.model.model, self.optimizer.optimizer)
@@ -425,6 +584,26 @@ class CheckpointPolicy:
             return None
         return self._write(state, model=None, optimizer=None, staged=staged,
                            shards={"files": files, "non_tensor": non_tensor})
+
+    def _shard_error(self, err: BaseException, staged: Path) -> str:
+        """DCP's exception, rank by rank and without its tracebacks (its str() holds them all)."""
+        needed = self._sharded_bytes()
+        failures = getattr(err, "failures", None)
+        if not failures:
+            return describe_write_error(err, staged, needed)
+        return "; ".join(f"rank {rank}: {describe_write_error(failure[0], staged, needed)}"
+                         for rank, failure in sorted(failures.items()))
+
+    def _sharded_bytes(self) -> int | None:
+        """About what a sharded checkpoint takes: the previous one's size, else the weights and
+        AdamW's two moments (the parameters' global sizes; every rank writes its part)."""
+        previous = previous_checkpoint_bytes(self.run_dir)
+        if previous is not None:
+            return previous
+        try:
+            return 3 * sum(p.numel() * p.element_size() for p in self.model.model.parameters())
+        except (AttributeError, RuntimeError):
+            return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -447,7 +626,10 @@ def verify(path: Path) -> dict:
     try:
         manifest = json.loads(manifest_path.read_text())
         files = manifest["files"]
-    except (OSError, ValueError, KeyError) as err:
+        if not isinstance(files, dict) or not all(isinstance(e, dict) and _is_size(e.get("bytes")) and
+                                                  isinstance(e.get("sha256"), str) for e in files.values()):
+            raise ValueError("its file table is malformed")
+    except (OSError, ValueError, KeyError, TypeError) as err:
         raise CheckpointError(f"{path}: {MANIFEST} is missing or unreadable ({err})") from None
     sharded = manifest.get("layout") == "sharded"
     required = SHARDED_FILES + (f"{SHARDS}/.metadata",) if sharded else STATE_FILES
@@ -455,6 +637,8 @@ def verify(path: Path) -> dict:
         if name not in files:
             raise CheckpointError(f"{path}: the manifest does not list {name}")
     for name, entry in files.items():
+        if Path(name).is_absolute() or ".." in Path(name).parts:  # only files inside the folder are read
+            raise CheckpointError(f"{path}: the manifest lists {name!r}, which is not inside the checkpoint folder")
         target = path / name
         if not target.is_file():
             raise CheckpointError(f"{path}: {name} is missing")
@@ -470,51 +654,171 @@ def verify(path: Path) -> dict:
     return manifest
 
 
+def _is_size(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def _candidates(run_dir: Path) -> list[Path]:
-    """Checkpoints to try, best first: the one `latest` names (it finished last), then newest first."""
+    """Checkpoints to try, best first: the one `latest` names (it finished last), then newest first.
+    `latest` may only name one of the run's own checkpoint folders."""
     root = checkpoint_root(run_dir)
     ordered = list_checkpoints(run_dir)
-    pointer = root / LATEST
-    if pointer.is_file():
-        named = root / pointer.read_text().strip()
-        if named.is_dir():
-            ordered = [named] + [p for p in ordered if p != named]
+    try:
+        named = root / (root / LATEST).read_text(encoding="utf-8").strip()
+    except (OSError, ValueError):  # no pointer, or an unreadable one: newest first
+        return ordered
+    if named in ordered:
+        ordered = [named] + [p for p in ordered if p != named]
     return ordered
 
 
-def _first_good(run_dir: Path, attempt: Callable[[Path], Any], warn: Callable[[str], None]) -> Any:
+def _first_good(run_dir: Path, attempt: Callable[[Path], Any], warn: Callable[[str], None],
+                failures: list[str] | None = None) -> Any:
+    """attempt(checkpoint) of the first candidate for which it raises no CheckpointError (None: no
+    such one); each one passed over is warned about and, given `failures`, described there."""
     for path in _candidates(run_dir):
         try:
             return attempt(path)
         except CheckpointError as err:
             warn(f"checkpoint unusable ({err}); trying an older one")
+            if failures is not None:
+                failures.append(str(err))
     return None
 
 
-def find_good_checkpoint(run_dir: Path, warn: Callable[[str], None]) -> Path | None:
-    """The newest checkpoint that verifies; every bad one passed over is reported through `warn`."""
+def first_good_checkpoint(run_dir: Path, attempt: Callable[[Path], Any], warn: Callable[[str], None],
+                          failures: list[str] | None = None) -> Any:
+    """attempt(checkpoint) for the run dir's checkpoints, best first, until one raises no
+    CheckpointError: its result (None: every one did, or there are none). Each failure is warned
+    about and, given `failures`, described there."""
+    return _first_good(run_dir, attempt, warn, failures)
+
+
+def find_good_checkpoint(run_dir: Path, warn: Callable[[str], None], readable: bool = False) -> Path | None:
+    """The newest checkpoint that verifies; every bad one passed over is reported through `warn`.
+    `readable`: also read every file of it (not its shards' tensors), so that a file that hashes
+    right but cannot be loaded (a forged one) is passed over too."""
+    if readable:
+        return _first_good(run_dir, lambda path: load_checkpoint(path).path, warn)
     return _first_good(run_dir, lambda path: verify(path) and path, warn)
 
 
-def load_newest_good(run_dir: Path, warn: Callable[[str], None], device: torch.device | str = "cpu") -> Checkpoint | None:
-    """The newest checkpoint that verifies, loaded (each file is hashed once)."""
-    return _first_good(run_dir, lambda path: load_checkpoint(path, device), warn)
+def load_newest_good(run_dir: Path, warn: Callable[[str], None], device: torch.device | str = "cpu",
+                     failures: list[str] | None = None) -> Checkpoint | None:
+    """The newest checkpoint that verifies and reads, loaded (each file is hashed once)."""
+    return _first_good(run_dir, lambda path: load_checkpoint(path, device), warn, failures)
+
+
+def damaged(path: Path, name: str, err: BaseException) -> CheckpointError:
+    """A file of a checkpoint that cannot be loaded, as a CheckpointError naming it: the reason in
+    a few words, never torch's advice to load it with weights_only=False."""
+    text = str(err).strip()
+    refused = re.search(r"WeightsUnpickler error: (.+?)(?: Please use|\n|$)", text)
+    if refused:  # weights_only met something that is not a tensor or plain data: loading it could run code
+        named = re.search(r"GLOBAL (\S+)", refused.group(1))
+        what = f"an object of type {named.group(1)}" if named else "an object"
+        reason = (f"it holds {what}, not just tensors and plain data; llmtrain never writes that and does not "
+                  "load it, since loading it could run code")
+    else:
+        lines = [line for line in text.splitlines() if "weights_only" not in line]
+        reason = f"{type(err).__name__}: {lines[0][:300]}" if lines else type(err).__name__
+    return CheckpointError(f"{path}: {name} cannot be read ({reason})")
+
+
+def _torch_file(path: Path, name: str, device: torch.device | str) -> Any:
+    try:
+        return torch.load(path / name, map_location=device, weights_only=True)
+    except Exception as err:  # noqa: BLE001 - whatever a damaged file raises, it is a damaged checkpoint
+        raise damaged(path, name, err) from None
+
+
+def _expect(ok: bool, path: Path, name: str, what: str) -> None:
+    if not ok:
+        raise CheckpointError(f"{path}: {name} is not what llmtrain writes there ({what})")
+
+
+def is_state_dict(value: Any) -> bool:
+    """A model state_dict as torch.save writes one: tensors by parameter name."""
+    return isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in value.items())
+
+
+def read_weights_file(path: Path, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """A model.pt (a run's final weights, or a checkpoint's), weights_only; CheckpointError naming
+    the file when it cannot be read or holds no state_dict."""
+    weights = _torch_file(path.parent, path.name, device)
+    _expect(is_state_dict(weights), path.parent, path.name, "a dict of tensors by parameter name")
+    return weights
+
+
+def _check_rng(path: Path, tensors: Any, plain: Any) -> None:
+    """The RNG states are tried on throw-away generators now, so a bad one is a damaged checkpoint
+    here rather than a crash after the model is built."""
+    try:
+        torch.Generator().set_state(tensors["torch"])
+        version, py_state, py_gauss = plain["python"]
+        random.Random().setstate((version, tuple(py_state), py_gauss))
+        kind, keys, pos, has_gauss, gauss = plain["numpy"]
+        np.random.RandomState().set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
+    except Exception as err:  # noqa: BLE001 - any malformed state: the checkpoint is damaged
+        raise CheckpointError(f"{path}: its RNG states (rng.pt, trainer_state.json) cannot be restored "
+                              f"({type(err).__name__}: {str(err)[:200]})") from None
+
+
+def _trainer_state(path: Path) -> dict:
+    name = "trainer_state.json"
+    try:
+        trainer = json.loads((path / name).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{path}: {name} cannot be read ({type(err).__name__}: {str(err)[:200]})") from None
+    _expect(isinstance(trainer, dict), path, name, "a JSON object")
+    if trainer.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"{path}: format {trainer.get('format')} is not {FORMAT_VERSION}, which this llmtrain reads")
+    for key in ("state", "sampler", "rng", "config"):
+        _expect(isinstance(trainer.get(key), dict), path, name, f"'{key}' is not an object")
+    fields = {f.name for f in dataclasses.fields(TrainState)}
+    _expect(set(trainer["state"]) <= fields, path, name, f"'state' has keys other than {', '.join(sorted(fields))}")
+    _expect(all(value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))
+                for value in trainer["state"].values()), path, name, "'state' holds a value that is not a number")
+    return trainer
 
 
 def load_checkpoint(path: Path, device: torch.device | str = "cpu", verify_files: bool = True) -> Checkpoint:
-    """Verify and read a checkpoint folder (weights_only: a checkpoint cannot run code).
+    """Verify and read a checkpoint folder (weights_only: a checkpoint cannot run code). Whatever
+    is wrong with a file (damaged, forged, another program's) raises CheckpointError naming it.
     `verify_files=False`: the folder was verified just now (by find_good_checkpoint, or by rank 0
     for all ranks); its files are not hashed again."""
-    manifest = verify(path) if verify_files else json.loads((path / MANIFEST).read_text())
-    trainer = json.loads((path / "trainer_state.json").read_text())
-    if trainer.get("format") != FORMAT_VERSION:
-        raise CheckpointError(f"{path}: format {trainer.get('format')} is not {FORMAT_VERSION}, which this llmtrain reads")
-    opt = torch.load(path / "optimizer.pt", map_location=device, weights_only=True)
-    rng = torch.load(path / "rng.pt", map_location="cpu", weights_only=True)
-    if manifest.get("layout") == "sharded":  # tensors read when asked for (each rank its shards, or whole)
-        return Checkpoint(path, None, opt["scaler"], rng, trainer, shards=opt["shards"], device=device)
-    model = torch.load(path / "model.pt", map_location=device, weights_only=True)
-    return Checkpoint(path, (model, opt["optimizer"]), opt["scaler"], rng, trainer, device=device)
+    if verify_files:
+        manifest = verify(path)
+    else:
+        try:
+            manifest = json.loads((path / MANIFEST).read_text())
+        except (OSError, ValueError) as err:
+            raise CheckpointError(f"{path}: {MANIFEST} is missing or unreadable ({err})") from None
+    trainer = _trainer_state(path)
+    sharded = isinstance(manifest, dict) and manifest.get("layout") == "sharded"
+    opt = _torch_file(path, "optimizer.pt", device)
+    keys = ("shards", "scaler") if sharded else ("optimizer", "scaler")
+    _expect(isinstance(opt, dict) and all(k in opt for k in keys), path, "optimizer.pt", f"a dict of {' and '.join(keys)}")
+    _expect(opt["scaler"] is None or isinstance(opt["scaler"], dict), path, "optimizer.pt", "the loss scaler is no dict")
+    rng = _torch_file(path, "rng.pt", "cpu")
+    _expect(isinstance(rng, dict) and isinstance(rng.get("torch"), torch.Tensor), path, "rng.pt", "a dict of RNG tensors")
+    _check_rng(path, rng, trainer["rng"])
+    try:
+        if sharded:  # tensors read when asked for (each rank its shards, or whole); the metadata now
+            from llmtrain.shards import saved_keys
+
+            shards = opt["shards"]
+            _expect(isinstance(shards, dict) and isinstance(shards.get("param_groups"), list)
+                    and isinstance(shards.get("plain_state"), dict), path, "optimizer.pt", "the shards' groups")
+            saved_keys(path / SHARDS)  # the restricted unpickler: a forged .metadata is refused here
+            return Checkpoint(path, None, opt["scaler"], rng, trainer, shards=shards, device=device)
+        model = read_weights_file(path / "model.pt", device)
+        optimizer = opt["optimizer"]
+        _expect(isinstance(optimizer, dict) and isinstance(optimizer.get("state"), dict)
+                and isinstance(optimizer.get("param_groups"), list), path, "optimizer.pt", "an optimizer state_dict")
+        return Checkpoint(path, (model, optimizer), opt["scaler"], rng, trainer, device=device)
+    except TypeError as err:  # TrainState(**state): a value of the wrong kind
+        raise CheckpointError(f"{path}: trainer_state.json cannot be used ({err})") from None
 
 
 def read_model_weights(path: Path) -> dict[str, torch.Tensor]:
@@ -528,24 +832,56 @@ def read_model_weights(path: Path) -> dict[str, torch.Tensor]:
     return checkpoint.model
 
 
+def all_damaged(run_dir: Path, failures: list[str], what: str, own: bool = True) -> CheckpointError:
+    """The refusal when every checkpoint of a run dir is damaged: which, why, and the ways on.
+    `own`: the run dir is the one being trained into (resume=never would start it over)."""
+    root = f"{checkpoint_root(run_dir)}{os.sep}"
+    listed = "; ".join(f.replace(root, "") for f in failures[:6]) + (f"; and {len(failures) - 6} more" if len(failures) > 6 else "")
+    ways = ("resume=never starts this run over from step 0 and first moves the damaged checkpoints aside (to "
+            f"{CHECKPOINTS}.damaged-<time>/ in the run dir); resume=<a checkpoint folder or another run dir> continues "
+            "from a good checkpoint elsewhere; or train into another run dir (hydra.run.dir=...)." if own else
+            "resume=<another checkpoint folder or run dir>, or resume=never to start from step 0.")
+    return CheckpointError(
+        f"{what}: every checkpoint in {checkpoint_root(run_dir)} is damaged, so there is nothing to resume from "
+        f"({listed}). No checkpoint was changed. Ways on: {ways}"
+    )
+
+
+def move_damaged_aside(run_dir: Path) -> Path:
+    """Rename the checkpoints folder (every damaged checkpoint and `latest`, byte for byte) to
+    checkpoints.damaged-<YYYYmmdd-HHMMSS>/ in the run dir, so a fresh run overwrites none of it."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    target = Path(run_dir) / f"{CHECKPOINTS}.damaged-{stamp}"
+    n = 1
+    while target.exists():  # twice in the same second
+        n += 1
+        target = Path(run_dir) / f"{CHECKPOINTS}.damaged-{stamp}-{n}"
+    os.replace(checkpoint_root(run_dir), target)
+    return target
+
+
+def _quiet(message: str) -> None:
+    """A warn() that drops its message (the caller reports the outcome itself)."""
+
+
 def resume_checkpoint(
     resume: str, run_dir: Path, warn: Callable[[str], None], device: torch.device | str = "cpu"
 ) -> Checkpoint | None:
-    """The checkpoint `resume=` asks for, loaded: auto (this run dir's newest good one), never, or a path."""
+    """The checkpoint `resume=` asks for, loaded: auto (this run dir's newest good one), never, or a path.
+    A run dir whose checkpoints are all damaged is refused (auto), or moved aside first (never)."""
     if resume == "never":
-        if list_checkpoints(run_dir):
-            raise ConfigError(
-                f"resume=never, but {checkpoint_root(run_dir)} already holds checkpoints that a fresh run would "
-                "overwrite; use resume=auto to continue it, or another run dir (hydra.run.dir=...)."
-            )
-        return None
+        return _start_over(run_dir, warn)
     if resume == "auto":
-        return load_newest_good(run_dir, warn, device)
+        return _newest_or_refuse(run_dir, warn, device, "Cannot resume (resume=auto)")
     path = Path(resume).expanduser()
     if (path / MANIFEST).is_file():
-        return load_checkpoint(path, device)
+        try:
+            return load_checkpoint(path, device)
+        except CheckpointError as err:
+            raise CheckpointError(f"resume='{resume}' cannot be used: {err}. Give another checkpoint folder or run "
+                                  "dir, or resume=auto (this run dir's newest good checkpoint).") from None
     if checkpoint_root(path).is_dir():
-        found = load_newest_good(path, warn, device)
+        found = _newest_or_refuse(path, warn, device, f"resume='{resume}'", own=path.resolve() == Path(run_dir).resolve())
         if found is None:
             raise ConfigError(f"resume='{resume}': no usable checkpoint in {checkpoint_root(path)}.")
         return found
@@ -553,6 +889,42 @@ def resume_checkpoint(
         f"resume='{resume}' is neither a checkpoint folder (with {MANIFEST}) nor a run dir with {CHECKPOINTS}/; "
         "valid: auto, never, or such a path."
     )
+
+
+def _newest_or_refuse(run_dir: Path, warn: Callable[[str], None], device: torch.device | str,
+                      what: str, own: bool = True) -> Checkpoint | None:
+    """The newest good checkpoint (each damaged one passed over is warned about); None when there
+    are none at all; refused when there are some and every one is damaged."""
+    passed_over: list[str] = []
+    failures: list[str] = []
+    found = load_newest_good(run_dir, passed_over.append, device, failures)
+    if found is None and failures:
+        raise all_damaged(run_dir, failures, what, own)
+    for message in passed_over:  # only now: a refusal above names them all in one paragraph
+        warn(message)
+    return found
+
+
+def _start_over(run_dir: Path, warn: Callable[[str], None]) -> None:
+    """resume=never: refused while a good checkpoint would be overwritten. Damaged ones only are
+    left where they are here: the run moves them aside once it is accepted (`set_damaged_aside`),
+    so a command refused later still leaves the run dir as it was."""
+    if list_checkpoints(run_dir) and find_good_checkpoint(run_dir, _quiet, readable=True) is not None:
+        raise ConfigError(
+            f"resume=never, but {checkpoint_root(run_dir)} already holds checkpoints that a fresh run would "
+            "overwrite; use resume=auto to continue it, or another run dir (hydra.run.dir=...)."
+        )
+    return None
+
+
+def set_damaged_aside(run_dir: Path, warn: Callable[[str], None]) -> None:
+    """A fresh run (resume=never) in a run dir whose checkpoints are all damaged (resume_checkpoint
+    refused it otherwise): move them aside, said in one line, rather than overwrite them."""
+    if not list_checkpoints(run_dir):
+        return
+    names = ", ".join(p.name for p in list_checkpoints(run_dir))
+    target = move_damaged_aside(run_dir)
+    warn(f"resume=never: every checkpoint here was damaged ({names}); moved them aside to {target} and starting over")
 
 
 # Keys whose change makes saved tensors or optimizer state meaningless for the new run.

@@ -11,6 +11,7 @@ instead of Hydra's exit 1 and stack-trace hint.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shlex
@@ -19,7 +20,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
-from llmtrain.errors import EXIT_ABORTED, EXIT_USER_ERROR
+from llmtrain.errors import EXIT_ABORTED, EXIT_INTERRUPTED, EXIT_USER_ERROR, RunStopped
 
 if TYPE_CHECKING:
     from llmtrain.config import Config
@@ -27,11 +28,11 @@ if TYPE_CHECKING:
 COMMANDS: dict[str, str] = {
     "train": "Train a model from the composed config groups (Hydra overrides, -m sweeps).",
     "prepare": "Tokenize a corpus (text files, folders, globs, JSONL) into cached memory-mapped token files.",
-    "check": "Pre-flight checklist (seed 8.1) + memory/compute estimate for a config; exit 0 pass, 1 warn, 2 fail.",
+    "check": "Pre-flight checklist + memory/compute estimate for a config; exit 0 pass, 1 warn, 2 fail.",
     "sample": "Generate text from a run directory's trained model (or an export).",
     "export": "Write a run's weights as safetensors + the model config as JSON.",
     "compare": "The runs of a sweep side by side: a table sorted by val loss, a CSV and a PNG of the loss curves.",
-    "report": "Post-run review (seed 8.3) of a run dir: report.md + report.html with plots, a verdict per question.",
+    "report": "Post-run review of a run dir: report.md + report.html with plots, a verdict per question.",
     "doctor": "Diagnostic experiments that find bugs fast: overfit, lr-range, grad-check, eval-consistency.",
 }
 
@@ -83,9 +84,22 @@ def main(argv: Sequence[str] | None = None) -> None:
     if command not in handlers:
         fail(f"unknown command '{command}'; valid commands: {', '.join(COMMANDS)}. See `llmtrain --help`.")
     try:
-        handlers[command](rest)
-    except KeyboardInterrupt:
-        fail("interrupted (Ctrl-C): stopped at once; checkpoints already written are intact", EXIT_ABORTED)
+        if command == "train":  # SIGTERM/Ctrl-C stop cleanly from here on, also while setting up
+            from llmtrain.interrupts import StopRequest
+
+            with StopRequest.shared().setting_up():
+                handlers[command](rest)
+        else:
+            handlers[command](rest)
+    except KeyboardInterrupt as err:  # a second signal, or a Ctrl-C outside the train loop
+        from llmtrain.interrupts import AbortRequested, abort_at_once, abort_message, announce_abort
+
+        if isinstance(err, AbortRequested):  # at once: the interpreter's teardown can take seconds
+            abort_at_once(abort_message(err))
+        announce_abort(abort_message(err))
+        sys.exit(EXIT_ABORTED)
+    except RunStopped as stopped:  # a SIGTERM while setting up, outside the run itself (composing the config)
+        fail(str(stopped), stopped.exit_code, label="stopped")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -115,6 +129,18 @@ def train_command(args: list[str]) -> None:
              "from one process with parallel.nproc=N per job, or launch one torchrun per setting.")
     if launched > 1 and not parsed.shell_completion and _given(parsed.overrides, "hydra.run.dir") is None:
         args = [*args, f"hydra.run.dir={_shared_run_dir()}"]  # torchrun: one run dir for all ranks
+    runs = not parsed.shell_completion and not parsed.hydra_help and not (parsed.cfg or parsed.info)
+    sweep_dir = None
+    if runs:
+        from llmtrain.errors import UserError
+
+        try:  # before any work: a run dir that cannot be written is a mistake like a bad value
+            if parsed.multirun:
+                sweep_dir, args = _plan_sweep_dir(parsed.overrides, args)
+            else:
+                args = _plan_run_dir(args, parsed.config_dir, parsed.config_name)
+        except UserError as err:
+            fail(str(err))
     if not parsed.shell_completion and not parsed.hydra_help:
         from llmtrain.errors import UserError
 
@@ -126,19 +152,82 @@ def train_command(args: list[str]) -> None:
             )
         except UserError as err:
             fail(str(err))
-    sweep_dir = None
-    if parsed.multirun and not parsed.shell_completion and not parsed.hydra_help and not (parsed.cfg or parsed.info):
-        import datetime
+    try:
+        _run_hydra(args, _train_task)
+    except SystemExit as stop:
+        if sweep_dir is not None and stop.code == EXIT_USER_ERROR:  # a refused job: a new sweep dir goes if it holds no run
+            from llmtrain.rundir import discard_created
 
-        # Named here (Hydra's default pattern) so that the closing comparison finds it, whichever
-        # launcher ran the jobs (submitit runs them in other processes).
-        sweep_dir = _given(parsed.overrides, "hydra.sweep.dir")
-        if sweep_dir is None:
-            sweep_dir = datetime.datetime.now().strftime("multirun/%Y-%m-%d/%H-%M-%S")
-            args = [*args, f"hydra.sweep.dir={sweep_dir}"]
-    _run_hydra(args, _train_task)
+            discard_created(sweep_dir, only_if_empty=True, keep=frozenset({"multirun.yaml"}))
+        raise
     if sweep_dir is not None and os.environ.get("RANK", "0") == "0" and Path(sweep_dir).is_dir():
         compare_command([sweep_dir])  # a sweep ends with its comparison table
+
+
+def _plan_sweep_dir(overrides: list[str], args: list[str]) -> tuple[str, list[str]]:
+    """The sweep dir of `-m`, named here (Hydra's default pattern) so that the closing comparison
+    finds it, whichever launcher ran the jobs (submitit runs them in other processes); checked
+    before any work. Returns it and the arguments for Hydra."""
+    import datetime
+
+    from llmtrain.rundir import check_dir
+
+    sweep_dir = _given(overrides, "hydra.sweep.dir")
+    if sweep_dir is None:
+        sweep_dir = datetime.datetime.now().strftime("multirun/%Y-%m-%d/%H-%M-%S")
+        args = [*args, f"hydra.sweep.dir={sweep_dir}"]
+    if "${" not in sweep_dir:  # an interpolation is Hydra's to resolve
+        check_dir("hydra.sweep.dir", sweep_dir, "sweep dir", "multirun/first")
+    return sweep_dir, args
+
+
+def _plan_run_dir(args: list[str], extra_dir: str | None, config_name: str | None) -> list[str]:
+    """Check the dirs a run will write (hydra.run.dir, and out_dir when set) before any work, and
+    note those that do not exist yet, so that a refused run removes them again. A name Hydra
+    would take from the clock (${now:...}) is fixed here, so that the dir checked is the dir Hydra
+    makes. Returns the arguments for Hydra."""
+    from hydra._internal.utils import get_args_parser
+
+    from llmtrain.rundir import check_dir
+
+    planned = _planned_dirs(get_args_parser().parse_args(args).overrides, extra_dir, config_name)
+    if planned is None:  # the composition fails: validate_overrides says why, in one paragraph
+        return args
+    raw, run_dir, out_dir = planned
+    if "${" in raw and re.fullmatch(r"[\w./:@%+~-]+", run_dir):
+        args = [*args, f"hydra.run.dir={run_dir}"]
+    check_dir("hydra.run.dir", run_dir)
+    if out_dir is not None:
+        check_dir("out_dir", out_dir)
+    return args
+
+
+def _planned_dirs(overrides: list[str], extra_dir: str | None, config_name: str | None) -> tuple[str, str, str | None] | None:
+    """hydra.run.dir as written and as resolved, and out_dir, for this command line; None when the
+    config does not compose or the name does not resolve outside a run."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    from llmtrain.config import register_configs
+
+    register_configs()
+    search = [f"hydra.searchpath=[file://{Path(extra_dir).expanduser().resolve()}]"] if extra_dir else []
+    GlobalHydra.instance().clear()
+    previous = HydraConfig.instance().cfg
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3", job_name="train"):
+            node = compose(config_name=config_name or "config", overrides=[*search, *overrides], return_hydra_config=True)
+        HydraConfig.instance().set_config(node)  # for a ${hydra:...} in the name
+        raw = OmegaConf.to_container(node.hydra.run, resolve=False)["dir"]
+        out_dir = node.get("out_dir")
+        return str(raw), str(OmegaConf.select(node, "hydra.run.dir")), None if out_dir is None else str(out_dir)
+    except Exception:  # noqa: BLE001 - see the docstring
+        return None
+    finally:
+        HydraConfig.instance().cfg = previous
+        GlobalHydra.instance().clear()
 
 
 def flush_denormals_first(overrides: list[str]) -> None:
@@ -190,7 +279,51 @@ def _run_hydra(args: list[str], task: Callable) -> None:
 
 def _train_task(node) -> float | None:  # node: the composed OmegaConf DictConfig (untyped: imports stay lazy)
     """One run. Returns its objective for sweepers that optimize (Optuna): the final validation
-    loss, or the final train loss when the run does not evaluate."""
+    loss, or the final train loss when the run does not evaluate.
+
+    Hydra's record of the run (.hydra/, train.log) is written only once train() accepts the run
+    (conf/config.yaml keeps Hydra from writing it first): a refused run leaves an existing run dir
+    as it was, and removes a run dir this command created."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from llmtrain import rundir
+
+    hydra_dir = HydraConfig.get().runtime.output_dir
+    run_dir = node.get("out_dir") or hydra_dir
+    rundir.hold_job_log()
+    describe = functools.partial(rundir.describe_run, _hydra_files(node))
+    try:
+        return _run_task(node, describe)
+    except BaseException as stop:
+        # Refused (2), or stopped by a signal while setting up (75, or Ctrl-C / a SIGTERM on its way
+        # out as a BaseException), before the run was accepted: no dir left behind.
+        stopped = not isinstance(stop, SystemExit | Exception) or (
+            isinstance(stop, SystemExit) and stop.code in (EXIT_USER_ERROR, EXIT_INTERRUPTED))
+        if stopped and not (Path(run_dir) / "config.yaml").exists():
+            rundir.discard_created(run_dir)
+        raise
+    finally:
+        if rundir.absolute(run_dir) != rundir.absolute(hydra_dir):  # out_dir elsewhere: Hydra's dir holds nothing
+            rundir.discard_created(hydra_dir, only_if_empty=True)
+
+
+def _hydra_files(task_cfg) -> dict[str, str]:
+    """What Hydra writes into `<run dir>/.hydra/` for this job (the task's config, Hydra's own
+    config, the task overrides), as texts: taken while HydraConfig is set, written on acceptance."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    from llmtrain.rundir import HYDRA_SUBDIR
+
+    hydra_cfg = HydraConfig.instance().cfg
+    return {
+        f"{HYDRA_SUBDIR}/config.yaml": OmegaConf.to_yaml(task_cfg),
+        f"{HYDRA_SUBDIR}/hydra.yaml": OmegaConf.to_yaml(hydra_cfg),
+        f"{HYDRA_SUBDIR}/overrides.yaml": OmegaConf.to_yaml(hydra_cfg.hydra.overrides.task),
+    }
+
+
+def _run_task(node, describe: Callable[[Path], None]) -> float | None:
     from hydra.core.hydra_config import HydraConfig
 
     from llmtrain.config import to_config
@@ -207,7 +340,7 @@ def _train_task(node) -> float | None:  # node: the composed OmegaConf DictConfi
         if cfg.out_dir is None:
             cfg.out_dir = HydraConfig.get().runtime.output_dir
         if cfg.parallel.nproc > 1 and not os.environ.get("WORLD_SIZE"):
-            _spawn_workers(cfg, resume_hint)
+            _spawn_workers(cfg, resume_hint, describe)
             from llmtrain.compare import summarize  # the objective, from what rank 0 wrote
 
             ran = summarize(Path(cfg.out_dir))
@@ -215,12 +348,15 @@ def _train_task(node) -> float | None:  # node: the composed OmegaConf DictConfi
             return ran.final_val_loss if ran.final_val_loss is not None else ran.final_train_loss
         from llmtrain.train import train
 
-        result = train(cfg)
+        result = train(cfg, on_accept=describe)
         _report_after_run(cfg)
     except UserError as err:
         fail(str(err))
     except RunStopped as stopped:
-        _report_after_run(cfg)  # an interrupted run is reviewed too
+        from llmtrain.errors import StoppedBeforeStart
+
+        if not isinstance(stopped, StoppedBeforeStart):  # stopped while setting up: the run dir stays as it was
+            _report_after_run(cfg)  # an interrupted run is reviewed too
         fail(f"{stopped}\n{resume_hint(stopped.run_dir or cfg.out_dir)}", stopped.exit_code, label="stopped")
     if result.val_losses:
         return result.final_val_loss
@@ -263,19 +399,25 @@ def _ranks_from_submitit_tasks() -> None:
     )
 
 
-def _spawn_workers(cfg, resume_hint: Callable[[object], str]) -> None:
+def _spawn_workers(cfg, resume_hint: Callable[[object], str], describe: Callable[[Path], None] | None = None) -> None:
     """parallel.nproc=N: start N ranks on this machine under this one Hydra run dir. When a rank
-    fails, the others are stopped at once; the exit code is the failing rank's."""
+    fails, the others are stopped at once; the exit code is the failing rank's. The ranks run
+    without Hydra: rank 0 gets the run's description to write (`describe`, picklable) with its cfg."""
     from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
 
-    from llmtrain.errors import EXIT_HEALTH_STOP, EXIT_INTERRUPTED, EXIT_NONFINITE_STOP
+    from llmtrain.errors import EXIT_HEALTH_STOP, EXIT_INTERRUPTED, EXIT_NONFINITE_STOP, EXIT_SAVE_FAILED
     from llmtrain.parallel import spawn_local
 
     try:
-        spawn_local(cfg.parallel.nproc, _rank_main, cfg)
+        spawn_local(cfg.parallel.nproc, functools.partial(_rank_main, on_accept=describe), cfg)
     except ProcessExitedException as err:
+        if err.exit_code == EXIT_ABORTED:  # a second signal: rank 0 said so in its one line
+            sys.exit(EXIT_ABORTED)
+        if err.signal_name in ("SIGTERM", "SIGINT"):  # it came before the rank had its handlers
+            fail(f"stopped by {err.signal_name} while the ranks were starting, before the first step: nothing to save "
+                 "yet; the same command starts the run again", EXIT_INTERRUPTED, label="stopped")
         code = err.exit_code if err.exit_code and err.exit_code > 0 else 1
-        if code in (EXIT_INTERRUPTED, EXIT_NONFINITE_STOP, EXIT_HEALTH_STOP):
+        if code in (EXIT_INTERRUPTED, EXIT_NONFINITE_STOP, EXIT_HEALTH_STOP, EXIT_SAVE_FAILED):
             fail(resume_hint(cfg.out_dir), code, label="stopped")
         if code != 2 or err.error_index != 0:  # rank 0 prints its own user errors
             fail(f"rank {err.error_index} of {cfg.parallel.nproc} exited with code {err.exit_code}; the other ranks were "
@@ -285,7 +427,7 @@ def _spawn_workers(cfg, resume_hint: Callable[[object], str]) -> None:
         fail(f"rank {err.error_index} of {cfg.parallel.nproc} failed and the other ranks were stopped:\n{err.msg.strip()}", 1)
 
 
-def _rank_main(cfg) -> None:
+def _rank_main(cfg, on_accept: Callable[[Path], None] | None = None) -> None:
     """One rank started by parallel.nproc: rank 0 prints errors; every rank exits with the code.
 
     The exit skips interpreter teardown (os._exit after flushing): torch's C++ threads (FSDP2 over
@@ -297,15 +439,25 @@ def _rank_main(cfg) -> None:
     main = os.environ.get("RANK") == "0"
     code = 0
     try:
-        train(cfg)
+        train(cfg, on_accept=on_accept)
     except UserError as err:
         code = EXIT_USER_ERROR
         if main:
             sys.stderr.write(f"llmtrain: error: {err}\n")
+        else:  # a refusal every rank raises together: rank 0 exits first, so the parent shows its paragraph alone
+            import time
+
+            time.sleep(2)
     except RunStopped as stopped:
         code = stopped.exit_code
         if main:
             sys.stderr.write(f"llmtrain: stopped: {stopped}\n")
+    except KeyboardInterrupt as err:  # a second signal: torch's worker wrapper would turn it into exit 0
+        from llmtrain.interrupts import abort_message, announce_abort
+
+        code = EXIT_ABORTED
+        if main:
+            announce_abort(abort_message(err))
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
@@ -337,9 +489,9 @@ def validate_overrides(
 
             report = run_check(cfg, measure_compute=False)
             if report.failures and not cfg.allow_check_failures:
-                from rich.console import Console
+                from llmtrain.sinks import default_console
 
-                render(report, Console(stderr=True, width=180), estimates=True)
+                render(report, default_console(stderr=True), estimates=True)
                 raise CheckFailed(report.refusal(), report)
 
 
@@ -488,13 +640,13 @@ def prepare_command(args: list[str]) -> None:
     if opts.config_dir and not Path(opts.config_dir).expanduser().is_dir():
         fail(f"--config-dir is '{opts.config_dir}', which is not a folder; give a folder of group options like conf/.")
 
-    from rich.console import Console
     from rich.markup import escape
 
     from llmtrain.data.prepare import prepare_data
     from llmtrain.errors import UserError
+    from llmtrain.sinks import default_console
 
-    console = Console()
+    console = default_console()
     try:
         cfg = compose_config(opts.overrides, opts.config_dir)
         data = prepare_data(cfg.data, log=lambda message: console.print(f"[dim]{escape(message)}[/]"), progress=True)
@@ -520,7 +672,8 @@ def check_command(args: list[str]) -> None:
 
     parser = argparse.ArgumentParser(
         prog="llmtrain check",
-        description="Run the pre-flight checklist (seed 8.1 and tables 5.1-5.3) on a config, with a memory and "
+        description="Run the pre-flight checklist (settings that make training stable, plus static checks of the model "
+        "and data) on a config, with a memory and "
         "compute estimate for this machine. Takes the same overrides as `llmtrain train`. "
         "Exit code: 0 all items pass, 1 warnings, 2 failures (or a bad config).",
         epilog="example: llmtrain check model=gpt_small optim=adamw precision=fp16",
@@ -683,7 +836,7 @@ def report_command(args: list[str]) -> None:
 
     parser = argparse.ArgumentParser(
         prog="llmtrain report",
-        description="The post-run review (seed 8.3) of a run dir, finished, interrupted or crashed: is the loss smooth, "
+        description="The post-run review of a run dir, finished, interrupted or crashed: is the loss smooth, "
         "does validation track training, does inference behave like training, peak memory and headroom, time per "
         "step and its bottleneck, alarms and actions. Writes report.md and a self-contained report.html (plots "
         "inside) into the run dir and prints the verdicts. `llmtrain train` writes it at the end of every run.",

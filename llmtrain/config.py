@@ -186,7 +186,11 @@ class ModelConfig:
     n_head: int = _f(4, "Attention heads per block; must divide n_embd.")
     n_embd: int = _f(128, "Width of the residual stream.")
     block_size: int = _f(256, "Context length: the longest sequence the model accepts.")
-    vocab_size: int | None = _f(None, "Vocabulary size; null takes the data's vocabulary.")
+    vocab_size: int | None = _f(
+        None, "Vocabulary size; null takes the data's vocabulary, padded up to a multiple of vocab_multiple.")
+    vocab_multiple: int = _f(
+        1, "vocab_size=null: pad the data's vocabulary up to a multiple of this (64 suits GPU matmuls); the padding "
+        "ids are never targets and never sampled.")
     dropout: float = _f(0.0, "Dropout probability on attention, MLP and embedding outputs.")
     bias: bool = _f(True, "Biases in linear layers and LayerNorm.")
     tie_weights: bool = _f(True, "Share the token embedding with the LM head.")
@@ -208,7 +212,9 @@ class ModelConfig:
 @dataclass
 class OptimConfig:
     name: OptimizerName = _f(OptimizerName.adamw, "adamw, adam, sgd or adafactor.")
-    lr: float = _f(3e-3, "Peak learning rate (after warmup).")
+    lr: float | None = _f(
+        None, "Peak learning rate (after warmup); null takes the default for this optimizer and model width "
+        "(adam/adamw: 3e-3 x min(1, 128 / n_embd), sgd 0.1, adafactor 1e-2).")
     weight_decay: float = _f(0.1, "Weight decay on matrices, never on biases or norms (decoupled for adamw, L2 for adam/sgd).")
     decay_embeddings: bool = _f(True, "Apply weight decay to embedding tables too (and to a head tied to them).")
     beta1: float = _f(0.9, "Adam beta1, first-moment decay (adam, adamw).")
@@ -269,7 +275,7 @@ class DataConfig:
     seq_len: int | None = _f(None, "Tokens per training sequence; null uses model.block_size.")
     seq_len_schedule: list[list[int]] = _f(
         [], "Sequence-length schedule as [step, seq_len] pairs, e.g. [[0,256],[1000,512],[3000,1024]] (short sequences "
-        "early, seed 003 2.2); starts at step 0; its last length is the run's seq_len. []: data.seq_len throughout.")
+        "early train faster); starts at step 0; its last length is the run's seq_len. []: data.seq_len throughout.")
     seq_len_keep: SeqLenKeep = _f(
         SeqLenKeep.tokens, "With a schedule: tokens (tokens per step constant: a stage at half the length draws twice "
         "the sequences per micro-batch) or batch (sequences per step constant: fewer tokens per step early).")
@@ -326,7 +332,7 @@ class CheckpointConfig:
 
 @dataclass
 class MonitorConfig:
-    enabled: bool = _f(True, "Watch the run's health (the seed's 8.2 table) and raise alarms.")
+    enabled: bool = _f(True, "Watch the run's health (the health bands of docs/monitoring.md) and raise alarms.")
     interval: int = _f(10, "Check every this many optimizer steps (a few host syncs per check).")
     activation_interval: int = _f(100, "Sample block-output activations every this many steps (hooks only then).")
     warmup_checks: int = _f(5, "Checks before the memory-leak trend is watched (allocator warm-up).")
@@ -375,7 +381,9 @@ class Config:
     allow_check_failures: bool = _f(False, "Train even when the pre-flight check (llmtrain check) reports FAIL rows.")
     max_steps: int | None = _f(1000, "Optimizer steps to run (ignored when max_tokens is set).")
     max_tokens: int | None = _f(None, "Train on this many tokens instead; the last step may be partial.")
-    micro_batch_size: int = _f(16, "Sequences per forward/backward pass.")
+    micro_batch_size: int | None = _f(
+        None, "Sequences per forward/backward pass; null derives it: the largest divisor of global_batch_size / "
+        "world size up to 16 (the global batch is kept; set it to have exactly that micro-batch).")
     global_batch_size: int = _f(16, "Sequences per optimizer step; accumulation = global / (micro x world).")
     eval_interval: int = _f(100, "Evaluate every this many steps (and at the end); 0 disables.")
     eval_batches: int = _f(10, "Fixed validation batches per evaluation.")
@@ -384,7 +392,7 @@ class Config:
         50, "Time the phases (data, forward, backward, optimizer, other) of every this-many-th step for the report; "
         "on CUDA those steps synchronize at each phase. 0 disables."
     )
-    report: bool = _f(True, "Write report.md and report.html (the 8.3 post-run review) into the run dir when train ends.")
+    report: bool = _f(True, "Write report.md and report.html (the post-run review) into the run dir when train ends.")
     out_dir: str | None = _f(None, "Run directory; null uses Hydra's run dir.")
     device: str = _f("auto", "auto, cpu, cuda, cuda:N or mps.")
     threads: int | None = _f(None, "CPU threads per process; null = usable cores / local processes.")
@@ -429,9 +437,37 @@ def field_type(tp: Any) -> Any:
 GROUPS: tuple[str, ...] = _group_names()
 
 
+# Mappings of the schema whose keys are names from a fixed list (the schema types them only as str).
+MAPPING_KEYS: dict[str, tuple[str, ...]] = {"monitor.actions": ALARM_NAMES}
+
+
+def _mapping_key_message(full_key: str, mapping: str) -> str:
+    """An unknown key inside a name-keyed mapping (`monitor.actions.<alarm>`): a typo gets the close
+    match and the valid names; a valid name not yet in the mapping needs Hydra's '+' to be added."""
+    leaf = full_key[len(mapping) + 1:]
+    names = MAPPING_KEYS[mapping]
+    adding = f"a name not yet in '{mapping}' is added with '+': '+{mapping}.<name>=...'"
+    if leaf in names:
+        return (f"Unknown config key '{full_key}': '{leaf}' is a valid name, but '{mapping}' has no entry for it yet, "
+                f"and Hydra adds a key only with '+': use '+{full_key}=...'.")
+    close = difflib.get_close_matches(leaf, names, n=1)
+    hint = f" Did you mean '{mapping}.{close[0]}'?" if close else ""
+    return f"Unknown config key '{full_key}'.{hint} Valid names under '{mapping}': {', '.join(names)} ({adding})."
+
+
+def unknown_name_message(mapping: str, name: str) -> str:
+    """A name a mapping such as `monitor.actions` does not know (added with '+key=...')."""
+    names = MAPPING_KEYS[mapping]
+    close = difflib.get_close_matches(name, names, n=1)
+    hint = f" Did you mean '{close[0]}'?" if close else ""
+    return f"'{mapping}' names an unknown alarm '{name}'; valid alarms: {', '.join(names)}.{hint}"
+
+
 def unknown_key_message(full_key: str) -> str:
     """'Unknown config key' with the valid keys of its parent section and a close match."""
     parent, _, leaf = full_key.rpartition(".")
+    if parent in MAPPING_KEYS:
+        return _mapping_key_message(full_key, parent)
     found = _schema_for_key(full_key)
     fields = list(schema_fields(found[0])) if found else []
     # `n_layer=4` meant `model.n_layer=4`: an exact key of a group beats a fuzzy top-level match.
@@ -468,20 +504,85 @@ def describe_omegaconf_error(err: Exception) -> str:
     if isinstance(err, (ConfigKeyError, ConfigAttributeError)) and key:
         return unknown_key_message(key)
     if isinstance(err, ValidationError):
-        valid = ""
-        parent = _schema_for_key(key)
-        if parent is not None:
-            schema, leaf = parent
-            fld = schema_fields(schema).get(leaf)
-            if fld is not None:
-                tp = field_type(fld.type)
-                names = _enum_names(tp)
-                if names and "expected one of" not in msg:
-                    valid = f" Valid: {', '.join(names)}."
-                elif not names:
-                    valid = f" Expected type: {getattr(tp, '__name__', tp)}."
-        return f"Bad value for '{key}': {msg}.{valid}"
+        described = _value_type_message(key, getattr(err, "value", None), _key_type(key))
+        return described or f"Bad value{f' for {key!r}' if key else ''}: {msg.rstrip('.')}."
     return msg
+
+
+def _key_type(full_key: str) -> tuple[Any, bool, Any] | None:
+    """(concrete type, accepts null, schema default) of a scalar key, including a mapping's values
+    (`monitor.actions.<alarm>`); None for keys it cannot place (list items, unknown keys)."""
+    parent, _, leaf = full_key.rpartition(".")
+    if parent in MAPPING_KEYS:
+        found = _schema_for_key(parent)
+        if found is None:
+            return None
+        value_type = typing.get_args(schema_fields(found[0])[found[1]].type)[-1]
+        return value_type, False, None
+    found = _schema_for_key(full_key)
+    fld = schema_fields(found[0]).get(found[1]) if found else None
+    if fld is None:
+        return None
+    optional = type(None) in typing.get_args(fld.type)
+    default = fld.default if fld.default is not dataclasses.MISSING else None
+    return field_type(fld.type), optional, default.value if isinstance(default, Enum) else default
+
+
+def _shown(value: Any) -> str:
+    """A value as the user wrote it: strings quoted, YAML's spelling for booleans and null."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    return f"'{value}'" if isinstance(value, str) else str(value)
+
+
+def _value_type_message(key: str, value: Any, typed: tuple[Any, bool, Any] | None) -> str | None:
+    """'<key>' is <the value seen>; what this key takes (the valid names of an enum, with a close
+    match), with an example. None where the key's type is not a scalar this knows how to explain."""
+    if key.endswith("]"):  # an item of a list, `data.seq_len_schedule[0]`: say it of the list
+        base, _, index = key[:-1].partition("[")
+        typed = _key_type(base)
+        if typed is None or typing.get_origin(typed[0]) is not list:
+            return None
+        return (f"'{base}' has {_shown(value)} at index {index}; expected a list in brackets, of "
+                f"{_list_items(typed[0])}, e.g. {base}={_LIST_EXAMPLES.get(base, '[]')}.")
+    if typed is None:
+        return None
+    tp, optional, default = typed
+    seen = f"'{key}' is {_shown(value)}"
+    or_null = " or null" if optional else ""
+    example = f", e.g. {key}={_shown(default).strip(chr(39))}" if default is not None else ""
+    names = _enum_names(tp)
+    if names:
+        close = difflib.get_close_matches(str(value), names, n=1)
+        hint = f" Did you mean '{close[0]}'?" if close else ""
+        return f"{seen}; valid: {', '.join(names)}{or_null}.{hint}"
+    if tp is bool:
+        return f"{seen}; expected a boolean: true or false{or_null}."
+    if tp is int:
+        if isinstance(value, float) and value.is_integer():
+            # `max_steps=1e3` parses as the float 1000.0, which an integer key refuses
+            return (f"{seen}, a float (written with a decimal point or an exponent); expected an integer{or_null}: "
+                    f"write it as {key}={int(value)}.")
+        return f"{seen}; expected an integer (a whole number){or_null}{example}."
+    if tp is float:
+        return f"{seen}; expected a number (e.g. 0.5 or 3e-4){or_null}{example}."
+    if tp is str:
+        return f"{seen}; expected a string (a single value, not a list or mapping){or_null}{example}."
+    if typing.get_origin(tp) is list:
+        return f"{seen}; expected a list in brackets, of {_list_items(tp)}{or_null}, e.g. {key}={_LIST_EXAMPLES.get(key, '[]')}."
+    if typing.get_origin(tp) is dict:
+        return f"{seen}; expected a mapping of names to values; set one entry at a time: '+{key}.<name>=<value>'."
+    return None
+
+
+_LIST_EXAMPLES = {"data.seq_len_schedule": "[[0,128],[1000,256]]"}
+
+
+def _list_items(tp: Any) -> str:
+    """What the items of a list type are, in words: `list[list[int]]` -> 'lists of integers'."""
+    return "lists of integers" if typing.get_origin(typing.get_args(tp)[0]) is list else "integers"
 
 
 def _schema_for_key(full_key: str) -> tuple[type, str] | None:
@@ -525,12 +626,14 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         ("global_batch_size", cfg.global_batch_size), ("eval_batches", cfg.eval_batches),
         ("log_interval", cfg.log_interval),
     ]:
-        _require(value >= 1, f"'{key}' is {value}; it must be a positive integer.")
+        # micro_batch_size may still be null here: it is derived below, once the world size is known
+        _require(value is None or value >= 1, f"'{key}' is {value}; it must be a positive integer.")
     _require(cfg.eval_interval >= 0, f"'eval_interval' is {cfg.eval_interval}; use a step count >= 1, or 0 to disable evaluation.")
     _require(cfg.timing_interval >= 0,
              f"'timing_interval' is {cfg.timing_interval}; use a step count >= 1, or 0 to time no step.")
     _validate_parallel(cfg)
     world_size = world_size or world_size_of(cfg)
+    resolve_micro_batch_size(cfg, world_size)
     if m.n_embd % m.n_head:
         raise ConfigError(
             f"'model.n_embd' ({m.n_embd}) is not divisible by 'model.n_head' ({m.n_head}); "
@@ -557,10 +660,14 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     )
     _require(m.init_std > 0, f"'model.init_std' is {m.init_std}; it must be > 0.")
     _require(m.vocab_size is None or m.vocab_size >= 1, f"'model.vocab_size' is {m.vocab_size}; use a positive size or null.")
+    _require(m.vocab_multiple >= 1, f"'model.vocab_multiple' is {m.vocab_multiple}; use 1 (no padding) or a "
+             "positive multiple, e.g. 64.")
     _require(
-        o.lr > 0 and math.isfinite(o.lr),
-        f"'optim.lr' is {o.lr}; the learning rate must be a finite number > 0 (typical AdamW values: 1e-4 to 3e-3).",
+        o.lr is None or (o.lr > 0 and math.isfinite(o.lr)),
+        f"'optim.lr' is {o.lr}; the learning rate must be a finite number > 0 (typical AdamW values: 1e-4 to 3e-3), "
+        "or null for the default of this optimizer and model width.",
     )
+    resolve_lr(cfg)
     _require(0 <= o.momentum < 1, f"'optim.momentum' is {o.momentum}; valid range is [0, 1) (typical: 0.9).")
     _require(o.weight_decay >= 0, f"'optim.weight_decay' is {o.weight_decay}; it must be >= 0.")
     _require(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, f"'optim.beta1'/'optim.beta2' are {o.beta1}/{o.beta2}; both must be in [0, 1).")
@@ -658,10 +765,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _require(mon.trend_window >= 3, f"'monitor.trend_window' is {mon.trend_window}; a trend needs >= 3 checks.")
     _require(0 < mon.reduce_lr_factor < 1, f"'monitor.reduce_lr_factor' is {mon.reduce_lr_factor}; valid range is (0, 1).")
     for name in mon.actions:
-        _require(
-            name in ALARM_NAMES,
-            f"'monitor.actions' names an unknown alarm '{name}'; valid alarms: {', '.join(ALARM_NAMES)}.",
-        )
+        _require(name in ALARM_NAMES, unknown_name_message("monitor.actions", name))
     if cfg.tensorboard:
         import importlib.util
 
@@ -775,16 +879,61 @@ def world_size_of(cfg: Config) -> int:
     return cfg.parallel.nproc if cfg.parallel.mode is not ParallelMode.single else 1
 
 
+# micro_batch_size=null takes the largest divisor of the per-process batch up to this: a default run
+# (global 16, one process) keeps its historical micro-batch of 16, accumulation 1.
+DERIVED_MICRO_BATCH_MAX = 16
+# The value derived for a Config's micro_batch_size; an attribute, not a schema field, so that it is
+# neither a key a user can set nor a value written to the run dir's config.yaml.
+_MICRO_DERIVED = "_micro_batch_size_derived"
+
+
+def resolve_micro_batch_size(cfg: Config, world_size: int) -> None:
+    """Fill in a null `micro_batch_size`, in place, for `world_size` processes (called by `validate`,
+    so everything downstream reads a number). An explicit value is kept and checked strictly; a
+    derived one is derived again when the same config is validated for another world size."""
+    if cfg.micro_batch_size is not None and not micro_batch_size_derived(cfg):
+        return
+    _require(
+        cfg.global_batch_size % world_size == 0,
+        f"'global_batch_size' ({cfg.global_batch_size}) is not divisible by the world size ({world_size} processes), "
+        f"so the processes cannot share it evenly; valid global batch sizes are multiples of {world_size}, e.g. "
+        f"global_batch_size={max(world_size, cfg.global_batch_size // world_size * world_size)}.",
+    )
+    cfg.micro_batch_size = derived_micro_batch_size(cfg.global_batch_size, world_size)
+    setattr(cfg, _MICRO_DERIVED, cfg.micro_batch_size)
+
+
+def derived_micro_batch_size(global_batch_size: int, world_size: int) -> int:
+    """The micro-batch a null `micro_batch_size` means: the largest divisor of each process's share
+    of the global batch not above DERIVED_MICRO_BATCH_MAX (so accumulation makes up the rest)."""
+    per_process = max(global_batch_size // world_size, 1)
+    return max(n for n in range(1, min(per_process, DERIVED_MICRO_BATCH_MAX) + 1) if per_process % n == 0)
+
+
+def micro_batch_size_of(cfg: Config, world_size: int | None = None) -> int:
+    """The micro-batch size of a config, also of one not validated yet (null: the derived value)."""
+    if cfg.micro_batch_size is not None:
+        return cfg.micro_batch_size
+    return derived_micro_batch_size(cfg.global_batch_size, world_size or world_size_of(cfg))
+
+
+def micro_batch_size_derived(cfg: Config) -> bool:
+    """Whether `cfg.micro_batch_size` is the derived value (null in the config); a value assigned
+    after validation is explicit, as one from the command line is."""
+    derived = getattr(cfg, _MICRO_DERIVED, None)
+    return derived is not None and derived == cfg.micro_batch_size
+
+
 def accumulation_steps(cfg: Config, world_size: int | None = None) -> int:
     world_size = world_size or world_size_of(cfg)
-    return cfg.global_batch_size // (cfg.micro_batch_size * world_size)
+    return cfg.global_batch_size // (micro_batch_size_of(cfg, world_size) * world_size)
 
 
 def total_micro_batches(cfg: Config, world_size: int | None = None) -> int:
     """Micro-batches per process over the whole run; a max_tokens budget may end mid-window."""
     world_size = world_size or world_size_of(cfg)
     if cfg.max_tokens is not None:
-        per_micro = cfg.micro_batch_size * world_size * seq_len_of(cfg)
+        per_micro = micro_batch_size_of(cfg, world_size) * world_size * seq_len_of(cfg)
         return -(-cfg.max_tokens // per_micro)
     assert cfg.max_steps is not None
     return cfg.max_steps * accumulation_steps(cfg, world_size)
@@ -796,14 +945,103 @@ def total_steps(cfg: Config, world_size: int | None = None) -> int:
     return -(-total_micro_batches(cfg, world_size) // accum) if accum else 0
 
 
+# Adam-family peak LR at width 128: tuned on the default data with gpt_tiny (1e-3 learns ~15% slower).
+# Wider models take it times 128 / n_embd (muP's rule for Adam on hidden matrices): 5e-4 at 768,
+# next to GPT-2 small's 6e-4. SGD and Adafactor have no width rule here: one value each.
+ADAM_LR_AT_WIDTH_128 = 3e-3
+FIXED_DEFAULT_LR = {OptimizerName.sgd: 0.1, OptimizerName.adafactor: 1e-2}
+# The LR an OptimConfig's null lr was filled in with: an attribute, not a schema field, so it is no
+# key a user can set; on the OptimConfig, so dataclasses.replace of the Config keeps it.
+_LR_DEFAULT = "_lr_default"
+
+
+def default_lr(name: OptimizerName, n_embd: int) -> float:
+    """The peak LR `optim.lr=null` means: for Adam-family optimizers it follows the model's width."""
+    if name in FIXED_DEFAULT_LR:
+        return FIXED_DEFAULT_LR[name]
+    # Exactly 3e-3 at 128 (the default run is unchanged), 1/width above it (5e-4 at 768). Narrower
+    # models keep 3e-3: it was measured at 128, and a larger LR for toy widths was not.
+    return ADAM_LR_AT_WIDTH_128 * min(1.0, 128 / n_embd)
+
+
+def sane_lr_range(name: OptimizerName, n_embd: int) -> tuple[float, float]:
+    """(low, high) peak LRs the pre-flight check passes; `default_lr` lies inside, so the default
+    never warns and the check's suggested fix is the default."""
+    if name is OptimizerName.sgd:
+        return 1e-3, 0.5
+    if name is OptimizerName.adafactor:
+        return 1e-4, 3e-2
+    center = default_lr(name, n_embd)
+    return center / 30, center * 3
+
+
+def resolve_lr(cfg: Config) -> None:
+    """Fill in a null `optim.lr`, in place, with `default_lr` for the optimizer and width (called by
+    `validate`, so everything downstream reads a number). A defaulted LR follows the model again
+    when the config is validated after a change of width or optimizer; an explicit one is kept."""
+    if cfg.optim.lr is not None and not lr_defaulted(cfg):
+        return
+    cfg.optim.lr = default_lr(cfg.optim.name, cfg.model.n_embd)
+    setattr(cfg.optim, _LR_DEFAULT, cfg.optim.lr)
+
+
+def lr_defaulted(cfg: Config) -> bool:
+    """Whether `cfg.optim.lr` is the default it was filled in with (null in the config), not a value
+    set before or since (an assignment after validation wins, as an explicit value does)."""
+    filled = getattr(cfg.optim, _LR_DEFAULT, None)
+    return filled is not None and cfg.optim.lr == filled
+
+
+def describe_lr(cfg: Config) -> str:
+    """'0.0005 (default for adamw at width 768; set optim.lr to choose)', or the set value."""
+    lr = f"{cfg.optim.lr:g}"
+    if not lr_defaulted(cfg):
+        return lr
+    width = f" at width {cfg.model.n_embd}" if cfg.optim.name not in FIXED_DEFAULT_LR else ""
+    return f"{lr} (default for {cfg.optim.name.value}{width}; set optim.lr to choose)"
+
+
+# The vocabulary a tokenizer fixes before any data is read (None: it depends on the corpus).
+KNOWN_VOCAB = {TokenizerKind.byte: 256, TokenizerKind.gpt2: 50257}
+
+
+def expected_data_vocab(d: DataConfig) -> int | None:
+    """The data's vocabulary before it is prepared: exact for byte and gpt2, at most
+    data.bpe_vocab_size for bpe, unknown (None) for char."""
+    if d.tokenizer is TokenizerKind.bpe:
+        return d.bpe_vocab_size
+    return KNOWN_VOCAB.get(d.tokenizer)
+
+
+def model_vocab_size(cfg: Config, data_vocab: int) -> int:
+    """The vocabulary the model is built with for data of `data_vocab` ids: `model.vocab_size` when
+    set, else the data's padded up to a multiple of `model.vocab_multiple` (padding ids are never
+    targets). Train, check, estimate and the doctor size the model here; sample and export read the
+    size from the saved weights, which hold this number."""
+    m = cfg.model
+    if m.vocab_size is None:
+        return -(-data_vocab // m.vocab_multiple) * m.vocab_multiple
+    if m.vocab_size < data_vocab:  # the data's ids would index past the embedding table
+        raise ConfigError(vocab_too_small(cfg, data_vocab))
+    return m.vocab_size
+
+
+def vocab_too_small(cfg: Config, data_vocab: int) -> str:
+    return (
+        f"'model.vocab_size' ({cfg.model.vocab_size}) is smaller than the data's vocabulary ({data_vocab} tokens, "
+        f"{cfg.data.tokenizer.value} tokenizer); use model.vocab_size>={data_vocab} or model.vocab_size=null."
+    )
+
+
 def effective_lr(cfg: Config) -> float:
     """The peak LR the run uses: optim.lr, scaled with the global batch when schedule.lr_scaling asks
     (seed 003 §3: linear, batch xk -> lr xk; sqrt, lr x sqrt(k))."""
     s = cfg.schedule
+    lr = cfg.optim.lr if cfg.optim.lr is not None else default_lr(cfg.optim.name, cfg.model.n_embd)
     if s.lr_scaling is LRScaling.none or s.reference_batch_size is None:
-        return cfg.optim.lr
+        return lr
     ratio = cfg.global_batch_size / s.reference_batch_size
-    return cfg.optim.lr * (ratio if s.lr_scaling is LRScaling.linear else math.sqrt(ratio))
+    return lr * (ratio if s.lr_scaling is LRScaling.linear else math.sqrt(ratio))
 
 
 def resolved_warmup_steps(schedule: ScheduleConfig, total: int) -> int:

@@ -14,6 +14,7 @@ EXIT_OK = 0
 EXIT_USER_ERROR = 2
 EXIT_NONFINITE_STOP = 3
 EXIT_HEALTH_STOP = 4
+EXIT_SAVE_FAILED = 74  # EX_IOERR: a save could not be written (disk full); the newest good checkpoint resumes
 EXIT_INTERRUPTED = 75  # EX_TEMPFAIL: stopped on request after saving; the same command resumes
 EXIT_ABORTED = 130  # a second Ctrl-C: stopped at once, nothing saved
 
@@ -33,6 +34,18 @@ class Interrupted(RunStopped):
     """SIGTERM or Ctrl-C: the current step finished and was saved."""
 
     exit_code = EXIT_INTERRUPTED
+
+
+class StoppedBeforeStart(Interrupted):
+    """SIGTERM while setting up, before the first step: nothing trained, nothing to save (exit 75);
+    the same command starts the run. The run dir is as it was (no report is written)."""
+
+
+class SaveFailed(RunStopped):
+    """A save that had to succeed did not (on_save_error=stop, or the final model.pt): nothing
+    written before is lost, and `checkpoint` is the newest good one to resume from (or None)."""
+
+    exit_code = EXIT_SAVE_FAILED
 
 
 class NonFiniteStop(RunStopped):

@@ -47,6 +47,7 @@ from llmtrain.config import (
     PositionEncoding,
     Precision,
     accumulation_steps,
+    micro_batch_size_of,
     seq_len_of,
     total_steps,
 )
@@ -225,7 +226,7 @@ def estimate_memory(
 ) -> MemoryEstimate:
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; valid: {', '.join(LAYOUTS)}")
-    micro = micro_batch_size or cfg.micro_batch_size
+    micro = micro_batch_size or micro_batch_size_of(cfg, world_size)
     T = seq_len_of(cfg)
     cfg_v = _with_vocab(cfg, vocab_size)
     per_token = activation_bytes_per_token(cfg_v, precision, device_type)

@@ -16,7 +16,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_model, save_model
 
-from llmtrain.checkpoint import MANIFEST, find_good_checkpoint, read_model_weights
+from llmtrain.checkpoint import (
+    MANIFEST,
+    CheckpointError,
+    first_good_checkpoint,
+    read_model_weights,
+    read_weights_file,
+)
 from llmtrain.config import config_to_dict, model_config_from_dict
 from llmtrain.errors import UserError
 from llmtrain.model import GPT
@@ -28,18 +34,52 @@ MODEL_CONFIG = "model_config.json"
 def newest_weights(run_dir: Path, warn: Callable[[str], None] | None = None) -> dict[str, torch.Tensor]:
     """The newest weights of a run (a CPU state_dict): model.pt of a finished run, unless a
     checkpoint is newer (a run extended and interrupted later), else its newest good checkpoint's
-    (an interrupted run), whole even when the checkpoint is sharded."""
+    (an interrupted run), whole even when the checkpoint is sharded. Whatever cannot be read
+    (model.pt or a checkpoint) is passed over with a warning; with nothing left: UserError."""
     warn = warn or (lambda message: print(f"llmtrain: warning: {message}", file=sys.stderr))
     final = run_dir / "model.pt"
-    checkpoint = find_good_checkpoint(run_dir, warn)
-    if final.is_file() and (checkpoint is None or final.stat().st_mtime >= (checkpoint / MANIFEST).stat().st_mtime):
-        return torch.load(final, map_location="cpu", weights_only=True)
-    if checkpoint is None:
+    final_problem: list[str] = []  # empty: model.pt not tried yet
+
+    def read_final() -> dict[str, torch.Tensor] | None:
+        try:
+            return read_weights_file(final)
+        except CheckpointError as err:
+            final_problem.append(str(err))
+            warn(f"{err}; trying the checkpoints instead")
+            return None
+
+    def newest_of(checkpoint: Path) -> dict[str, torch.Tensor]:
+        # model.pt first while it is newer than this checkpoint (older ones never beat it)
+        if final.is_file() and not final_problem and final.stat().st_mtime >= _saved_at(checkpoint):
+            weights = read_final()
+            if weights is not None:
+                return weights
+        return read_model_weights(checkpoint)
+
+    failures: list[str] = []
+    weights = first_good_checkpoint(run_dir, newest_of, warn, failures)
+    if weights is None and final.is_file() and not final_problem:
+        weights = read_final()
+    if weights is not None:
+        return weights
+    if not final_problem and not failures:
         raise UserError(
             f"'{run_dir}' has no weights: neither model.pt (a finished run) nor a usable checkpoint "
             "under checkpoints/. Give a run directory that `llmtrain train` wrote."
         )
-    return read_model_weights(checkpoint)
+    found = final_problem or [f"{final} does not exist"]
+    found.append(f"every checkpoint is damaged ({'; '.join(failures[:4])})" if failures else "there are no checkpoints")
+    raise UserError(
+        f"'{run_dir}' has no usable weights: {'; '.join(found)}. Retrain it (`llmtrain train` with "
+        "hydra.run.dir set to it and resume=never), or give another run dir or an `llmtrain export` folder."
+    )
+
+
+def _saved_at(checkpoint: Path) -> float:
+    try:
+        return (checkpoint / MANIFEST).stat().st_mtime
+    except OSError:  # no manifest: the checkpoint is damaged anyway, and model.pt goes first
+        return 0.0
 
 
 def export_model(model: GPT, tokenizer_file: Path, context: int, out_dir: Path) -> Path:

@@ -7,7 +7,7 @@ import logging
 import torch
 from torch import nn
 
-from llmtrain.config import OptimConfig, OptimizerName
+from llmtrain.config import OptimConfig, OptimizerName, default_lr
 from llmtrain.parallel import local_value
 
 log = logging.getLogger(__name__)
@@ -35,13 +35,14 @@ def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
 def build_optimizer(model: nn.Module, cfg: OptimConfig, device_type: str, fused_ok: bool = True) -> torch.optim.Optimizer:
     """`fused_ok=False` (parameters sharded by FSDP2, DTensors): the foreach implementation."""
     groups = param_groups(model, cfg)
+    lr = cfg.lr if cfg.lr is not None else _default_lr_for(model, cfg)
     if cfg.name is OptimizerName.sgd:
-        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov and cfg.momentum > 0)
+        return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov and cfg.momentum > 0)
     if cfg.name is OptimizerName.adafactor:
         # Adafactor's own defaults for its two epsilons (the Adam-style optim.eps does not apply).
-        return torch.optim.Adafactor(groups, lr=cfg.lr)
+        return torch.optim.Adafactor(groups, lr=lr)
     cls = torch.optim.AdamW if cfg.name is OptimizerName.adamw else torch.optim.Adam
-    kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    kwargs = dict(lr=lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
     # Fused kernels step ~3x faster on CPU here and are the fastest path on CUDA.
     want_fused = fused_ok and (cfg.fused if cfg.fused is not None else device_type in ("cpu", "cuda"))
     if want_fused:
@@ -51,6 +52,16 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device_type: str, fused_
             if cfg.fused:
                 log.warning("fused %s unavailable here (%s); using the default implementation", cls.__name__, err)
     return cls(groups, **kwargs)
+
+
+def _default_lr_for(model: nn.Module, cfg: OptimConfig) -> float:
+    """A null lr of a config that `validate` never saw (which fills it in): the default for the
+    model's width, as `optim.lr=null` means."""
+    width = getattr(getattr(model, "cfg", None), "n_embd", None)
+    if width is None:
+        raise ValueError("optim.lr is null and the model has no cfg.n_embd to take the default LR from; "
+                         "validate the config first (it fills in the default) or set optim.lr")
+    return default_lr(cfg.name, width)
 
 
 def clip_gradients(params: list[torch.Tensor], cfg: OptimConfig) -> torch.Tensor:

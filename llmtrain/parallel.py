@@ -100,7 +100,7 @@ def end_process_group() -> None:
 
 
 def barrier(layout: Layout) -> None:
-    if layout.distributed:
+    if layout.distributed and dist.is_initialized():  # a SIGTERM while setting up can stop a rank before the group starts
         dist.barrier()
 
 
@@ -237,21 +237,19 @@ def spawn_local(nproc: int, target: Any, payload: Any) -> None:
     """Start `nproc` worker processes on this machine, as torchrun would (RANK, WORLD_SIZE, ... set),
     each calling `target(payload)`. Returns when all succeed. When one fails, the others are
     stopped and torch's ProcessExitedException / ProcessRaisedException names the rank."""
-    import signal
-
     import torch.multiprocessing as mp
+
+    from llmtrain.interrupts import StopRequest
 
     port = free_port()
     context = mp.start_processes(_worker, args=(nproc, port, target, pickle.dumps(payload)), nprocs=nproc,
                                  start_method="spawn", join=False)
-    # Ctrl-C reaches every process of the terminal's group: the ranks stop after a step and save;
-    # this parent waits for them rather than dying first (their exit codes say what happened).
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
+    # SIGTERM or Ctrl-C to this parent is passed on to the ranks, which decide (finish the step and
+    # save, or abort on a second one; a rank that got it directly too counts it once); this parent
+    # waits for them rather than dying first (their exit codes say what happened).
+    with StopRequest.shared().relaying(context.pids()):
         while not context.join():
             pass
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 def _worker(rank: int, nproc: int, port: int, target: Any, payload: bytes) -> None:

@@ -202,10 +202,17 @@ def overfitting(records: RunRecords) -> Verdict:
                        "or fewer epochs, dropout (model.dropout), weight decay (optim.weight_decay), a smaller model."],
             ["loss.png"],
         )
-    start_gap, end_gap = gaps[0][1], gaps[-1][1]
     return Verdict("overfitting", question, OK,
-                   f"validation tracks training: gap {start_gap:+.4f} at step {gaps[0][0]}, {end_gap:+.4f} at step "
-                   f"{gaps[-1][0]}; best validation loss {best:.4f} at step {best_step}.", details, ["loss.png"])
+                   f"validation tracks training: {_gap_text(gaps)}; best validation loss {best:.4f} at step {best_step}.",
+                   details, ["loss.png"])
+
+
+def _gap_text(gaps: list[tuple[int, float]]) -> str:
+    """The first and the last gap; once when they are the same evaluation (a single one)."""
+    (first_step, first), (last_step, last) = gaps[0], gaps[-1]
+    if first_step == last_step:
+        return f"gap {last:+.4f} at step {last_step}"
+    return f"gap {first:+.4f} at step {first_step}, {last:+.4f} at step {last_step}"
 
 
 def _thin(points: list, n: int) -> list:
@@ -429,7 +436,7 @@ def alarms(records: RunRecords) -> Verdict:
     for record in save_errors:
         details.append(f"step {record.get('step')}: checkpoint save failed: {record.get('error')}")
     if not (raised or nonfinite or rollbacks or save_errors):
-        return Verdict("alarms", question, OK, "none: every health check stayed in its band (seed 8.2).")
+        return Verdict("alarms", question, OK, "none: every health check stayed in its band.")
     counts: dict[str, int] = {}
     for alarm in raised:
         counts[alarm.get("alarm", "?")] = counts.get(alarm.get("alarm", "?"), 0) + 1
@@ -590,7 +597,7 @@ def build_report(run_dir: Path, inference_check: bool = True) -> Report:
         ("run dir", str(run_dir)),
         ("status", summary.status),
         ("steps", f"{summary.steps:,}" + (f" of {summary.planned_steps:,}" if summary.planned_steps else "")),
-        ("tokens", f"{(records.last('train') or {}).get('tokens', 0):,}"),
+        ("tokens", tokens_text(records, run_dir, summary.steps)),
         ("final train loss", f"{summary.final_train_loss:.4f}" if summary.final_train_loss is not None else "-"),
         ("final val loss", f"{summary.final_val_loss:.4f}" if summary.final_val_loss is not None else "-"),
         ("best val loss", f"{summary.best_val_loss:.4f} (step {summary.best_step})" if summary.best_val_loss is not None else "-"),
@@ -602,7 +609,7 @@ def build_report(run_dir: Path, inference_check: bool = True) -> Report:
     for verdict in verdicts:
         verdict.plots = [p for p in verdict.plots if p in plots]
     extra = [name for name in ("lr.png", "grad_norm.png", "param_norm.png", "activations.png") if name in plots]
-    verdicts.append(Verdict("curves", "The 8.2 quantities over the run", OK if extra else NA,
+    verdicts.append(Verdict("curves", "The health quantities over the run", OK if extra else NA,
                             "learning rate, gradient norm, parameter norm, block activations (the monitor's bands "
                             "are in docs/monitoring.md).", plots=extra))
     return Report(run_dir, f"Run report: {run_dir.name}", facts, verdicts, plots)
@@ -675,13 +682,35 @@ def to_html(report: Report) -> str:
     return "\n".join(parts) + "\n"
 
 
+def tokens_text(records: RunRecords, run_dir: Path, steps: int) -> str:
+    """The tokens trained on up to the run's last step, the figure a resume from that step prints.
+    The last train record is not it when log_interval left the last steps unlogged (a stop at step 49
+    logged at 40): the end record (it carries tokens) or that step's checkpoint says it; failing both,
+    the last logged figure, said to be that."""
+    for record in reversed(records.of("end")):
+        if record.get("tokens") is not None and int(record.get("step", -1)) == steps:
+            return f"{int(record['tokens']):,}"
+    from llmtrain.checkpoint import checkpoint_root, step_dir_name
+
+    try:
+        trainer = json.loads((checkpoint_root(run_dir) / step_dir_name(steps) / "trainer_state.json").read_text())
+        return f"{int(trainer['state']['tokens']):,}"
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # no readable checkpoint of that step
+    last = records.last("train") or {}
+    tokens = int(last.get("tokens", 0))
+    if last and int(last["step"]) < steps:
+        return f"{tokens:,} by step {last['step']}, the last logged one"
+    return f"{tokens:,}"
+
+
 def render_summary(report: Report, console: Any) -> None:
     """The verdicts as a short table in the terminal."""
     from rich.markup import escape
     from rich.table import Table
 
     style = {OK: "bold green", WARN: "bold yellow", NA: "dim"}
-    table = Table(title=f"post-run review (seed 8.3): {report.run_dir}", title_justify="left", show_lines=False)
+    table = Table(title=f"post-run review: {report.run_dir}", title_justify="left", show_lines=False)
     table.add_column("question")
     table.add_column("verdict")
     table.add_column("finding", overflow="fold")

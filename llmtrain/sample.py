@@ -49,7 +49,11 @@ def load_run(run_dir: Path, device: str = "cpu") -> TrainedRun:
     tokenizer = load_tokenizer(needed[1])
     # Weights load with weights_only=True (or as bare tensors from shards): they cannot run code.
     state = newest_weights(run_dir)
-    model = GPT(cfg.model, state["wte.weight"].shape[0])
+    embedding = state.get("wte.weight")
+    if embedding is None or embedding.dim() != 2:
+        raise UserError(f"'{run_dir}': its weights hold no token embedding (wte.weight), so they are not an llmtrain "
+                        "model's; give a run directory that `llmtrain train` wrote.")
+    model = GPT(cfg.model, embedding.shape[0])
     try:
         model.load_state_dict(state)
     except RuntimeError as err:

@@ -11,11 +11,17 @@ is not a tensor (parameter groups, their settings, non-tensor state) is kept out
 unpickles non-tensor entries without restriction, and goes to optimizer.pt, read with
 weights_only=True. DCP reshards on load: a checkpoint written by N ranks loads on M ranks, and in
 one process without any process group (resume under single/ddp/zero1, export, sample).
+
+Every read goes through read_metadata: DCP's own FileSystemReader unpickles `.metadata` with plain
+pickle.load, so a forged one could run code; ours admits only the metadata's own classes and then
+checks the entries against the files (tensors only, pieces inside the folder, sizes within them).
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
+import pickle
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -78,10 +84,9 @@ def hash_files(folder: Path, rank: int, world_size: int) -> dict[str, dict]:
 
 
 def saved_keys(folder: Path) -> dict[str, Any]:
-    """Flat key -> DCP's storage metadata (size and dtype for tensors) of a shards folder."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    return dict(FileSystemReader(str(folder)).read_metadata().state_dict_metadata)
+    """Flat key -> DCP's storage metadata (size and dtype: tensors only) of a shards folder,
+    read through the restricted unpickler; raises CheckpointError for a damaged or forged one."""
+    return dict(read_metadata(folder).state_dict_metadata)
 
 
 def read_shards_into(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, non_tensor: dict) -> None:
@@ -97,7 +102,8 @@ def read_shards_into(folder: Path, model: torch.nn.Module, optimizer: torch.opti
         tensors = {key: value for key, value in tensors.items() if key.startswith(_MODEL)}
     _check_same_keys(folder, set(tensors), set(saved))
     with _as_checkpoint_error(folder):
-        dcp.load(tensors, checkpoint_id=str(folder))  # into the templates' local shards, in place
+        # into the templates' local shards, in place
+        dcp.load(tensors, storage_reader=_safe_reader(folder), planner=_tensors_only_planner())
     set_model_state_dict(model, {name[len(_MODEL):]: tensors[name] for name in tensors if name.startswith(_MODEL)})
     if any(key.startswith(_OPTIMIZER) for key in tensors):
         state = _unflatten_optimizer(tensors, non_tensor["plain_state"])
@@ -117,7 +123,7 @@ def read_full(folder: Path, non_tensor: dict, device: torch.device | str = "cpu"
                if isinstance(meta, TensorStorageMetadata) and (key.startswith(_MODEL) or not model_only)}
     with _as_checkpoint_error(folder), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-        dcp.load(tensors, checkpoint_id=str(folder), no_dist=True)
+        dcp.load(tensors, storage_reader=_safe_reader(folder), planner=_tensors_only_planner(), no_dist=True)
     model = {key[len(_MODEL):]: value for key, value in tensors.items() if key.startswith(_MODEL)}
     if model_only:
         return model, {}
@@ -128,6 +134,157 @@ def read_full(folder: Path, non_tensor: dict, device: torch.device | str = "cpu"
                  "param_groups": [{**group, "params": [index[name] for name in group["params"]]} for group in groups]}
     return model, optimizer
 
+
+# ---------------------------------------------------------------------------------------------
+# reading the metadata safely
+# ---------------------------------------------------------------------------------------------
+
+METADATA = ".metadata"
+# What DCP's .metadata pickles (torch 2.x): its own dataclasses, torch.Size, dtypes, layouts and the
+# path it was written to. Nothing else may be looked up, so a forged file cannot call anything.
+_DCP_METADATA = "torch.distributed.checkpoint.metadata"
+_ALLOWED_GLOBALS = {
+    (_DCP_METADATA, "Metadata"), (_DCP_METADATA, "MetadataIndex"), (_DCP_METADATA, "StorageMeta"),
+    (_DCP_METADATA, "TensorStorageMetadata"), (_DCP_METADATA, "TensorProperties"),
+    (_DCP_METADATA, "ChunkStorageMetadata"), (_DCP_METADATA, "_MEM_FORMAT_ENCODING"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"), ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"),
+    ("collections", "OrderedDict"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """pickle.Unpickler that resolves only the globals DCP's metadata needs (the stdlib's
+    "restricting globals" recipe): every other global, and so every call a payload could make,
+    is refused before it is looked up."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED_GLOBALS or (
+            module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format))
+        ):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"it refers to {module}.{name}, which a checkpoint's metadata never holds")
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise pickle.UnpicklingError("it holds a persistent reference, which a checkpoint's metadata never holds")
+
+
+def read_metadata(folder: Path) -> Any:
+    """The DCP Metadata of a shards folder, unpickled with only its own classes allowed and then
+    checked against the files it points at; raises CheckpointError naming .metadata otherwise."""
+    from llmtrain.checkpoint import CheckpointError
+
+    path = Path(folder) / METADATA
+    try:
+        with open(path, "rb") as fh:
+            metadata = _MetadataUnpickler(fh).load()
+    except Exception as err:  # noqa: BLE001 - whatever is wrong with the bytes, the file is damaged or forged
+        raise CheckpointError(f"{path} is not the metadata of a checkpoint llmtrain wrote ({_first_line(err)}); "
+                              "nothing in it was run") from None
+    problem = _metadata_problem(metadata, Path(folder))
+    if problem:
+        raise CheckpointError(f"{path} is not the metadata of a checkpoint llmtrain wrote: {problem}")
+    return metadata
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return (text[0][:300] if text else type(err).__name__) or type(err).__name__
+
+
+def _metadata_problem(metadata: Any, folder: Path) -> str | None:
+    """What makes an unpickled metadata unusable (None: nothing). Besides the types, the sizes
+    are checked against the files, so a forged size cannot make a reader allocate more memory
+    than the shards on disk hold."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+
+    if not isinstance(metadata, Metadata):
+        return f"it holds a {type(metadata).__name__}, not DCP Metadata"
+    entries, storage = getattr(metadata, "state_dict_metadata", None), getattr(metadata, "storage_data", None)
+    if not isinstance(entries, dict) or not isinstance(storage, dict):
+        return "its tables of tensors and of storage are missing"
+    stored: dict[str, int] = {}  # fqn -> bytes its pieces take on disk
+    sizes: dict[str, int] = {}
+    for index, info in storage.items():
+        if not isinstance(index, MetadataIndex) or not isinstance(info, _StorageInfo):
+            return "its storage table holds entries of the wrong type"
+        name = info.relative_path
+        if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+            return f"it points at {name!r}, which is not a file of the shards folder"
+        if name not in sizes:
+            sizes[name] = (folder / name).stat().st_size if (folder / name).is_file() else -1
+        if sizes[name] < 0:
+            return f"it points at {name}, which is missing"
+        if info.transform_descriptors:  # llmtrain writes no compressed or transformed shards
+            return f"it asks for transforms ({info.transform_descriptors!r}) that llmtrain never writes"
+        if not (_is_count(info.offset) and _is_count(info.length) and info.offset + info.length <= sizes[name]):
+            return f"a piece of {index.fqn!r} lies outside {name} ({sizes[name]} bytes)"
+        stored[index.fqn] = stored.get(index.fqn, 0) + info.length
+    for key, meta in entries.items():
+        # Tensors only: DCP would torch.load a non-tensor ("bytes") entry without weights_only, and
+        # llmtrain keeps everything that is not a tensor out of the shards (in optimizer.pt).
+        if not isinstance(key, str) or not isinstance(meta, TensorStorageMetadata):
+            return f"its entry {key!r} is not a tensor (llmtrain's shards hold tensors only)"
+        problem = _tensor_problem(meta)
+        if problem:
+            return f"its tensor {key!r} {problem}"
+        wanted = math.prod(meta.size) * meta.properties.dtype.itemsize
+        if wanted > stored.get(key, 0):
+            return (f"its tensor {key!r} claims {wanted:,} bytes of data, more than the {stored.get(key, 0):,} bytes "
+                    "stored for it")
+    return None
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _tensor_problem(meta: Any) -> str | None:
+    size, properties, chunks = getattr(meta, "size", None), getattr(meta, "properties", None), getattr(meta, "chunks", None)
+    if not isinstance(size, torch.Size) or not all(_is_count(n) for n in size):
+        return "has no valid shape"
+    if not isinstance(getattr(properties, "dtype", None), torch.dtype):
+        return "has no valid dtype"
+    if not isinstance(chunks, list):
+        return "has no list of pieces"
+    for chunk in chunks:
+        offsets, lengths = getattr(chunk, "offsets", None), getattr(chunk, "sizes", None)
+        if (not isinstance(offsets, torch.Size) or not isinstance(lengths, torch.Size)
+                or len(offsets) != len(size) or len(lengths) != len(size)
+                or not all(_is_count(o) and _is_count(n) and o + n <= dim for o, n, dim in zip(offsets, lengths, size))):
+            return "has a piece outside its shape"
+    return None
+
+
+def _safe_reader(folder: Path) -> Any:
+    """DCP's file-system reader, its metadata read by read_metadata above. Its tensor data is read
+    by DCP itself with torch.load(weights_only=True)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            metadata = read_metadata(folder)
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader(str(folder))
+
+
+def _tensors_only_planner() -> Any:
+    """DCP's default load planner, but one that never unpickles a non-tensor entry (DCP would do
+    it with weights_only=False). read_metadata refuses such entries already; this is the backstop."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    class TensorsOnly(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: Any) -> None:
+            raise ValueError(f"{read_item.dest_index.fqn!r} is not a tensor; llmtrain reads tensors only")
+
+    return TensorsOnly()
 
 def _unflatten_optimizer(tensors: dict[str, torch.Tensor], plain: dict) -> dict[str, dict]:
     state: dict[str, dict] = {name: dict(entries) for name, entries in plain.items()}
@@ -140,15 +297,20 @@ def _unflatten_optimizer(tensors: dict[str, torch.Tensor], plain: dict) -> dict[
 
 @contextmanager
 def _as_checkpoint_error(folder: Path) -> Iterator[None]:
-    """DCP reports a failed read as CheckpointException, a BaseException: made a user-facing error."""
+    """DCP reports a failed read as CheckpointException, a BaseException; a damaged shard can also
+    raise anything torch.load or a copy raises: each made a user-facing error naming the folder."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     from llmtrain.checkpoint import CheckpointError
 
     try:
         yield
-    except CheckpointException as err:
-        raise CheckpointError(f"{folder}: its shards could not be read ({str(err).strip()[:500]})") from None
+    except CheckpointError:
+        raise
+    except (CheckpointException, Exception) as err:  # noqa: BLE001 - any failure of the read is a damaged shard
+        if isinstance(err, CheckpointException) and err.failures:  # the ranks' own errors, not DCP's traceback text
+            err = next(iter(err.failures.values()))[0]
+        raise CheckpointError(f"{folder}: its shards could not be read ({type(err).__name__}: {_first_line(err)})") from None
 
 
 def _check_same_keys(folder: Path, wanted: set[str], saved: set[str]) -> None:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, TextIO
 
 from rich.console import Console, Group
 from rich.live import Live
@@ -25,27 +28,115 @@ def _finite_or_string(value: Any) -> Any:
     return value
 
 
-class JsonlSink:
-    """One JSON object per line, flushed at once, so a crashed run keeps what it logged."""
+def _warn_on_stderr(message: str) -> None:
+    print(f"llmtrain: warning: {message}", file=sys.stderr)
 
-    def __init__(self, path: Path) -> None:
-        self.file = open(path, "a", encoding="utf-8")
+
+class JsonlSink:
+    """One JSON object per line, each appended whole and unbuffered, so a crashed run keeps what
+    it logged and a full disk never leaves half a line (nor stops the run: see `_append`)."""
+
+    def __init__(self, path: Path, warn: Callable[[str], None] | None = None) -> None:
+        self.path = Path(path)
+        self.file = open(self.path, "ab", buffering=0)
+        self.warn = warn or _warn_on_stderr
+        self.dropped = 0
 
     def write(self, record: dict[str, Any]) -> None:
         # Strict JSON has no NaN/Infinity: write them as the strings "nan", "inf", "-inf".
-        self.file.write(json.dumps(_finite_or_string(record), allow_nan=False) + "\n")
-        self.file.flush()
+        line = (json.dumps(_finite_or_string(record), allow_nan=False) + "\n").encode()
+        if not self.file.closed:
+            self._append(self.file, line)
+            return
+        # A record after close (the end of a run writes its last peaks once the weights are out)
+        # is appended through a handle of its own, rather than raising or being lost.
+        try:
+            with open(self.path, "ab", buffering=0) as fh:
+                self._append(fh, line)
+        except OSError as err:
+            self._dropped(err)
+
+    def _append(self, fh: BinaryIO, line: bytes) -> None:
+        """Write `line` whole, or drop it: a failed write (disk full) is cut off again, so the
+        file stays whole lines and the earlier records intact; training goes on, warned once."""
+        start = fh.seek(0, os.SEEK_END)
+        try:
+            view = memoryview(line)
+            while view:
+                view = view[fh.write(view):]  # a raw write may be short on a nearly full disk
+        except OSError as err:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fh.fileno(), start)
+            self._dropped(err)
+
+    def _dropped(self, err: OSError) -> None:
+        self.dropped += 1
+        if self.dropped == 1:
+            self.warn(f"could not append to {self.path} ({err}); its records are dropped while that lasts "
+                      "(the ones before are intact)")
 
     def close(self) -> None:
         self.file.close()
+        if self.dropped:
+            self.warn(f"{self.dropped} record(s) could not be written to {self.path} (see above)")
 
 
-def default_console() -> Console:
-    """Rich wraps at 80 columns when not on a terminal (CI, `| tee`); logs read better wider."""
-    console = Console()
-    if not console.is_terminal and "COLUMNS" not in os.environ:
-        console = Console(width=120)
-    return console
+# Piped output (a file, `| tee`, CI) draws tables this wide: five columns of the check table stay
+# readable, and it is the width the test helpers set through COLUMNS.
+PIPED_TABLE_WIDTH = 160
+
+
+class _TrimmedLines:
+    """A text stream that drops the spaces rich pads lines with before each line break (table cells,
+    justified text), so piped output has no trailing whitespace. The target stream is looked up at
+    each write: sys.stdout may be replaced after the console is made (pytest's capture)."""
+
+    def __init__(self, stream: Callable[[], TextIO]) -> None:
+        self._stream = stream
+        self._spaces = ""  # trailing spaces of the last write: dropped if a line break follows
+
+    def write(self, text: str) -> int:
+        *lines, last = (self._spaces + text).split("\n")
+        kept = last.rstrip(" ")
+        self._spaces = last[len(kept):]
+        self._stream().write("\n".join([line.rstrip(" ") for line in lines] + [kept]))
+        return len(text)
+
+    def flush(self) -> None:
+        self._stream().flush()
+
+    def isatty(self) -> bool:
+        return False
+
+    def fileno(self) -> int:
+        return self._stream().fileno()
+
+    @property
+    def encoding(self) -> str:
+        return getattr(self._stream(), "encoding", None) or "utf-8"
+
+
+def default_console(stderr: bool = False) -> Console:
+    """A rich console for stdout (or stderr). On a terminal: rich's own. Elsewhere (a file, a pipe,
+    CI) plain lines: no colour codes, no trailing padding, and, unless COLUMNS is set (then it is the
+    width, as on a terminal that wide), text that is never hard-wrapped: a message stays one line,
+    whole for grep. Tables are then drawn PIPED_TABLE_WIDTH wide, their cells wrapping inside their
+    column (see `is_plain`)."""
+    console = Console(stderr=stderr)
+    if console.is_terminal:
+        return console
+    explicit_width = "COLUMNS" in os.environ
+    return Console(
+        file=_TrimmedLines((lambda: sys.stderr) if stderr else (lambda: sys.stdout)),
+        width=None if explicit_width else PIPED_TABLE_WIDTH,
+        soft_wrap=not explicit_width,
+    )
+
+
+def is_plain(console: Console) -> bool:
+    """Whether `console` writes unwrapped plain lines (piped, COLUMNS unset): key/value output is then
+    printed as lines rather than as a table that would wrap long values."""
+    return console.soft_wrap and not console.is_terminal
 
 
 SKIP_KEYS = {"kind", "step", "time", "alarm", "action", "path", "removed", "error", "band", "severity", "metric", "detail",
@@ -133,18 +224,25 @@ class MetricsSink:
     """metrics.jsonl, plus TensorBoard and W&B when asked for: one `write` feeds them all."""
 
     def __init__(self, run_dir: Path, tensorboard: bool = False, wandb: str = "off", wandb_project: str = "llmtrain",
-                 config: dict | None = None) -> None:
-        self.sinks: list[Any] = [JsonlSink(run_dir / "metrics.jsonl")]
+                 config: dict | None = None, warn: Callable[[str], None] | None = None) -> None:
+        self.jsonl = JsonlSink(run_dir / "metrics.jsonl", warn)
+        self.sinks: list[Any] = [self.jsonl]
         if tensorboard:
             self.sinks.append(TensorBoardSink(run_dir / "tensorboard"))
         if wandb != "off":
             self.sinks.append(WandbSink(run_dir, wandb, wandb_project, config or {}))
+        self.closed = False
 
     def write(self, record: dict[str, Any]) -> None:
-        for sink in self.sinks:
+        # After close, metrics.jsonl (the run's record, which report and compare read) still gets
+        # the record; TensorBoard and W&B are finished and cannot take more.
+        for sink in [self.jsonl] if self.closed else self.sinks:
             sink.write(record)
 
     def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
         for sink in self.sinks:
             sink.close()
 
@@ -161,6 +259,12 @@ class ConsoleSink:
         self.health_rows: list[tuple[str, str, str]] = []
 
     def banner(self, title: str, rows: list[tuple[str, str]]) -> None:
+        if is_plain(self.console):  # one line per row, however long: the table would wrap its values
+            width = max((len(key) for key, _ in rows), default=0)
+            self.console.print(title, markup=False, highlight=False)
+            for key, value in rows:
+                self.console.print(f"  {key:<{width}}    {value}", markup=False, highlight=False)
+            return
         table = Table(title=title, show_header=False, title_justify="left", box=None, padding=(0, 2))
         table.add_column(style="bold cyan")
         table.add_column()
@@ -189,7 +293,7 @@ class ConsoleSink:
         assert self.progress is not None
         if not self.health_rows:
             return Group(self.progress)
-        table = Table(title="health (8.2)", title_justify="left", box=None, padding=(0, 2))
+        table = Table(title="health bands", title_justify="left", box=None, padding=(0, 2))
         for col in ("metric", "value", "state"):
             table.add_column(col)
         for metric, value, state in self.health_rows:

@@ -47,19 +47,26 @@ from rich.console import Console
 from rich.markup import escape
 from torch.nn.parallel import DistributedDataParallel
 
-from llmtrain.check import CheckFailed, run_check, vocab_too_small
+from llmtrain.check import CheckFailed, run_check
 from llmtrain.check import render as render_check
 from llmtrain.checkpoint import (
     SHAPE_KEYS,
     Checkpoint,
+    CheckpointError,
     CheckpointPolicy,
     TrainState,
     config_changes,
+    describe_write_error,
     find_good_checkpoint,
     load_checkpoint,
+    newest_good_checkpoint,
     remove_stale_temps,
     restore_rng,
     resume_checkpoint,
+    resume_point,
+    set_damaged_aside,
+    tensor_bytes,
+    write_atomically,
 )
 from llmtrain.config import (
     CheckpointFormat,
@@ -75,7 +82,10 @@ from llmtrain.config import (
     SeqLenStage,
     accumulation_steps,
     config_to_dict,
+    describe_lr,
     effective_lr,
+    micro_batch_size_derived,
+    model_vocab_size,
     resolved_warmup_steps,
     seq_len_of,
     seq_len_stages,
@@ -86,10 +96,10 @@ from llmtrain.config import (
 )
 from llmtrain.data import EpochSampler, InstructionSampler, RandomWindowSampler, prepare_data
 from llmtrain.data.sampler import IGNORE_INDEX, EpochOrder
-from llmtrain.data.tokenizers import Tokenizer, save_tokenizer
-from llmtrain.errors import HealthStop, Interrupted, NonFiniteStop, RunStopped, UserError
+from llmtrain.data.tokenizers import Tokenizer
+from llmtrain.errors import HealthStop, Interrupted, NonFiniteStop, RunStopped, SaveFailed, UserError
 from llmtrain.health import HealthWatch
-from llmtrain.interrupts import StopRequest
+from llmtrain.interrupts import StopRequest, hold_in_cpp
 from llmtrain.model import GPT, flops_per_token, param_count
 from llmtrain.monitor import Alarm
 from llmtrain.optim import build_optimizer, clip_gradients
@@ -227,12 +237,18 @@ def use_deterministic_algorithms(device: torch.device, on: bool) -> None:
     torch.use_deterministic_algorithms(on)
 
 
-def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
+def train(cfg: Config, console: ConsoleSink | None = None,
+          on_accept: Callable[[Path], None] | None = None) -> TrainResult:
     """Train as this process's part of the run: the whole run for one process; under torchrun or
-    parallel.nproc, one rank of a ddp/zero1/fsdp run (rank 0 prints and writes)."""
+    parallel.nproc, one rank of a ddp/zero1/fsdp run (rank 0 prints and writes). `on_accept(run_dir)`
+    runs on rank 0 once the run is accepted (any resume fits), beside the writing of config.yaml:
+    the CLI writes Hydra's record of the run there, so a refused run writes none."""
     layout = layout_from_env()
     try:
-        result = _train(cfg, console, layout)
+        # Signals from here on: a SIGTERM while setting up stops at once (StoppedBeforeStart); the
+        # loop's StopRequest.looping() takes over (the same handlers, also the CLI's).
+        with StopRequest.shared().setting_up():
+            result = _train(cfg, console, layout, on_accept)
         barrier(layout)  # no rank tears the group down while another still talks to it (FSDP2 aborts)
         return result
     except RunStopped:
@@ -242,7 +258,8 @@ def train(cfg: Config, console: ConsoleSink | None = None) -> TrainResult:
         end_process_group()
 
 
-def _train(cfg: Config, console: ConsoleSink | None, layout: Layout) -> TrainResult:
+def _train(cfg: Config, console: ConsoleSink | None, layout: Layout,
+           on_accept: Callable[[Path], None] | None = None) -> TrainResult:
     # ---- set-up: everything that can fail on user input fails here, before any compute --------
     validate(cfg)
     if cfg.out_dir is None:
@@ -291,17 +308,13 @@ def _train(cfg: Config, console: ConsoleSink | None, layout: Layout) -> TrainRes
                 f"{needed} (+1 target); use more text (or a larger data.max_bytes), "
                 "a shorter data.seq_len, or a larger data.val_fraction."
             )
-    vocab_size = cfg.model.vocab_size or data.vocab_size
-    if vocab_size < data.vocab_size:
-        raise ConfigError(vocab_too_small(cfg, data.vocab_size))
+    vocab_size = model_vocab_size(cfg, data.vocab_size)
     # The pre-flight checklist (`llmtrain check`), now with the data's real size: FAIL refuses.
     check = run_check(cfg, measure_compute=False, data_meta=data.meta)
     if check.failures and not cfg.allow_check_failures:
         render_check(check, sink.console, estimates=True)
         raise CheckFailed(check.refusal(), check)
     config_dict = config_to_dict(cfg)
-    if layout.is_main:
-        remove_stale_temps(run_dir)  # one writer per run dir: leftovers are from a process that died
     checkpoint = agreed_resume(cfg.resume, run_dir, warn, device, layout)
     if checkpoint is not None:
         check_resumable(checkpoint, config_dict)
@@ -371,10 +384,19 @@ def _train(cfg: Config, console: ConsoleSink | None, layout: Layout) -> TrainRes
     if checkpoint is not None:
         state = restore(checkpoint, config_dict, model_state, optimizer_state, scaler, train_batches, sink)
     resume_from = checkpoint.path if checkpoint is not None else None
-    # Only now, with any resume accepted, is the run dir's description rewritten.
+    # Only now, with any resume accepted, is the run dir's description rewritten (with on_accept:
+    # Hydra's .hydra/ record and train.log): a refused command leaves an existing run dir as it was.
+    # Each file whole or not at all: a SIGTERM here (still setting up) cannot leave half of one.
     if layout.is_main:
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(config_dict, sort_keys=False))
-        save_tokenizer(data.tokenizer(), run_dir / "tokenizer.json")
+        remove_stale_temps(run_dir)  # one writer per run dir: leftovers are from a process that died
+        if checkpoint is None and cfg.resume == "never":
+            set_damaged_aside(run_dir, warn)  # resume=never refused good ones: only damaged ones are left
+        config_text = yaml.safe_dump(config_dict, sort_keys=False).encode()
+        write_atomically(run_dir / "config.yaml", lambda fh: fh.write(config_text))
+        tokenizer_text = json.dumps(data.tokenizer().to_dict(), ensure_ascii=False).encode()
+        write_atomically(run_dir / "tokenizer.json", lambda fh: fh.write(tokenizer_text))
+        if on_accept is not None:
+            on_accept(run_dir)
 
     tokens_per_step = cfg.global_batch_size * seq_len
     peak_lr = effective_lr(cfg)
@@ -389,16 +411,18 @@ def _train(cfg: Config, console: ConsoleSink | None, layout: Layout) -> TrainRes
             *([("seq_len stages", describe_stages(stages, accum * layout.world_size, cfg.data.seq_len_keep))]
               if len(stages) > 1 else []),
             ("accumulation", f"{accum} micro-batch{'es' if accum > 1 else ''} of {cfg.micro_batch_size} per process "
-                             f"(world size {layout.world_size}{_engine(cfg, device) if layout.distributed else ''})"),
+                             f"(world size {layout.world_size}{_engine(cfg, device) if layout.distributed else ''})"
+                             f"{' (derived: micro_batch_size not set)' if micro_batch_size_derived(cfg) else ''}"),
             ("steps", f"{steps_total:,} (warmup {resolved_warmup_steps(cfg.schedule, steps_total)}, {cfg.schedule.name.value}), "
                       f"{micro_total * cfg.micro_batch_size * seq_len * layout.world_size:,} tokens"),
-            ("optimizer", f"{cfg.optim.name.value} lr {cfg.optim.lr:g}{scaled}, {type(optimizer).__name__}"
+            ("optimizer", f"{cfg.optim.name.value} lr {describe_lr(cfg)}{scaled}, {type(optimizer).__name__}"
                           f"{' (fused)' if optimizer.defaults.get('fused') else ''}"),
             ("device", f"{device}, {precision.name.value}{' (auto)' if cfg.precision.name is Precision.auto else ''}, "
-                       f"{threads} threads, seed {run_seed}{' (drawn)' if cfg.seed is None else ''}"
+                       f"{threads_text(threads, layout.world_size)}, seed {run_seed}{' (drawn)' if cfg.seed is None else ''}"
                        f"{', deterministic' if cfg.deterministic else ''}"),
             ("data", f"{data.meta['train_tokens']:,} train / {data.meta['val_tokens']:,} val tokens, "
-                     f"vocab {data.vocab_size}, {cfg.data.tokenizer.value} tokens"),
+                     f"vocab {data.vocab_size}{_padded_vocab(cfg, vocab_size, data.vocab_size)}, "
+                     f"{cfg.data.tokenizer.value} tokens"),
             ("baseline", f"unigram entropy {data.unigram_entropy:.4f} nats/token: the loss to beat"),
             ("checkpoints", f"every {cfg.checkpoint.every_steps or '-'} steps / {cfg.checkpoint.every_minutes or '-'} min, "
                             f"keep {cfg.checkpoint.keep_last}{' + best' if cfg.checkpoint.keep_best else ''}"
@@ -412,7 +436,7 @@ def _train(cfg: Config, console: ConsoleSink | None, layout: Layout) -> TrainRes
     )
 
     # ---- the loop ------------------------------------------------------------------------------
-    metrics = (MetricsSink(run_dir, cfg.tensorboard, cfg.wandb.value, cfg.wandb_project, config_dict) if layout.is_main
+    metrics = (MetricsSink(run_dir, cfg.tensorboard, cfg.wandb.value, cfg.wandb_project, config_dict, warn) if layout.is_main
                else NullSink())
     flops_token = flops_per_token(model, seq_len)
     # Appending (never truncating) keeps earlier records (a resumed run continues the same file).
@@ -427,6 +451,12 @@ def _train(cfg: Config, console: ConsoleSink | None, layout: Layout) -> TrainRes
     nan_steps = [int(s) for s in os.environ.get("LLMTRAIN_TEST_NAN_AT_STEPS", "").split(",") if s]
     # Test-only hook: "RANK:STEP" makes that rank fail at that step (a crashed DDP worker).
     crash_rank, _, crash_step = os.environ.get("LLMTRAIN_TEST_CRASH_RANK_AT", "").partition(":")
+    # Test-only hook: "STEP:SECONDS" holds every backward pass from that step on in C++ for SECONDS
+    # (a slow step: the main thread runs no bytecode meanwhile, so Python signal handlers wait).
+    slow_from, _, slow_seconds = os.environ.get("LLMTRAIN_TEST_SLOW_BACKWARD", "").partition(":")
+    if slow_from:
+        next(model.parameters()).register_hook(
+            lambda grad: hold_in_cpp(float(slow_seconds)) if state.step + 1 >= int(slow_from) else None)
     fp16_unscaled = precision.name is Precision.fp16 and scaler is None
     watch = (HealthWatch(cfg.monitor, model, run_dir, sink, metrics, steps_total, fp16_unscaled, flops_token,
                          write_events=layout.is_main, world_size=layout.world_size) if cfg.monitor.enabled else None)
@@ -447,7 +477,7 @@ def _train(cfg: Config, console: ConsoleSink | None, layout: Layout) -> TrainRes
     start = last_log_time = time.perf_counter()
     start_tokens = last_log_tokens = state.tokens
     try:
-        with StopRequest() as stop:
+        with StopRequest.shared().looping() as stop:
             while state.step < steps_total:
                 step = state.step
                 if crash_rank and int(crash_rank) == layout.rank and step + 1 == int(crash_step):
@@ -564,6 +594,7 @@ def _train(cfg: Config, console: ConsoleSink | None, layout: Layout) -> TrainRes
                 timing = timer.finish(state.step)
                 if timing is not None:
                     metrics.write(timing)
+                stop.step_finished()  # its duration: the first signal's message says how long a step takes
                 stopping = stop.requested(state.step)
                 saving = saver.due(state.step) or stopping or (last_step and cfg.checkpoint.final)
                 if layout.distributed:  # signals and the clock differ per rank: stop and save together
@@ -586,24 +617,28 @@ def _train(cfg: Config, console: ConsoleSink | None, layout: Layout) -> TrainRes
                         raise Interrupted(f"stopped by {stop.signal_name or 'a signal to another rank'} after step "
                                           f"{state.step}; {saved}",
                                           checkpoint=path, run_dir=run_dir)
+        # Before the sinks close (a save records its outcome in metrics.jsonl; this one, after
+        # the loop, once raised on a closed file): the final save failed in the loop, or a
+        # resumed run had no step left to take.
+        if cfg.checkpoint.final and saver.last_saved_step != state.step:
+            saver.save(state)
     finally:
         # The run's peaks, also when it stops or fails: the report's memory verdict reads them.
-        metrics.write({"kind": "end", "step": state.step, "peak_rss_mb": peak_rss_mb(), **cuda_memory_mb(device)})
+        metrics.write({"kind": "end", "step": state.step, "tokens": state.tokens, "peak_rss_mb": peak_rss_mb(),
+                       **cuda_memory_mb(device)})
         sink.stop()
         if watch is not None:
             watch.close()
         metrics.close()
 
     # ---- the end: the final weights on their own, for `sample` and `export` --------------------
-    if cfg.checkpoint.final and saver.last_saved_step != state.step:
-        saver.save(state)  # the in-loop final save failed, or a resumed run had no step left to take
     weights = model_state.state_dict()  # every rank: under FSDP2 this gathers the shards on rank 0
     if layout.is_main:
-        save_weights(weights, run_dir / "model.pt")
-        # The peaks again, now that the final save and (FSDP2) the gather of the weights are done.
-        with open(run_dir / "metrics.jsonl", "a", encoding="utf-8") as fh:
-            fh.write(json.dumps({"kind": "end", "step": state.step, "peak_rss_mb": peak_rss_mb(),
-                                 **cuda_memory_mb(device)}) + "\n")
+        save_final_weights(weights, run_dir, state.step)
+        # The peaks again, now that the final save and (FSDP2) the gather of the weights are done
+        # (metrics is closed: this record goes to metrics.jsonl alone).
+        metrics.write({"kind": "end", "step": state.step, "tokens": state.tokens, "peak_rss_mb": peak_rss_mb(),
+                       **cuda_memory_mb(device)})
     elapsed = time.perf_counter() - start
     trained = state.tokens - start_tokens
     summary = f"[bold]done[/]: step {state.step}, {trained:,} tokens in {elapsed:.1f}s ({trained / max(elapsed, 1e-9):,.0f} tok/s)"
@@ -618,6 +653,13 @@ def _train(cfg: Config, console: ConsoleSink | None, layout: Layout) -> TrainRes
                     f"alarms, {state.rollbacks} rollback(s)")
     sink.print(f"{summary}. Weights: {run_dir / 'model.pt'}")
     return result
+
+
+def threads_text(threads: int, world_size: int) -> str:
+    """The banner's CPU threads: "1 thread", "4 threads"; "... per process" when several processes
+    each set their own."""
+    text = f"{threads} thread{'s' if threads != 1 else ''}"
+    return text + " per process" if world_size > 1 else text
 
 
 def handle_nonfinite(
@@ -660,9 +702,10 @@ def handle_nonfinite(
 
 
 def agreed_good_checkpoint(saver: CheckpointPolicy, warn: Callable[[str], None]) -> Path | None:
-    """The newest checkpoint that verifies, as rank 0 finds it, on every rank: one rank hashes the
-    files, and all ranks roll back to the same step even if a file looks different from another node."""
-    return saver.agree(find_good_checkpoint(saver.run_dir, warn) if saver.writer else None)
+    """The newest checkpoint that verifies and reads, as rank 0 finds it, on every rank: one rank
+    hashes the files, and all ranks roll back to the same step even if a file looks different from
+    another node. Read, not just hashed: roll_back must not meet a file it cannot load."""
+    return saver.agree(find_good_checkpoint(saver.run_dir, warn, readable=True) if saver.writer else None)
 
 
 def agreed_resume(resume: str, run_dir: Path, warn: Callable[[str], None], device: torch.device,
@@ -761,7 +804,15 @@ def check_same_tokenizer(checkpoint: Checkpoint, tokenizer: Tokenizer) -> None:
     """The data must speak the run's token ids: the same settings can still give another tokenizer
     (a changed corpus retrains BPE or changes a char vocabulary; other GPT-2 files; a BPE sample)."""
     saved = checkpoint.path.parent.parent / "tokenizer.json"  # <run dir>/checkpoints/step_N
-    if saved.is_file() and json.loads(saved.read_text()) != tokenizer.to_dict():
+    if not saved.is_file():
+        return
+    try:
+        recorded = json.loads(saved.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"Cannot resume from {checkpoint.path}: the run's {saved} cannot be read ({err}), so it is "
+                          "unknown which token ids the model was trained on; restore that file, or start a new run "
+                          "dir (hydra.run.dir=...).") from None
+    if recorded != tokenizer.to_dict():
         raise ConfigError(
             f"Cannot resume from {checkpoint.path}: the data's tokenizer is not the one this run was trained with "
             f"({saved}), so every token id would mean something else to the model. The corpus or a tokenizer setting "
@@ -780,10 +831,15 @@ def restore(
         checkpoint.load_into(model, optimizer)  # an FSDP2 run reads just its shards of a sharded checkpoint
     except (RuntimeError, ValueError, KeyError) as err:
         raise ConfigError(f"Cannot resume from {checkpoint.path}: its state does not fit this model/optimizer ({err}).") from None
-    if scaler is not None and checkpoint.scaler is not None:
-        scaler.load_state_dict(checkpoint.scaler)
-    sampler.load_state_dict(checkpoint.trainer["sampler"])
-    restore_rng(checkpoint.rng, checkpoint.trainer["rng"])
+    try:  # checked when loaded, but a forged value can still be of the wrong kind for its object
+        if scaler is not None and checkpoint.scaler is not None:
+            scaler.load_state_dict(checkpoint.scaler)
+        sampler.load_state_dict(checkpoint.trainer["sampler"])
+        restore_rng(checkpoint.rng, checkpoint.trainer["rng"])
+    except Exception as err:  # noqa: BLE001 - any malformed state: a damaged checkpoint, not a crash
+        raise CheckpointError(f"{checkpoint.path}: its loss-scaler, data-position or RNG state cannot be restored "
+                              f"({type(err).__name__}: {str(err)[:200]}); resume from another checkpoint "
+                              "(resume=<folder>) or train into another run dir (hydra.run.dir=...).") from None
     state = checkpoint.state
     sink.print(
         f"[bold green]resumed[/] from {checkpoint.path}: step {state.step}, {state.tokens:,} tokens, "
@@ -793,6 +849,15 @@ def restore(
     for key, old, new in changes:
         sink.print(f"[bold yellow]config changed since the checkpoint:[/] {key}: {old} -> {new}")
     return state
+
+
+def _padded_vocab(cfg: Config, model_vocab: int, data_vocab: int) -> str:
+    """' (model 50304, padded to a multiple of 64)' when the model has ids the data never uses."""
+    if model_vocab == data_vocab:
+        return ""
+    why = (f"padded to a multiple of {cfg.model.vocab_multiple}" if cfg.model.vocab_size is None
+           else "model.vocab_size")
+    return f" (model {model_vocab:,}, {why})"
 
 
 def _engine(cfg: Config, device: torch.device) -> str:
@@ -812,13 +877,20 @@ def describe_stages(stages: list[SeqLenStage], accum: int, keep: SeqLenKeep) -> 
 
 
 def save_weights(weights: dict, path: Path) -> None:
-    """Write the unwrapped model's state dict atomically (temp file, fsync, rename)."""
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    """Write the unwrapped model's state dict atomically (temp file, fsync, rename); a failed write
+    raises its OSError and leaves no temp file, and an existing `path` as it was."""
+    write_atomically(path, lambda fh: torch.save(weights, fh))
+
+
+def save_final_weights(weights: dict, run_dir: Path, step: int) -> None:
+    """model.pt, for `sample` and `export`. When it cannot be written (a full disk), SaveFailed
+    names the newest good checkpoint instead: the same command, rerun, resumes from it (at the
+    last step it only writes model.pt)."""
+    path = run_dir / "model.pt"
     try:
-        with open(tmp, "wb") as fh:
-            torch.save(weights, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+        save_weights(weights, path)
+    except OSError as err:
+        newest = newest_good_checkpoint(run_dir)
+        why = describe_write_error(err, run_dir, tensor_bytes(weights), subject="model.pt")
+        raise SaveFailed(f"the final weights could not be written to {path}: {why}. {resume_point(newest, step)}",
+                         checkpoint=newest, run_dir=run_dir) from None

@@ -89,12 +89,12 @@ BAD_CONFIGS = [
     ),
     pytest.param(
         ["model.n_layer=abc"],
-        ["'model.n_layer'", "'abc'", "Expected type: int"],
+        ["'model.n_layer' is 'abc'", "expected an integer", "model.n_layer=4"],
         id="wrong-type-int",
     ),
     pytest.param(
         ["optim.lr=fast"],
-        ["'optim.lr'", "'fast'", "Expected type: float"],
+        ["'optim.lr' is 'fast'", "expected a number"],
         id="wrong-type-float",
     ),
     pytest.param(
@@ -123,7 +123,7 @@ BAD_CONFIGS = [
         id="warmup-not-shorter-than-run",
     ),
     pytest.param(
-        ["global_batch_size=30"],
+        ["micro_batch_size=16", "global_batch_size=30"],  # an explicit micro-batch is not derived
         ["'global_batch_size' (30)", "micro_batch_size", "multiples of 16", "global_batch_size=16"],
         id="global-batch-not-divisible",
     ),

@@ -142,7 +142,9 @@ def test_default_stdlib_data_trains(tmp_path: Path) -> None:
         "global_batch_size=2", "max_steps=3", "eval_interval=3", "eval_batches=1", f"hydra.run.dir={run}", cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr
-    meta_files = list(Path(os.environ["LLMTRAIN_CACHE"]).glob("data/python_stdlib-byte-*/meta.json"))
+    # The whole default corpus (other tests of the session may cache a data.max_bytes cut of it).
+    meta_files = [path for path in Path(os.environ["LLMTRAIN_CACHE"]).glob("data/python_stdlib-byte-*/meta.json")
+                  if json.loads(path.read_text())["source_bytes"] > 1_000_000]
     assert len(meta_files) == 1
     meta = json.loads(meta_files[0].read_text())
     assert meta["vocab_size"] == 256 and meta["train_tokens"] > 1_000_000 and meta["val_tokens"] > 10_000

@@ -47,7 +47,7 @@ def finished(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
 
 def test_train_ends_with_a_report_that_answers_every_question(finished: tuple[Path, str]) -> None:
     run, stdout = finished
-    assert "post-run review (seed 8.3)" in stdout
+    assert "post-run review: " in stdout
     assert all(question in stdout for question in QUESTIONS)
     page = (run / "report.html").read_text()
     assert all(question.replace("'", "&#x27;") in page for question in QUESTIONS)

@@ -6,6 +6,7 @@ tokens are identical on every run of the same Python.
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import os
 import sysconfig
@@ -213,11 +214,9 @@ def document_pieces(
         return
     budget = max_bytes
     for f in files:
-        # The cap falls in this file: stop after it (its cut may end a character early, leaving a few
-        # bytes of budget that must not start the next file).
-        last_file = budget is not None and f.path.stat().st_size >= budget
+        reader = FilePieces(f.path, budget)
         previous = None
-        for piece in _file_pieces(f.path, budget):
+        for piece in reader:
             if budget is not None:
                 budget -= len(piece)
             if previous is not None:
@@ -225,7 +224,9 @@ def document_pieces(
             previous = piece
         if previous is not None:
             yield f.name, previous, True
-        if last_file:
+        # The cap fell in this file: stop after it (its cut may end a character early, leaving a few
+        # bytes of budget that must not start the next file).
+        if reader.capped:
             return
 
 
@@ -242,15 +243,57 @@ def capped_documents(documents: Iterable[tuple[str, bytes]], max_bytes: int | No
             return
 
 
-def _file_pieces(path: Path, budget: int | None) -> Iterator[bytes]:
-    carry = b""
-    remaining = budget
+# Byte-order marks of the encodings a text file is decoded from instead of UTF-8 (Windows editors
+# write UTF-16 LE with a mark). UTF-32 LE first: its mark begins with UTF-16 LE's.
+BYTE_ORDER_MARKS = (
+    (codecs.BOM_UTF32_LE, "utf-32-le", "UTF-32 LE"), (codecs.BOM_UTF32_BE, "utf-32-be", "UTF-32 BE"),
+    (codecs.BOM_UTF16_LE, "utf-16-le", "UTF-16 LE"), (codecs.BOM_UTF16_BE, "utf-16-be", "UTF-16 BE"),
+)
+
+
+def marked_encoding(path: Path) -> tuple[str, str, int] | None:
+    """(codec, name, mark length) of a file that starts with a UTF-16/32 byte-order mark; None for
+    any other file (read as UTF-8, a UTF-8 mark included)."""
     with open(path, "rb") as fh:
-        while remaining is None or remaining > 0:
-            block = fh.read(PIECE_BYTES if remaining is None else min(PIECE_BYTES, remaining))
-            if not block:
-                break
+        head = fh.read(4)
+    return next(((codec, name, len(mark)) for mark, codec, name in BYTE_ORDER_MARKS if head.startswith(mark)), None)
+
+
+def _utf8_blocks(path: Path) -> Iterator[bytes]:
+    """The file's bytes in blocks of about PIECE_BYTES, as they are; a file with a UTF-16/32
+    byte-order mark decoded incrementally (a character split between blocks is kept whole) and
+    re-encoded as UTF-8, its mark dropped, malformed units as U+FFFD."""
+    marked = marked_encoding(path)
+    with open(path, "rb") as fh:
+        if marked is None:
+            while block := fh.read(PIECE_BYTES):
+                yield block
+            return
+        codec, _, mark = marked
+        fh.seek(mark)
+        decoder = codecs.getincrementaldecoder(codec)(errors="replace")
+        while True:
+            raw = fh.read(PIECE_BYTES)
+            if text := decoder.decode(raw, final=not raw):
+                yield text.encode("utf-8")
+            if not raw:
+                return
+
+
+class FilePieces:
+    """A file's UTF-8 bytes in pieces that end at a line break (or, in a file without one, at a
+    character boundary), at most `budget` bytes in all; `capped` once the budget ran out in it."""
+
+    def __init__(self, path: Path, budget: int | None) -> None:
+        self.path, self.budget = path, budget
+        self.capped = False
+
+    def __iter__(self) -> Iterator[bytes]:
+        carry = b""
+        remaining = self.budget
+        for block in _utf8_blocks(self.path) if remaining is None or remaining > 0 else ():
             if remaining is not None:
+                block = block[:remaining]
                 remaining -= len(block)
             block = carry + block
             # End pieces at a line break; a line longer than a few pieces is cut between characters.
@@ -258,10 +301,13 @@ def _file_pieces(path: Path, budget: int | None) -> Iterator[bytes]:
             carry = block[end:]
             if end:
                 yield block[:end]
-    if remaining == 0:  # cut by max_bytes: do not end inside a character
-        carry = carry[: complete_utf8_end(carry)]
-    if carry:
-        yield carry
+            if remaining == 0:
+                break
+        if remaining == 0:  # cut by max_bytes: do not end inside a character
+            self.capped = True
+            carry = carry[: complete_utf8_end(carry)]
+        if carry:
+            yield carry
 
 
 def utf8_prefix(data: bytes, limit: int) -> bytes:

@@ -20,7 +20,7 @@ import threading
 import time
 from array import array
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -38,9 +38,11 @@ from llmtrain.data.corpus import (
     input_files,
     instruction_examples,
     load_hf_dataset,
+    marked_encoding,
     stdlib_files,
     stdlib_root,
 )
+from llmtrain.data.quality import TextStats, degenerate_files
 from llmtrain.data.tokenizers import (
     GPT2_SHA256,
     GPT2_URL,
@@ -135,8 +137,17 @@ def _location(cfg: DataConfig) -> tuple[list[SourceFile], Path]:
         identity["decode_errors"] = cfg.decode_errors.value
     if cfg.tokenizer is TokenizerKind.gpt2:
         identity["gpt2_files_sha256"] = [hashlib.sha256(p.read_bytes()).hexdigest() for p in _gpt2_files(cfg)]
+    if decoded := decoded_files(cfg, files):  # a cache built when such a file was read as UTF-8 is not reused
+        identity["decoded_from"] = decoded
     key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
     return files, cache_root(cfg) / "data" / f"{cfg.source.value}-{cfg.tokenizer.value}-{key}"
+
+
+def decoded_files(cfg: DataConfig, files: list[SourceFile]) -> dict[str, str]:
+    """The text files read as UTF-16/32 (they start with its byte-order mark): name -> encoding."""
+    if cfg.source is not DataSource.text:
+        return {}
+    return {f.name: marked[1] for f in files if (marked := marked_encoding(f.path))}
 
 
 def _gpt2_files(cfg: DataConfig) -> list[Path]:
@@ -258,12 +269,21 @@ class _Scan:
     buckets: array
     content_sha256: str
     first_invalid: str | None
+    file_facts: list[dict] = field(default_factory=list)  # per source file: see data/quality.py
+
+
+def _source_of(cfg: DataConfig, document: str) -> str:
+    """The file a document comes from (a JSON-lines document is `file:line`; data=hf: the dataset)."""
+    if cfg.source is DataSource.hf:
+        return str(cfg.hf_name)
+    return document.rsplit(":", 1)[0] if cfg.source is DataSource.jsonl else document
 
 
 def _scan(cfg: DataConfig, files: list[SourceFile], bar: _ProgressBar) -> _Scan:
     sizes, valid, buckets = array("q"), bytearray(), array("d")
     corpus_hash = hashlib.sha256()
     first_invalid = None
+    stats: dict[str, TextStats] = {}
     doc_hash, size, ok = hashlib.sha256(), 0, True
     total = hf_dataset(cfg).data.nbytes if cfg.source is DataSource.hf else sum(f.path.stat().st_size for f in files)
     bar.start("scanning", total)
@@ -276,6 +296,8 @@ def _scan(cfg: DataConfig, files: list[SourceFile], bar: _ProgressBar) -> _Scan:
             except UnicodeDecodeError:
                 ok = False
                 first_invalid = first_invalid or name
+        source = _source_of(cfg, name)
+        (stats.get(source) or stats.setdefault(source, TextStats())).add(piece, ok)
         bar.advance(len(piece), documents=int(last))
         if last:
             corpus_hash.update(name.encode() + b"\0" + doc_hash.digest())
@@ -283,7 +305,8 @@ def _scan(cfg: DataConfig, files: list[SourceFile], bar: _ProgressBar) -> _Scan:
             valid.append(ok)
             buckets.append(int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little") / 2**64)
             doc_hash, size, ok = hashlib.sha256(), 0, True
-    return _Scan(sizes, valid, buckets, corpus_hash.hexdigest(), first_invalid)
+    return _Scan(sizes, valid, buckets, corpus_hash.hexdigest(), first_invalid,
+                 [s.facts(source) for source, s in stats.items()])
 
 
 def _assign_splits(scan: _Scan, keep: bytearray, val_fraction: float) -> bytearray:
@@ -312,6 +335,8 @@ def _build(
         action = "skipped" if skip else "invalid bytes replaced by U+FFFD"
         log(f"{undecodable} document(s) are not valid UTF-8 ({action}; data.decode_errors=replace|skip), "
             f"e.g. {scan.first_invalid}")
+    decoded = decoded_files(cfg, files)
+    _log_decoded(decoded, log)
     if not scan.valid:
         raise ConfigError(f"The data ({_describe(cfg)}) holds no text: every document is empty (an empty file, an "
                           f"empty '{cfg.text_field}' field or row); give documents with text.")
@@ -350,6 +375,9 @@ def _build(
             "train_tokens": train.tokens,
             "val_tokens": val.tokens,
             "unigram_entropy_nats": _entropy(train.counts),
+            **_token_facts(train.counts, tokenizer),
+            **_file_facts(scan),
+            "decoded_from": decoded,
             "fingerprint": quick,
             "content_sha256": scan.content_sha256,
         }
@@ -361,6 +389,38 @@ def _build(
             writer.file.close()  # already closed after a whole build; an interrupted one leaves them open
         shutil.rmtree(tmp, ignore_errors=True)
     return PreparedData(directory, meta)
+
+
+def _log_decoded(decoded: dict[str, str], log: Callable[[str], None]) -> None:
+    """Say once which files were decoded from UTF-16/32 (a long list: the first few)."""
+    if 0 < len(decoded) <= 3:
+        for name, encoding in decoded.items():
+            log(f"{name}: {encoding} (byte-order mark), decoded as such")
+    elif decoded:
+        examples = ", ".join(f"{name} ({encoding})" for name, encoding in list(decoded.items())[:3])
+        log(f"{len(decoded)} files start with a UTF-16/32 byte-order mark and were decoded as such, e.g. {examples}")
+
+
+def _token_facts(counts: np.ndarray, tokenizer: Tokenizer) -> dict:
+    """The train split's most common token and its share (one token dominating is degenerate data)."""
+    total = int(counts.sum())
+    if not total:
+        return {}
+    top = int(counts.argmax())
+    try:
+        text = "end-of-text" if top == tokenizer.eos_id else repr(tokenizer.decode([top]))
+    except Exception:  # a token that is not text on its own (part of a character)
+        text = f"id {top}"
+    return {"dominant_token": text, "dominant_token_share": round(int(counts[top]) / total, 4)}
+
+
+def _file_facts(scan: _Scan) -> dict:
+    """The degenerate source files (NUL bytes, whitespace only, undecodable...) for the check."""
+    listed, count = degenerate_files(scan.file_facts)
+    replacements = sum(f["replacements"] for f in scan.file_facts)
+    characters = sum(f["characters"] for f in scan.file_facts)
+    return {"degenerate_files": listed, "degenerate_file_count": count,
+            "replacement_share": round(replacements / max(1, characters), 4)}
 
 
 def _size(nbytes: float) -> str:
@@ -697,6 +757,7 @@ def _build_instructions(
         "train_tokens": counts["train"][1], "val_tokens": counts["val"][1],
         "train_target_tokens": counts["train"][2], "val_target_tokens": counts["val"][2],
         "unigram_entropy_nats": _entropy(np.bincount(arrays["train.bin"], minlength=tokenizer.vocab_size)),
+        **_token_facts(np.bincount(arrays["train.bin"], minlength=tokenizer.vocab_size), tokenizer),
         "fingerprint": quick, "content_sha256": content_hash(raw), "loss_mask": True,
     }
     return _write(directory, arrays, tokenizer, meta)
@@ -717,7 +778,7 @@ def _entropy(counts: np.ndarray) -> float:
     """Entropy (nats) of token frequencies: the loss of a model that ignores context."""
     counts = counts.astype(np.float64)
     p = counts[counts > 0] / max(1.0, counts.sum())
-    return float(-(p * np.log(p)).sum())
+    return float(-(p * np.log(p)).sum()) + 0.0  # + 0.0: no "-0.0000" for a one-token corpus
 
 
 def _atomic_write_text(path: Path, text: str) -> None:

@@ -25,8 +25,7 @@ from rich.markup import escape
 from rich.table import Table
 from torch import nn
 
-from llmtrain.check import vocab_too_small
-from llmtrain.config import Config, ConfigError, ModelConfig, seq_len_of, validate
+from llmtrain.config import Config, ConfigError, ModelConfig, model_vocab_size, seq_len_of, validate
 from llmtrain.data import InstructionSampler, RandomWindowSampler, prepare_data
 from llmtrain.data.prepare import PreparedData
 from llmtrain.errors import UserError
@@ -94,9 +93,7 @@ def make_bench(cfg: Config, console: Console, build_model: ModelFactory | None =
     torch.set_num_threads(cfg.threads or default_threads())
     data = prepare_data(cfg.data, log=lambda message: console.print(f"[dim]{escape(message)}[/]"),
                         progress=console.is_terminal)
-    vocab_size = cfg.model.vocab_size or data.vocab_size
-    if vocab_size < data.vocab_size:
-        raise ConfigError(vocab_too_small(cfg, data.vocab_size))
+    vocab_size = model_vocab_size(cfg, data.vocab_size)
     seq_len = seq_len_of(cfg)
     if data.meta["train_tokens"] < seq_len + 1:
         raise ConfigError(f"The train split has {data.meta['train_tokens']} tokens, fewer than one sequence of "

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 from rich.console import Console
 
-from llmtrain.config import Config, effective_lr
+from llmtrain.config import Config, describe_lr, effective_lr
 from llmtrain.doctor.bench import (
     Bench,
     ModelFactory,
@@ -208,7 +208,7 @@ def _report_lr_range(result: LRRangeResult, cfg: Config, console: Console) -> No
         console.print(f"suggested peak LR: [bold]{result.suggested_lr:.3g}[/] (rule: {result.rule}); the smoothed "
                       f"loss's minimum is at lr {result.min_loss_lr:.3g} "
                       f"(minimum / 10 = {result.min_loss_lr / 10:.3g})")
-        console.print(f"config: optim.lr = {cfg.optim.lr:g}"
+        console.print(f"config: optim.lr = {describe_lr(cfg)}"
                       + (f" (effective {result.config_lr:g})" if result.config_lr != cfg.optim.lr else "")
                       + f", {result.config_lr / result.suggested_lr:.2g}x the suggestion")
     for note in result.notes:
