@@ -136,7 +136,7 @@ def test_report_tokens_of_an_older_run_come_from_the_checkpoint(tmp_path: Path) 
     """metrics.jsonl of a run before end records had tokens: the step's checkpoint says them."""
     step_dir = tmp_path / "checkpoints" / "step_00000049"
     step_dir.mkdir(parents=True)
-    (step_dir / "trainer_state.json").write_text(json.dumps({"step": 49, "tokens": 200_704}))
+    (step_dir / "trainer_state.json").write_text(json.dumps({"format": 1, "state": {"step": 49, "tokens": 200_704}}))
     records = [{"kind": "train", "step": 40, "tokens": 163_840, "loss": 3.0},
                {"kind": "checkpoint", "step": 49}, {"kind": "end", "step": 49}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
