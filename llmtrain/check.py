@@ -1,4 +1,5 @@
-"""The pre-flight checklist (seed 8.1, plus the static checks of tables 5.1-5.3).
+"""The pre-flight checklist: settings that make training stable, plus static checks of the model
+and data (docs/checklist.md says where each item comes from).
 
 `run_check(cfg)` looks at a validated config and this machine and returns one row per item: PASS,
 WARN or FAIL, the value it saw, one line on why it matters, and the override that fixes it.

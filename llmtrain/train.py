@@ -384,19 +384,10 @@ def _train(cfg: Config, console: ConsoleSink | None, layout: Layout,
     if checkpoint is not None:
         state = restore(checkpoint, config_dict, model_state, optimizer_state, scaler, train_batches, sink)
     resume_from = checkpoint.path if checkpoint is not None else None
-    # Only now, with any resume accepted, is the run dir's description rewritten (with on_accept:
-    # Hydra's .hydra/ record and train.log): a refused command leaves an existing run dir as it was.
-    # Each file whole or not at all: a SIGTERM here (still setting up) cannot leave half of one.
+    # Only now, with any resume accepted, is the run dir touched: a refused command leaves it as it was.
     if layout.is_main:
-        remove_stale_temps(run_dir)  # one writer per run dir: leftovers are from a process that died
-        if checkpoint is None and cfg.resume == "never":
-            set_damaged_aside(run_dir, warn)  # resume=never refused good ones: only damaged ones are left
-        config_text = yaml.safe_dump(config_dict, sort_keys=False).encode()
-        write_atomically(run_dir / "config.yaml", lambda fh: fh.write(config_text))
-        tokenizer_text = json.dumps(data.tokenizer().to_dict(), ensure_ascii=False).encode()
-        write_atomically(run_dir / "tokenizer.json", lambda fh: fh.write(tokenizer_text))
-        if on_accept is not None:
-            on_accept(run_dir)
+        accept_run(run_dir, config_dict, data.tokenizer(), cfg.resume == "never" and checkpoint is None, warn,
+                   on_accept)
 
     tokens_per_step = cfg.global_batch_size * seq_len
     peak_lr = effective_lr(cfg)
@@ -451,12 +442,7 @@ def _train(cfg: Config, console: ConsoleSink | None, layout: Layout,
     nan_steps = [int(s) for s in os.environ.get("LLMTRAIN_TEST_NAN_AT_STEPS", "").split(",") if s]
     # Test-only hook: "RANK:STEP" makes that rank fail at that step (a crashed DDP worker).
     crash_rank, _, crash_step = os.environ.get("LLMTRAIN_TEST_CRASH_RANK_AT", "").partition(":")
-    # Test-only hook: "STEP:SECONDS" holds every backward pass from that step on in C++ for SECONDS
-    # (a slow step: the main thread runs no bytecode meanwhile, so Python signal handlers wait).
-    slow_from, _, slow_seconds = os.environ.get("LLMTRAIN_TEST_SLOW_BACKWARD", "").partition(":")
-    if slow_from:
-        next(model.parameters()).register_hook(
-            lambda grad: hold_in_cpp(float(slow_seconds)) if state.step + 1 >= int(slow_from) else None)
+    slow_backward_for_tests(model, lambda: state.step)
     fp16_unscaled = precision.name is Precision.fp16 and scaler is None
     watch = (HealthWatch(cfg.monitor, model, run_dir, sink, metrics, steps_total, fp16_unscaled, flops_token,
                          write_events=layout.is_main, world_size=layout.world_size) if cfg.monitor.enabled else None)
@@ -653,6 +639,32 @@ def _train(cfg: Config, console: ConsoleSink | None, layout: Layout,
                     f"alarms, {state.rollbacks} rollback(s)")
     sink.print(f"{summary}. Weights: {run_dir / 'model.pt'}")
     return result
+
+
+def slow_backward_for_tests(model: torch.nn.Module, current_step: Callable[[], int]) -> None:
+    """Test-only hook, LLMTRAIN_TEST_SLOW_BACKWARD="STEP:SECONDS": every backward pass from that step
+    on is held in C++ for SECONDS (a slow step: the main thread runs no bytecode meanwhile, so
+    Python signal handlers wait)."""
+    slow_from, _, slow_seconds = os.environ.get("LLMTRAIN_TEST_SLOW_BACKWARD", "").partition(":")
+    if slow_from:
+        next(model.parameters()).register_hook(
+            lambda grad: hold_in_cpp(float(slow_seconds)) if current_step() + 1 >= int(slow_from) else None)
+
+
+def accept_run(run_dir: Path, config_dict: dict, tokenizer: Tokenizer, fresh_start: bool,
+               warn: Callable[[str], None], on_accept: Callable[[Path], None] | None) -> None:
+    """The run is accepted (any resume fits): tidy the run dir and rewrite its description
+    (config.yaml, tokenizer.json; through on_accept the CLI's .hydra/ record and train.log). Each
+    file whole or not at all: a SIGTERM here (still setting up) cannot leave half of one."""
+    remove_stale_temps(run_dir)  # one writer per run dir: leftovers are from a process that died
+    if fresh_start:
+        set_damaged_aside(run_dir, warn)  # resume=never refused good ones: only damaged ones are left
+    config_text = yaml.safe_dump(config_dict, sort_keys=False).encode()
+    write_atomically(run_dir / "config.yaml", lambda fh: fh.write(config_text))
+    tokenizer_text = json.dumps(tokenizer.to_dict(), ensure_ascii=False).encode()
+    write_atomically(run_dir / "tokenizer.json", lambda fh: fh.write(tokenizer_text))
+    if on_accept is not None:
+        on_accept(run_dir)
 
 
 def threads_text(threads: int, world_size: int) -> str:
