@@ -25,9 +25,10 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from llmtrain.checkpoint import TrainState, load_checkpoint, save_checkpoint
-from llmtrain.config import ModelConfig
+from llmtrain.checkpoint.format import load_checkpoint, save_checkpoint
+from llmtrain.config.schema import ModelConfig
 from llmtrain.model import GPT, param_count
+from llmtrain.training.state import TrainState
 
 CHUNK = 8 << 20
 

@@ -31,7 +31,7 @@ TARGETS = {"byte": 50.0, "char": None, "bpe": 5.0}
 # Run in a fresh interpreter per repetition: the peak RSS is this preparation's alone.
 ONE_RUN = """
 import json, sys, time
-from llmtrain.config import DataConfig, DataSource, TokenizerKind
+from llmtrain.config.schema import DataConfig, DataSource, TokenizerKind
 from llmtrain.data.prepare import prepare_data
 corpus, kind, vocab, cache = sys.argv[1:5]
 cfg = DataConfig(source=DataSource.text, path=corpus, tokenizer=TokenizerKind(kind), bpe_vocab_size=int(vocab),

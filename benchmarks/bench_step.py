@@ -24,11 +24,13 @@ import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
 
-from llmtrain.config import Config, accumulation_steps, seq_len_of
+from llmtrain.config.derived import accumulation_steps, effective_lr, model_vocab_size, seq_len_of
+from llmtrain.config.schema import Config
+from llmtrain.config.validate import validate
 from llmtrain.data import prepare_data
 from llmtrain.model import GPT
 from llmtrain.sinks import ConsoleSink
-from llmtrain.train import train
+from llmtrain.training.loop import train
 
 
 def bench_config(out_dir: Path, steps: int, warmup: int, global_batch_size: int) -> Config:
@@ -37,6 +39,7 @@ def bench_config(out_dir: Path, steps: int, warmup: int, global_batch_size: int)
     cfg.global_batch_size = global_batch_size  # > micro_batch_size (16) exercises accumulation
     cfg.log_interval = warmup  # a log record (and its host sync) at the warm-up boundary, then every `warmup` steps
     cfg.schedule.warmup_steps = 2
+    validate(cfg)  # as train() does: fills in the derived values (optim.lr=null follows the width)
     return cfg
 
 
@@ -57,13 +60,13 @@ def time_bare(cfg: Config, warmup: int) -> float:
     accum = accumulation_steps(cfg)
     rng = np.random.default_rng(cfg.seed)
     offsets = np.arange(seq_len + 1)
-    vocab = cfg.model.vocab_size or data.vocab_size  # as train() sizes it (gpt_small pads to 50304)
+    vocab = model_vocab_size(cfg, data.vocab_size)  # as train() sizes it (gpt_small pads to a multiple of 64)
     model = GPT(cfg.model, vocab)
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": cfg.optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2), fused=True,
+        lr=effective_lr(cfg), betas=(cfg.optim.beta1, cfg.optim.beta2), fused=True,
     )
     start = 0.0
     for step in range(cfg.max_steps):

@@ -40,10 +40,11 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_step import time_bare, time_llmtrain  # noqa: E402
 
-from llmtrain.config import Config, ModelConfig, seq_len_of  # noqa: E402
+from llmtrain.config.derived import seq_len_of
+from llmtrain.config.schema import Config, ModelConfig
 from llmtrain.data import prepare_data  # noqa: E402
+from llmtrain.health.probes import peak_rss_mb
 from llmtrain.model import GPT, flops_per_token  # noqa: E402
-from llmtrain.probes import peak_rss_mb  # noqa: E402
 
 THREADS = 2
 # name -> (model overrides, micro = global batch, steps, warm-up steps); log_interval = warm-up, so

@@ -22,7 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import SHAPES, THREADS, matmul_peak, shape_config  # noqa: E402
 
-from llmtrain.config import seq_len_of  # noqa: E402
+from llmtrain.config.derived import seq_len_of
 from llmtrain.data import prepare_data  # noqa: E402
 from llmtrain.model import GPT, flops_per_token  # noqa: E402
 

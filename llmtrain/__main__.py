@@ -1,3 +1,5 @@
+"""`python -m llmtrain`: the same as the `llmtrain` command."""
+
 from llmtrain.cli import main
 
 main()

@@ -1,4 +1,7 @@
-"""User-facing errors: the CLI prints their message as one paragraph and exits with code 2."""
+"""What ends a command early, and with which exit code: a `UserError` (a mistake the user can fix) is
+printed as one paragraph and exits 2; a `RunStopped` (a run that ended early on purpose, after
+saving) exits with its own code (75 stopped on request, 74 a save failed, 4 a health stop, 3 a
+non-finite stop)."""
 
 
 class UserError(Exception):
@@ -7,6 +10,14 @@ class UserError(Exception):
 
 class ConfigError(UserError, ValueError):
     """A bad configuration value or combination."""
+
+
+class CheckpointError(UserError):
+    """A checkpoint that cannot be used: names the folder, the file and what is wrong."""
+
+
+class CheckpointSaveError(Exception):
+    """A save that failed (disk full, permissions); the previous checkpoints are intact."""
 
 
 # Exit codes of `llmtrain train` (documented in docs/checkpointing.md).

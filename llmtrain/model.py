@@ -15,7 +15,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from llmtrain.config import HeadInit, MlpKind, ModelConfig, NormKind, NormPosition, PositionEncoding, ResidualInit
+from llmtrain.config.schema import (
+    HeadInit,
+    MlpKind,
+    ModelConfig,
+    NormKind,
+    NormPosition,
+    PositionEncoding,
+    ResidualInit,
+)
 
 
 def make_norm(cfg: ModelConfig) -> nn.Module:

@@ -17,6 +17,9 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from llmtrain.errors import UserError
+from llmtrain.runs.files import METRICS, Kind
+
 
 def _finite_or_string(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
@@ -143,6 +146,11 @@ SKIP_KEYS = {"kind", "step", "time", "alarm", "action", "path", "removed", "erro
              "resumed_from"}
 
 
+# Record kinds the dashboards skip (no curve to draw) and the ones they show as text.
+NOT_PLOTTED = (Kind.START, Kind.CHECKPOINT, Kind.CHECKPOINT_ERROR)
+EVENT_KINDS = (Kind.ALARM, Kind.ACTION)
+
+
 def scalars(record: dict[str, Any]) -> dict[str, float]:
     """A metrics record as flat `kind/key[/index]` scalars (NaN kept: a dashboard shows where it happened)."""
     kind, out = record.get("kind", ""), {}
@@ -170,9 +178,9 @@ class TensorBoardSink:
 
     def write(self, record: dict[str, Any]) -> None:
         step, kind = record.get("step"), record.get("kind", "")
-        if step is None or kind in ("start", "checkpoint", "checkpoint_error"):
+        if step is None or kind in NOT_PLOTTED:
             return
-        if kind in ("alarm", "action"):  # events are text, not scalars
+        if kind in EVENT_KINDS:  # events are text, not scalars
             self.writer.add_text(f"events/{kind}", event_text(record), step)
             return
         for tag, value in scalars(record).items():
@@ -187,9 +195,7 @@ class WandbSink:
     to upload later with `wandb sync`."""
 
     def __init__(self, run_dir: Path, mode: str, project: str, config: dict) -> None:
-        import wandb
-
-        from llmtrain.errors import UserError
+        import wandb  # an optional extra: imported only when asked for
 
         try:
             self.run = wandb.init(mode=mode, dir=str(run_dir), project=project, config=config, name=Path(run_dir).name)
@@ -201,9 +207,9 @@ class WandbSink:
 
     def write(self, record: dict[str, Any]) -> None:
         step, kind = record.get("step"), record.get("kind", "")
-        if step is None or kind in ("start", "checkpoint", "checkpoint_error"):
+        if step is None or kind in NOT_PLOTTED:
             return
-        values: dict[str, Any] = scalars(record) if kind not in ("alarm", "action") else {f"events/{kind}": event_text(record)}
+        values: dict[str, Any] = scalars(record) if kind not in EVENT_KINDS else {f"events/{kind}": event_text(record)}
         self.run.log(values, step=step)
 
     def close(self) -> None:
@@ -225,7 +231,7 @@ class MetricsSink:
 
     def __init__(self, run_dir: Path, tensorboard: bool = False, wandb: str = "off", wandb_project: str = "llmtrain",
                  config: dict | None = None, warn: Callable[[str], None] | None = None) -> None:
-        self.jsonl = JsonlSink(run_dir / "metrics.jsonl", warn)
+        self.jsonl = JsonlSink(run_dir / METRICS, warn)
         self.sinks: list[Any] = [self.jsonl]
         if tensorboard:
             self.sinks.append(TensorBoardSink(run_dir / "tensorboard"))

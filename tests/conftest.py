@@ -7,7 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from llmtrain.config import Config, DataConfig, DataSource, ModelConfig, OptimConfig, ScheduleConfig, TokenizerKind
+from llmtrain.config.schema import (
+    Config,
+    DataConfig,
+    DataSource,
+    ModelConfig,
+    OptimConfig,
+    ScheduleConfig,
+    TokenizerKind,
+)
 
 ASSETS = Path(__file__).parent / "assets"
 TINY_CORPUS = ASSETS / "tiny_corpus.txt"

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-import llmtrain.check as check
-from llmtrain.check import Status, run_check
-from llmtrain.cli import compose_config
-from llmtrain.config import NormPosition, OptimizerName, Precision, ResidualInit
+import llmtrain.preflight.check as check
+from llmtrain.cli.compose import compose_config
+from llmtrain.config.schema import NormPosition, OptimizerName, Precision, ResidualInit
+from llmtrain.preflight.check import Status, run_check
 
 from .conftest import TINY_CORPUS, tiny_config
 
@@ -99,13 +99,11 @@ def test_memory_warns_near_the_budget_and_suggests_a_fitting_micro_batch(tmp_pat
 
 
 def test_train_mode_check_catches_an_evaluate_that_leaves_eval_mode(tmp_path: Path, monkeypatch) -> None:
-    import llmtrain.train
-
     def broken_evaluate(model, batches, device, autocast):
         model.eval()
         return 0.0
 
-    monkeypatch.setattr(llmtrain.train, "evaluate", broken_evaluate)
+    monkeypatch.setattr(check, "evaluate", broken_evaluate)
     row = run_check(base(tmp_path), measure_compute=False).row("train/eval mode")
     assert row.status is Status.FAIL and "left the model in eval mode" in row.seen
 
@@ -121,7 +119,7 @@ def test_check_does_not_move_the_global_rng(tmp_path: Path) -> None:
 
 
 def test_run_time_warns_when_the_run_needs_more_than_a_night(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr("llmtrain.probes.matmul_peak_flops", lambda device: 1e6)  # a very slow device
+    monkeypatch.setattr("llmtrain.preflight.estimate.matmul_peak_flops", lambda device: 1e6)  # a very slow device
     report = run_check(base(tmp_path, max_steps=10_000, **{"schedule.warmup_steps": 500}), measure_compute=True)
     assert report.row("run time").status is Status.WARN
     assert report.facts.compute.run_seconds > 8 * 3600
@@ -151,7 +149,7 @@ def test_stable_preset_passes_every_item() -> None:
 
 def test_debug_overfit_preset_drives_the_loss_near_zero(tmp_path: Path) -> None:
     """The seed's sanity check on the real model: one repeated batch is memorized."""
-    from llmtrain.train import train
+    from llmtrain.training.loop import train
 
     cfg = compose_config(["preset=debug_overfit", "data=text", f"data.path={TINY_CORPUS}", "data.tokenizer=char",
                           f"out_dir={tmp_path / 'run'}", "threads=1"])
@@ -238,7 +236,7 @@ def test_train_with_the_override_runs_and_shows_the_failure_in_the_banner(tmp_pa
 
 
 def test_train_eval_check_is_not_fooled_by_a_zero_head(tmp_path: Path) -> None:
-    from llmtrain.config import HeadInit
+    from llmtrain.config.schema import HeadInit
 
     cfg = base(tmp_path, **{"model.tie_weights": False, "model.head_init": HeadInit.zero,
                             "model.residual_init": ResidualInit.zero})
@@ -246,7 +244,7 @@ def test_train_eval_check_is_not_fooled_by_a_zero_head(tmp_path: Path) -> None:
 
 
 def test_fixes_are_overrides_that_work(tmp_path: Path) -> None:
-    from llmtrain.config import LRScaling
+    from llmtrain.config.schema import LRScaling
 
     scaled = base(tmp_path, **{"schedule.lr_scaling": LRScaling.linear, "schedule.reference_batch_size": 1,
                                "model.n_embd": 128, "model.n_head": 4})
@@ -259,8 +257,8 @@ def test_fixes_are_overrides_that_work(tmp_path: Path) -> None:
 
 
 def test_check_refuses_a_model_vocabulary_smaller_than_the_data(tmp_path: Path) -> None:
-    from llmtrain.config import ConfigError
     from llmtrain.data import prepare_data
+    from llmtrain.errors import ConfigError
 
     cfg = base(tmp_path, **{"model.vocab_size": 8})
     prepare_data(cfg.data, log=lambda message: None)

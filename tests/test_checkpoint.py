@@ -11,21 +11,20 @@ import pytest
 import torch
 from rich.console import Console
 
-from llmtrain.checkpoint import (
+from llmtrain.checkpoint.format import (
     LATEST,
-    CheckpointError,
-    TrainState,
     find_good_checkpoint,
     list_checkpoints,
     load_checkpoint,
     save_checkpoint,
     verify,
 )
-from llmtrain.config import NonFinitePolicy, SaveErrorPolicy
-from llmtrain.errors import ConfigError, Interrupted, NonFiniteStop, RunStopped
+from llmtrain.config.schema import NonFinitePolicy, SaveErrorPolicy
+from llmtrain.errors import CheckpointError, ConfigError, Interrupted, NonFiniteStop, RunStopped
 from llmtrain.model import GPT
 from llmtrain.sinks import ConsoleSink
-from llmtrain.train import train
+from llmtrain.training.loop import train
+from llmtrain.training.state import TrainState
 
 from .conftest import tiny_config
 
@@ -139,7 +138,7 @@ def test_keep_last_and_keep_best(tmp_path: Path) -> None:
 
 
 def test_a_failed_save_warns_and_keeps_the_previous_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import llmtrain.checkpoint as checkpoint_module
+    import llmtrain.checkpoint.format as checkpoint_module
 
     real = checkpoint_module._write_file
     calls = {"n": 0}
@@ -255,8 +254,9 @@ def test_rollback_without_any_checkpoint_stops(tmp_path: Path, monkeypatch: pyte
 
 
 def test_sample_and_export_work_on_an_interrupted_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from llmtrain.export import export_run
-    from llmtrain.sample import load_run, sample_text
+    from llmtrain.runs.artifacts import load_run
+    from llmtrain.runs.export import export_run
+    from llmtrain.runs.sample import sample_text
 
     monkeypatch.setenv("LLMTRAIN_TEST_STOP_AT_STEP", "3")
     with pytest.raises(Interrupted):

@@ -70,7 +70,7 @@ def test_compare_shows_an_unfinished_run_last_and_refuses_a_folder_without_runs(
 
 @pytest.mark.parametrize("value", ["nan", "inf"])
 def test_non_finite_losses_sort_last(tmp_path: Path, value: str) -> None:
-    from llmtrain.compare import compare_runs
+    from llmtrain.runs.compare import compare_runs
 
     for name, val in (("a", value), ("b", 2.5)):
         run = tmp_path / name

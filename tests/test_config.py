@@ -19,12 +19,21 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
-from llmtrain.cli import conf_dir
-from llmtrain.config import (
+from llmtrain.cli.common import conf_dir
+from llmtrain.config.derived import (
+    accumulation_steps,
+    default_lr,
+    model_vocab_size,
+    resolved_warmup_steps,
+    seq_len_of,
+    total_micro_batches,
+    total_steps,
+)
+from llmtrain.config.hydra import config_from_dict, register_configs, to_config
+from llmtrain.config.schema import (
     GROUPS,
     CheckpointFormat,
     Config,
-    ConfigError,
     DataConfig,
     DataSource,
     ModelConfig,
@@ -36,25 +45,16 @@ from llmtrain.config import (
     Precision,
     ScheduleConfig,
     ScheduleName,
-    accumulation_steps,
-    config_from_dict,
     config_to_dict,
-    default_lr,
     field_type,
-    model_vocab_size,
-    register_configs,
-    resolved_warmup_steps,
-    seq_len_of,
-    to_config,
-    total_micro_batches,
-    total_steps,
-    validate,
 )
+from llmtrain.config.validate import validate
 from llmtrain.data import prepare_data
+from llmtrain.errors import ConfigError
 from llmtrain.model import GPT
-from llmtrain.optim import build_optimizer
-from llmtrain.precision import autocast_factory, build_grad_scaler
-from llmtrain.schedule import lr_at
+from llmtrain.training.optim import build_optimizer
+from llmtrain.training.precision import autocast_factory, build_grad_scaler
+from llmtrain.training.schedule import lr_at
 
 CONF = conf_dir()
 GROUP_OPTIONS = [(group, path.stem) for group in GROUPS for path in sorted((CONF / group).glob("*.yaml"))]
@@ -185,7 +185,7 @@ def test_option_composes_converts_and_builds(group: str, option: str, tmp_path: 
         else:
             assert policy.every_steps and policy.on_nonfinite is NonFinitePolicy.skip
     elif group == "monitor":
-        from llmtrain.monitor import HealthMonitor
+        from llmtrain.health.detectors import HealthMonitor
 
         assert cfg.monitor.enabled == (option != "off")
         monitor = HealthMonitor(cfg.monitor)

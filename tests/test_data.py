@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from llmtrain.config import DataConfig, DataSource, TokenizerKind
+from llmtrain.config.schema import DataConfig, DataSource, TokenizerKind
 from llmtrain.data import RandomWindowSampler, prepare_data
 from llmtrain.data.tokenizers import ByteTokenizer, CharTokenizer, tokenizer_from_dict
 

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from llmtrain.cli import COMMANDS, validate_overrides
+from llmtrain.cli import COMMANDS
+from llmtrain.cli.compose import validate_overrides
 from llmtrain.errors import UserError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -219,7 +220,7 @@ def _run(command: DocCommand) -> None:
 def test_documented_command_is_accepted_or_fails_as_documented(
     command: DocCommand, doc_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from llmtrain.check import CheckFailed
+    from llmtrain.preflight.check import CheckFailed
 
     key = " ".join(["llmtrain", *command.words])
     if key in SKIP:

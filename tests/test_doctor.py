@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from rich.console import Console
 from torch.utils.checkpoint import checkpoint
 
-from llmtrain.config import DataSource, ModelConfig, PositionEncoding
+from llmtrain.config.schema import DataSource, ModelConfig, PositionEncoding
 from llmtrain.doctor import (
     EXPERIMENTS,
     probe_targets,
@@ -186,7 +186,7 @@ def test_grad_check_catches_a_checkpointed_path_that_differs(tmp_path: Path) -> 
 def test_grad_check_catches_a_per_micro_batch_mean(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A train loop that averages each micro-batch's loss and forgets the window: the gradient is
     (number of micro-batches) times too large, which the single-sequence split shows."""
-    import llmtrain.train as train_module
+    import llmtrain.doctor.bench as bench_module  # where the experiments look it up
 
     def mean_per_micro_batch(model, batches, device, autocast, scaler=None, label_smoothing=0.0, **_):
         total = torch.zeros(())
@@ -196,7 +196,7 @@ def test_grad_check_catches_a_per_micro_batch_mean(tmp_path: Path, monkeypatch: 
             total += loss.detach()
         return total
 
-    monkeypatch.setattr(train_module, "accumulate_gradients", mean_per_micro_batch)
+    monkeypatch.setattr(bench_module, "accumulate_gradients", mean_per_micro_batch)
     console, _ = quiet_console()
     result = run_grad_check(tiny_config(tmp_path / "run"), tmp_path / "doctor", console)
     accumulation = [c for c in result.checks if c.name.startswith("accumulated")]
@@ -221,7 +221,7 @@ def test_grad_check_catches_mean_over_micro_batches_on_masked_data(tmp_path: Pat
     are masked out of the loss, so micro-batches differ in real tokens."""
     import random
 
-    import llmtrain.train as train_module
+    import llmtrain.doctor.bench as bench_module  # where the experiments look it up
 
     rng = random.Random(0)
     pairs = tmp_path / "pairs.jsonl"
@@ -230,7 +230,7 @@ def test_grad_check_catches_mean_over_micro_batches_on_masked_data(tmp_path: Pat
     instruct = {"data.source": DataSource.instruct, "data.path": str(pairs)}
     assert run_grad_check(tiny_config(tmp_path / "a", **instruct), tmp_path / "a", quiet_console()[0]).passed
 
-    monkeypatch.setattr(train_module, "accumulate_gradients", _mean_over_micro_batches)
+    monkeypatch.setattr(bench_module, "accumulate_gradients", _mean_over_micro_batches)
     plain = run_grad_check(tiny_config(tmp_path / "b"), tmp_path / "b", quiet_console()[0])
     assert plain.passed, "on equal token counts the bug gives the right gradient"
     masked = run_grad_check(tiny_config(tmp_path / "c", **instruct), tmp_path / "c", quiet_console()[0])

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmtrain.config import (
+from llmtrain.config.schema import (
     Config,
     MlpKind,
     ModelConfig,
@@ -22,14 +22,14 @@ from llmtrain.config import (
     PositionEncoding,
     Precision,
 )
-from llmtrain.estimate import (
+from llmtrain.model import GPT
+from llmtrain.preflight.estimate import (
     activation_bytes_per_token,
     estimate_memory,
     largest_fitting_micro_batch,
     model_shape,
 )
-from llmtrain.model import GPT
-from llmtrain.optim import build_optimizer
+from llmtrain.training.optim import build_optimizer
 
 VOCAB = 256
 
@@ -135,9 +135,9 @@ def test_largest_fitting_micro_batch_divides_the_global_batch() -> None:
 PEAK_SCRIPT = """
 import json, sys
 import torch
-from llmtrain.check import gather_facts
-from llmtrain.config import config_from_dict
-from llmtrain.train import train
+from llmtrain.preflight.check import gather_facts
+from llmtrain.config.hydra import config_from_dict
+from llmtrain.training.loop import train
 
 cfg = config_from_dict(json.loads(sys.argv[1]))
 torch.set_num_threads(2)
@@ -166,7 +166,7 @@ PEAK_CONFIGS = {
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/status and glibc behaviour: Linux")
 @pytest.mark.parametrize("name", sorted(PEAK_CONFIGS))
 def test_predicted_peak_within_25_percent_of_a_real_run(tmp_path: Path, name: str) -> None:
-    from llmtrain.config import config_to_dict
+    from llmtrain.config.schema import config_to_dict
     from llmtrain.data import prepare_data
 
     from .conftest import tiny_config

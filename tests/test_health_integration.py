@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-import llmtrain.train as train_module
-from llmtrain.config import MonitorAction, OptimizerName, Precision
+import llmtrain.training.loop as train_module
+from llmtrain.config.schema import MonitorAction, OptimizerName, Precision
 from llmtrain.errors import HealthStop
-from llmtrain.train import train
+from llmtrain.training.loop import train
 
 from .conftest import tiny_config
 
@@ -91,7 +91,7 @@ def test_a_memory_leak(tmp_path: Path) -> None:
     run = tmp_path / "run"
     code = (
         "from pathlib import Path; from tests.conftest import tiny_config; "
-        "from tests.test_health_integration import WATCH; from llmtrain.train import train; "
+        "from tests.test_health_integration import WATCH; from llmtrain.training.loop import train; "
         f"train(tiny_config(Path({str(run)!r}), **{{**WATCH, 'monitor.interval': 1, 'monitor.trend_window': 10, "
         "'monitor.warmup_checks': 2, 'monitor.memory_leak_mb': 40.0, 'max_steps': 30}))"
     )
@@ -123,7 +123,7 @@ def test_stop_action_saves_and_exits_with_the_alarm(tmp_path: Path, monkeypatch:
 
 
 def test_monitor_state_survives_a_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from llmtrain.checkpoint import load_checkpoint
+    from llmtrain.checkpoint.format import load_checkpoint
     from llmtrain.errors import Interrupted
 
     run = tmp_path / "run"
@@ -197,7 +197,7 @@ def test_non_finite_values_nested_in_records_stay_strict_json(tmp_path: Path) ->
 
 def test_wandb_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("wandb")
-    from llmtrain.config import WandbMode
+    from llmtrain.config.schema import WandbMode
 
     monkeypatch.setenv("WANDB_SILENT", "true")
     run = tmp_path / "run"

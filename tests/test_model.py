@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from llmtrain.config import (
+from llmtrain.config.schema import (
     HeadInit,
     MlpKind,
     ModelConfig,
@@ -21,8 +21,9 @@ from llmtrain.config import (
     ResidualInit,
 )
 from llmtrain.model import GPT, flops_per_token, param_count
-from llmtrain.optim import param_groups
-from llmtrain.train import loss_sum, train
+from llmtrain.training.loop import train
+from llmtrain.training.optim import param_groups
+from llmtrain.training.step import loss_sum
 
 from .conftest import tiny_config
 

@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from llmtrain.alarms import CATALOG, explain
-from llmtrain.config import ALARM_NAMES, MonitorAction, MonitorConfig
-from llmtrain.monitor import HealthMonitor, Sample, robust_z, theil_sen_slope
+from llmtrain.config.schema import ALARM_NAMES, MonitorAction, MonitorConfig
+from llmtrain.health.catalog import CATALOG, explain
+from llmtrain.health.detectors import HealthMonitor, Sample, robust_z, theil_sen_slope
 
 
 def sample(step: int, **kw: object) -> Sample:

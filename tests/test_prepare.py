@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from llmtrain.config import DataConfig, DataSource, DecodeErrors, TokenizerKind
+from llmtrain.config.schema import DataConfig, DataSource, DecodeErrors, TokenizerKind
 from llmtrain.data.prepare import prepare_data
 from llmtrain.data.tokenizers import BPETokenizer, load_tokenizer
 from llmtrain.errors import ConfigError
@@ -271,7 +271,7 @@ def test_cli_trains_on_a_saved_hf_dataset(tmp_path: Path) -> None:
 def test_resuming_onto_data_with_another_tokenizer_is_refused(tmp_path: Path) -> None:
     """Same settings, same vocabulary size, but the corpus changed: BPE learned other merges, so
     every token id would mean something else to the saved model."""
-    from llmtrain.train import train
+    from llmtrain.training.loop import train
 
     from .conftest import tiny_config
 
@@ -485,9 +485,9 @@ def test_rank_shards_are_disjoint_and_cover_the_epoch() -> None:
 
 
 def test_mid_epoch_resume_gives_exactly_the_uninterrupted_batches(tmp_path: Path, monkeypatch) -> None:
-    from llmtrain.config import Sampling
+    from llmtrain.config.schema import Sampling
     from llmtrain.errors import Interrupted
-    from llmtrain.train import train
+    from llmtrain.training.loop import train
 
     from .conftest import tiny_config
 
@@ -605,7 +605,7 @@ def test_a_bad_instruction_line_names_its_fields(tmp_path: Path) -> None:
 def test_label_smoothing_raises_the_training_loss_of_a_confident_model() -> None:
     import torch
 
-    from llmtrain.train import loss_sum
+    from llmtrain.training.step import loss_sum
 
     logits = torch.full((1, 4, 10), -5.0)
     targets = torch.tensor([[1, 2, 3, 4]])

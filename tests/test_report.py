@@ -14,9 +14,10 @@ import matplotlib.image
 import pytest
 import yaml
 
-from llmtrain.config import config_from_dict
+from llmtrain.config.hydra import config_from_dict
 from llmtrain.data.prepare import cached_meta
-from llmtrain.report import NA, OK, WARN, RunRecords, alarms, build_report, overfitting, smoothness, step_time
+from llmtrain.runs.records import Records, read_records
+from llmtrain.runs.report import NA, OK, WARN, alarms, build_report, overfitting, smoothness, step_time
 
 from .conftest import TINY_CORPUS
 
@@ -114,8 +115,9 @@ def test_report_of_a_folder_that_is_no_run_is_a_clear_error(tmp_path: Path) -> N
     assert proc.returncode == 2 and "has no metrics.jsonl" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def records(**by_kind: list[dict]) -> RunRecords:
-    return RunRecords(by_kind)
+def records(events: tuple[dict, ...] = (), **by_kind: list[dict]) -> Records:
+    """Records as a run's logs hold them: `by_kind` in metrics.jsonl, `events` in events.jsonl."""
+    return Records([{"kind": kind, **r} for kind, written in by_kind.items() for r in written], events)
 
 
 def test_a_loss_spike_is_counted_and_placed() -> None:
@@ -137,10 +139,10 @@ def test_overfitting_is_found_where_validation_turns_up() -> None:
 
 def test_alarms_and_actions_are_listed() -> None:
     alarm = {"kind": "alarm", "alarm": "grad_norm_high", "step": 30, "severity": "warning", "metric": "grad_norm",
-             "band": "<= 100", "action": "reduce_lr", "_source": "events.jsonl"}
+             "band": "<= 100", "action": "reduce_lr"}
     action = {"kind": "action", "alarm": "grad_norm_high", "step": 30, "action": "reduce_lr",
-              "detail": "LR scale now 0.5 (x0.5)", "_source": "events.jsonl"}
-    verdict = alarms(records(alarm=[alarm], action=[action], nonfinite=[{"step": 44, "action": "skip"}]))
+              "detail": "LR scale now 0.5 (x0.5)"}
+    verdict = alarms(records(events=(alarm, action), nonfinite=[{"step": 44, "action": "skip"}]))
     assert verdict.status == WARN and verdict.finding.startswith("grad_norm_high; 1 non-finite step(s)")
     assert "step 30: grad_norm_high (warning): grad_norm left the band <= 100 -> reduce_lr: LR scale now 0.5 (x0.5)" \
         in verdict.details
@@ -160,7 +162,7 @@ def test_records_of_a_resumed_run_keep_the_last_take_of_each_step(tmp_path: Path
     lines = [{"kind": "train", "step": 5, "loss": 3.0}, {"kind": "train", "step": 10, "loss": 2.0},
              {"kind": "start", "steps": 20}, {"kind": "train", "step": 10, "loss": 2.5}]
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in lines) + "\n{\"kind\": \"tra")
-    assert RunRecords.read(tmp_path).series("train", "loss") == ([5, 10], [3.0, 2.5])
+    assert read_records(tmp_path).series("train", "loss") == ([5, 10], [3.0, 2.5])
 
 
 def test_a_stretch_of_slow_steps_is_reported_as_a_shared_or_stalled_machine() -> None:
@@ -192,7 +194,7 @@ def test_the_inference_check_never_prepares_data_that_is_not_cached(finished: tu
 
 
 def test_ranks_sharing_a_host_count_against_its_memory_together() -> None:
-    from llmtrain.report import memory
+    from llmtrain.runs.report import memory
 
     start = {"kind": "start", "device": "cpu", "device_memory_mb": 10000.0, "local_world_size": 4}
     verdict = memory(records(start=[start], end=[{"step": 5, "peak_rss_mb": 2200.0}]))

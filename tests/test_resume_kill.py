@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from llmtrain.errors import EXIT_INTERRUPTED
-from llmtrain.interrupts import StopRequest
+from llmtrain.training.interrupts import StopRequest
 
 from .conftest import TINY_CORPUS
 

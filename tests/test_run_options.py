@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from llmtrain.config import CompileMode, Precision
+from llmtrain.config.schema import CompileMode, Precision
 from llmtrain.data.sampler import RandomWindowSampler
-from llmtrain.precision import resolve_precision
-from llmtrain.train import train
+from llmtrain.training.loop import train
+from llmtrain.training.precision import resolve_precision
 
 from .conftest import tiny_config
 
@@ -88,7 +88,7 @@ def test_deterministic_mode_does_not_leak_into_the_next_run(tmp_path: Path) -> N
 
 
 def test_threads_share_the_cores_between_local_ranks_unless_slurm_gave_each_task_its_own(monkeypatch) -> None:
-    from llmtrain import parallel
+    from llmtrain.distributed import layout as parallel
 
     monkeypatch.setattr(parallel, "usable_cores", lambda: 16)
     monkeypatch.delenv("SUBMITIT_EXECUTOR", raising=False)
@@ -100,7 +100,7 @@ def test_threads_share_the_cores_between_local_ranks_unless_slurm_gave_each_task
 
 
 FLUSH_PROBE = (
-    "import sys, torch; from llmtrain.cli import flush_denormals_first; flush_denormals_first(sys.argv[1:]); "
+    "import sys, torch; from llmtrain.cli.common import flush_denormals_first; flush_denormals_first(sys.argv[1:]); "
     "torch.set_num_threads(2); x = torch.randn(300, 300); (x @ x).sum(); "
     "a = torch.full((512, 512), 1e-20); print(int((a @ a != 0).sum()))"  # every product is 1e-40: subnormal
 )

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import torch
 
-from llmtrain.sample import generate
+from llmtrain.runs.sample import generate
 
 
 class CountingModel(torch.nn.Module):

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from llmtrain.config import ScheduleConfig, ScheduleName
-from llmtrain.schedule import lr_at
+from llmtrain.config.schema import ScheduleConfig, ScheduleName
+from llmtrain.training.schedule import lr_at
 
 
 def sched(name: ScheduleName, **kw: float) -> ScheduleConfig:
@@ -63,7 +63,9 @@ def test_short_runs_still_end_on_the_floor(name: ScheduleName, total: int, warmu
 
 @pytest.mark.parametrize(("scaling", "expected"), [("none", 1e-3), ("linear", 4e-3), ("sqrt", 2e-3)])
 def test_batch_size_lr_scaling(scaling: str, expected: float) -> None:
-    from llmtrain.config import Config, LRScaling, effective_lr, validate
+    from llmtrain.config.derived import effective_lr
+    from llmtrain.config.schema import Config, LRScaling
+    from llmtrain.config.validate import validate
 
     cfg = Config(global_batch_size=64)
     cfg.optim.lr = 1e-3
@@ -74,7 +76,9 @@ def test_batch_size_lr_scaling(scaling: str, expected: float) -> None:
 
 
 def test_lr_scaling_needs_a_reference_batch() -> None:
-    from llmtrain.config import Config, ConfigError, LRScaling, validate
+    from llmtrain.config.schema import Config, LRScaling
+    from llmtrain.config.validate import validate
+    from llmtrain.errors import ConfigError
 
     cfg = Config()
     cfg.schedule.lr_scaling = LRScaling.linear
@@ -85,8 +89,8 @@ def test_lr_scaling_needs_a_reference_batch() -> None:
 def test_train_uses_the_scaled_lr(tmp_path: Path) -> None:
     import json
 
-    from llmtrain.config import LRScaling
-    from llmtrain.train import train
+    from llmtrain.config.schema import LRScaling
+    from llmtrain.training.loop import train
 
     from .conftest import tiny_config
 

@@ -7,9 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from llmtrain.config import ConfigError, Sampling, SeqLenKeep, seq_len_of, seq_len_stages, validate
-from llmtrain.errors import Interrupted
-from llmtrain.train import train
+from llmtrain.config.derived import seq_len_of, seq_len_stages
+from llmtrain.config.schema import Sampling, SeqLenKeep
+from llmtrain.config.validate import validate
+from llmtrain.errors import ConfigError, Interrupted
+from llmtrain.training.loop import train
 
 from .conftest import tiny_config
 
@@ -22,7 +24,7 @@ def records(run: Path, kind: str) -> list[dict]:
 
 
 def test_the_cli_form_composes_and_gives_the_stages() -> None:
-    from llmtrain.cli import compose_config
+    from llmtrain.cli.compose import compose_config
 
     cfg = compose_config(["data.seq_len_schedule=[[0,256],[1000,512],[3000,1024]]", "model.block_size=1024",
                           "micro_batch_size=8", "global_batch_size=32", "max_steps=5000"])

@@ -13,17 +13,13 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from llmtrain.checkpoint import (
-    CheckpointError,
-    CheckpointPolicy,
-    TrainState,
-    list_checkpoints,
-    load_checkpoint,
-    verify,
-)
-from llmtrain.config import CheckpointConfig, ModelConfig
+from llmtrain.checkpoint.format import list_checkpoints, load_checkpoint, verify
+from llmtrain.checkpoint.policy import CheckpointPolicy, RankAgreement, SavedObjects
+from llmtrain.config.schema import CheckpointConfig, ModelConfig
+from llmtrain.distributed.launch import free_port
+from llmtrain.errors import CheckpointError
 from llmtrain.model import GPT
-from llmtrain.parallel import free_port
+from llmtrain.training.state import TrainState
 
 pytestmark = pytest.mark.slow  # spawns gloo process groups (a few seconds each)
 
@@ -60,14 +56,9 @@ def _worker(rank: int, world_size: int, port: int, run_dir: str, job: str) -> No
     import torch.distributed as dist
     import torch.distributed.checkpoint.filesystem as dcp_files
 
-    import llmtrain.shards as shards_module
-    from llmtrain.parallel import (
-        Layout,
-        ShardedModelState,
-        ShardedOptimizerState,
-        broadcast_from_main,
-        shard_model,
-    )
+    import llmtrain.checkpoint.shards as shards_module
+    from llmtrain.distributed.layout import Layout, broadcast_from_main
+    from llmtrain.distributed.wrapping import ShardedModelState, ShardedOptimizerState, shard_model
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
@@ -78,9 +69,10 @@ def _worker(rank: int, world_size: int, port: int, run_dir: str, job: str) -> No
     model_state, optimizer_state = ShardedModelState(model), ShardedOptimizerState(model, optimizer)
     warnings: list[str] = []
     policy = CheckpointPolicy(
-        CheckpointConfig(every_steps=1, keep_last=5), Path(run_dir), model_state, optimizer_state, None, _Sampler(),
-        {"model": {}}, _Records(), warnings.append, writer=layout.is_main,
-        agree=lambda value: broadcast_from_main(value, layout), shard_layout=(rank, world_size),
+        CheckpointConfig(every_steps=1, keep_last=5), Path(run_dir), SavedObjects(model_state, optimizer_state, None, _Sampler()),
+        {"model": {}}, _Records(), warnings.append,
+        RankAgreement(writer=layout.is_main, agree=lambda value: broadcast_from_main(value, layout)),
+        shard_layout=(rank, world_size),
     )
     real_write_item = dcp_files._write_item
     if job == "save":

@@ -11,9 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from llmtrain.config import ModelConfig, OptimizerName
+from llmtrain.config.schema import ModelConfig, OptimizerName
+from llmtrain.data.sampler import IGNORE_INDEX
 from llmtrain.model import GPT
-from llmtrain.train import IGNORE_INDEX, accumulate_gradients, evaluate, loss_sum, train
+from llmtrain.training.loop import train
+from llmtrain.training.step import accumulate_gradients, evaluate, loss_sum
 
 from .conftest import ASSETS, tiny_config
 

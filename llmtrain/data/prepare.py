@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from llmtrain.config import DataConfig, DataSource, DecodeErrors, TokenizerKind
+from llmtrain.config.schema import DataConfig, DataSource, DecodeErrors, TokenizerKind
 from llmtrain.data.corpus import (
     PIECE_BYTES,
     SourceFile,
@@ -55,6 +55,7 @@ from llmtrain.data.tokenizers import (
     load_tokenizer,
     save_tokenizer,
 )
+from llmtrain.runs.files import TOKENIZER  # the same file name in the data cache as in a run dir
 
 # 2: end-of-text after every document for every tokenizer (byte 255; char: one more id).
 FORMAT_VERSION = 2
@@ -81,7 +82,7 @@ class PreparedData:
         return np.memmap(self.directory / f"{split}.bin", dtype=np.dtype(self.meta["dtype"]), mode="r")
 
     def tokenizer(self) -> Tokenizer:
-        return load_tokenizer(self.directory / "tokenizer.json")
+        return load_tokenizer(self.directory / TOKENIZER)
 
     def loss_mask(self, split: str) -> np.ndarray:
         """Instruction data: 1 where a token is a training target (response), 0 for prompt tokens."""
@@ -381,7 +382,7 @@ def _build(
             "fingerprint": quick,
             "content_sha256": scan.content_sha256,
         }
-        save_tokenizer(tokenizer, tmp / "tokenizer.json")
+        save_tokenizer(tokenizer, tmp / TOKENIZER)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
         _commit(tmp, directory)
     finally:
@@ -705,7 +706,7 @@ def _write(directory: Path, arrays: dict[str, np.ndarray], tokenizer: Tokenizer,
                     arr.tofile(fh)
                 fh.flush()
                 os.fsync(fh.fileno())
-        save_tokenizer(tokenizer, tmp / "tokenizer.json")
+        save_tokenizer(tokenizer, tmp / TOKENIZER)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
         _commit(tmp, directory)
     finally:

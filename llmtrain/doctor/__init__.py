@@ -16,9 +16,9 @@ The seed's debugging habits, each one command on the user's own (composed, valid
 `bench.py` holds what they share: the bench (device, data, models), the out-dir and strict-JSON
 helpers, the gradient helpers and the `Check` table. This file holds `EXPERIMENTS` and `run_doctor`.
 
-Everything reuses the train loop's building blocks (`prepare_data`, the samplers,
-`accumulate_gradients`, `evaluate`, `build_optimizer`, `clip_gradients`, the autocast factory), so
-what is checked is the code `llmtrain train` runs. Every experiment takes an optional model factory
+Everything reuses the train loop's building blocks (training/setup.py's runtime, data, train
+sampler and model builders, `accumulate_gradients`, `evaluate`, `build_optimizer`, `clip_gradients`,
+the autocast factory), so what is checked is the code `llmtrain train` runs, set up as it sets up. Every experiment takes an optional model factory
 (`build_model(model_cfg, vocab_size) -> nn.Module`, default `GPT`): the tests hand in deliberately
 broken models and check that each experiment catches them.
 
@@ -35,7 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from llmtrain.config import Config
+from llmtrain.config.schema import Config
 from llmtrain.errors import UserError
 
 if TYPE_CHECKING:

@@ -1,11 +1,6 @@
-"""The shared part of `llmtrain doctor`: the bench (device, data and models, as `llmtrain train` sets
-them up), the out-dir and strict-JSON helpers, the gradient helpers and the `Check` table used by
-several experiments.
-
-`llmtrain.train` is imported inside the functions that call it (`backward` here, the lr-range sweep,
-eval-consistency's `check_evaluate`), so that a test's monkeypatch of `llmtrain.train.accumulate_gradients`
-reaches the experiments.
-"""
+"""The shared part of `llmtrain doctor`: the bench (device, data and models, built by the same
+builders as `llmtrain train`: training/setup.py), the out-dir and strict-JSON helpers, the gradient
+helpers and the `Check` table used by several experiments."""
 
 from __future__ import annotations
 
@@ -25,16 +20,18 @@ from rich.markup import escape
 from rich.table import Table
 from torch import nn
 
-from llmtrain.config import Config, ConfigError, ModelConfig, model_vocab_size, seq_len_of, validate
-from llmtrain.data import InstructionSampler, RandomWindowSampler, prepare_data
+from llmtrain.config.derived import model_vocab_size, seq_len_of
+from llmtrain.config.schema import Config
+from llmtrain.config.validate import validate
 from llmtrain.data.prepare import PreparedData
-from llmtrain.errors import UserError
+from llmtrain.distributed.layout import Layout
+from llmtrain.errors import ConfigError, UserError
 from llmtrain.model import GPT
-from llmtrain.parallel import default_threads, resolve_device
-from llmtrain.precision import resolve_precision
+from llmtrain.training.precision import resolve_precision
+from llmtrain.training.setup import ModelFactory, build_data, build_runtime, build_train_sampler, new_model
+from llmtrain.training.step import Batch, accumulate_gradients
 
-ModelFactory = Callable[[ModelConfig, int], nn.Module]
-Batch = tuple[torch.Tensor, torch.Tensor]
+ONE_PROCESS = Layout()  # a doctor experiment runs in this process alone
 
 
 # ---------------------------------------------------------------------------------------------
@@ -59,20 +56,16 @@ class Bench:
         mode. Seeded the same every time, so models that differ only in dropout or checkpointing
         start from the same weights (the experiments still copy weights where they compare)."""
         torch.manual_seed(self.seed)
-        model = self.build_model(dataclasses.replace(self.cfg.model, **changes), self.vocab_size).to(self.device)
-        model.train()
-        return model
+        return new_model(dataclasses.replace(self.cfg.model, **changes), self.vocab_size, self.device,
+                         factory=self.build_model)
 
     def sampler(self, batch_size: int, seq_len: int | None = None, seed_offset: int = 0) -> Any:
-        """The train split's batches as the train loop draws them: whole instruction examples (prompt
-        tokens masked out of the loss) for instruction data, random windows otherwise."""
+        """The train split's batches as the train loop draws them (its sampler: whole instruction
+        examples with prompt tokens masked out of the loss, epochs, or random windows)."""
         seq_len = seq_len or self.seq_len
         seed = (self.cfg.data.seed if self.cfg.data.seed is not None else self.seed) + seed_offset
         try:
-            if self.data.meta.get("loss_mask"):
-                return InstructionSampler(self.data.tokens("train"), self.data.loss_mask("train"),
-                                          self.data.offsets("train"), batch_size, seq_len, seed)
-            return RandomWindowSampler(self.data.tokens("train"), batch_size, seq_len, seed)
+            return build_train_sampler(self.cfg, self.data, batch_size, seq_len, seed, ONE_PROCESS)
         except ValueError as err:
             raise ConfigError(f"the train split cannot give a batch of {batch_size} x {seq_len} tokens ({err}); "
                               "use more data, a shorter data.seq_len or a smaller micro_batch_size.") from None
@@ -84,23 +77,16 @@ class Bench:
 
 
 def make_bench(cfg: Config, console: Console, build_model: ModelFactory | None = None) -> Bench:
-    """Device, threads, seed and prepared data, as `llmtrain train` sets them up; user mistakes
-    (too little data, a vocabulary too small) raise ConfigError before any compute."""
+    """Runtime (device, seed, threads, deterministic kernels, subnormals) and prepared data, built as
+    `llmtrain train` builds them; user mistakes (too little data for the longest stage, a
+    vocabulary too small) raise ConfigError before any compute."""
     validate(cfg)  # the CLI's config already is; a direct API call gets the same checks
-    if build_model is None:
-        build_model = GPT
-    device = resolve_device(cfg.device)
-    torch.set_num_threads(cfg.threads or default_threads())
-    data = prepare_data(cfg.data, log=lambda message: console.print(f"[dim]{escape(message)}[/]"),
-                        progress=console.is_terminal)
-    vocab_size = model_vocab_size(cfg, data.vocab_size)
-    seq_len = seq_len_of(cfg)
-    if data.meta["train_tokens"] < seq_len + 1:
-        raise ConfigError(f"The train split has {data.meta['train_tokens']} tokens, fewer than one sequence of "
-                          f"{seq_len} (+1 target); use more text or a shorter data.seq_len.")
     # An unseeded config still gets a repeatable diagnosis: a doctor run is an experiment, not a run.
-    seed = cfg.seed if cfg.seed is not None else 0
-    return Bench(cfg, device, data, vocab_size, seq_len, seed, build_model)
+    runtime = build_runtime(cfg, ONE_PROCESS, unseeded=lambda: 0)
+    data = build_data(cfg, ONE_PROCESS, lambda message: console.print(f"[dim]{escape(message)}[/]"),
+                      progress=console.is_terminal)
+    vocab_size = model_vocab_size(cfg, data.vocab_size)
+    return Bench(cfg, runtime.device, data, vocab_size, seq_len_of(cfg), runtime.seed, build_model or GPT)
 
 
 def fastest_threads(bench: Bench, model: nn.Module, batch: Batch, autocast: Callable[[], Any],
@@ -210,8 +196,6 @@ def backward(
     label_smoothing: float = 0.0, scaler: torch.amp.GradScaler | None = None,
 ) -> float:
     """The train loop's forward/backward of one accumulation window on zeroed gradients; the mean loss."""
-    from llmtrain.train import accumulate_gradients  # looked up per call: tests monkeypatch it
-
     model.zero_grad(set_to_none=True)
     return float(accumulate_gradients(model, batches, device, autocast, scaler, label_smoothing).item())
 

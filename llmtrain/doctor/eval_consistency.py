@@ -13,7 +13,7 @@ import torch
 from rich.console import Console
 from torch import nn
 
-from llmtrain.config import Config
+from llmtrain.config.schema import Config
 from llmtrain.data.sampler import IGNORE_INDEX
 from llmtrain.doctor.bench import (
     Batch,
@@ -27,6 +27,7 @@ from llmtrain.doctor.bench import (
     render_checks,
     write_json,
 )
+from llmtrain.training.step import evaluate
 
 # ---------------------------------------------------------------------------------------------
 # eval-consistency
@@ -103,8 +104,6 @@ def check_modes(dropped: nn.Module, plain: nn.Module, x: torch.Tensor, p: float)
 
 def check_evaluate(model: nn.Module, batch: Batch, device: torch.device) -> Check:
     """The train loop's own `evaluate`: the eval-mode loss, the same twice, and train mode afterwards."""
-    from llmtrain.train import evaluate  # looked up per call, like accumulate_gradients (bench.py)
-
     x, y = batch
     model.train()
     first = evaluate(model, [batch], device, contextlib.nullcontext)

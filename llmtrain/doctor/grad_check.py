@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from llmtrain.config import Config, Precision
+from llmtrain.config.schema import Config, Precision
 from llmtrain.data.sampler import IGNORE_INDEX
 from llmtrain.doctor.bench import (
     Bench,
@@ -29,7 +29,7 @@ from llmtrain.doctor.bench import (
     render_checks,
     write_json,
 )
-from llmtrain.precision import autocast_factory, native_bf16
+from llmtrain.training.precision import autocast_factory, native_bf16
 
 # ---------------------------------------------------------------------------------------------
 # grad-check

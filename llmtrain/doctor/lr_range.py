@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 from rich.console import Console
 
-from llmtrain.config import Config, describe_lr, effective_lr
+from llmtrain.config.derived import describe_lr, effective_lr
+from llmtrain.config.schema import Config
 from llmtrain.doctor.bench import (
     Bench,
     ModelFactory,
@@ -25,8 +26,9 @@ from llmtrain.doctor.bench import (
     write_json,
 )
 from llmtrain.errors import UserError
-from llmtrain.optim import build_optimizer, clip_gradients
-from llmtrain.precision import autocast_factory, build_grad_scaler
+from llmtrain.training.optim import build_optimizer, clip_gradients
+from llmtrain.training.precision import autocast_factory, build_grad_scaler
+from llmtrain.training.step import accumulate_gradients
 
 # ---------------------------------------------------------------------------------------------
 # lr-range
@@ -99,8 +101,6 @@ def _sweep(
     bench: Bench, steps: int, min_lr: float, max_lr: float, accum: int, console: Console,
 ) -> tuple[list[float], list[float], list[float], float | None]:
     """The sweep itself: the train loop's step (accumulate, unscale, clip, step) at a rising LR."""
-    from llmtrain.train import accumulate_gradients  # looked up per call: tests monkeypatch it
-
     cfg, device = bench.cfg, bench.device
     model = bench.model()
     optimizer = build_optimizer(model, cfg.optim, device.type)

@@ -16,7 +16,7 @@ import torch
 from rich.console import Console
 from torch import nn
 
-from llmtrain.config import Config, OptimConfig, OptimizerName
+from llmtrain.config.schema import Config, OptimConfig, OptimizerName
 from llmtrain.data.sampler import IGNORE_INDEX
 from llmtrain.doctor.bench import (
     Batch,
@@ -34,8 +34,8 @@ from llmtrain.doctor.bench import (
     prepare_out_dir,
     write_json,
 )
-from llmtrain.optim import build_optimizer, grad_norm
-from llmtrain.precision import autocast_factory, build_grad_scaler
+from llmtrain.training.optim import build_optimizer, grad_norm
+from llmtrain.training.precision import autocast_factory, build_grad_scaler
 
 # ---------------------------------------------------------------------------------------------
 # overfit

@@ -26,11 +26,11 @@ import pytest
 import torch
 from rich.console import Console
 
-from llmtrain.checkpoint import _write_file, describe_write_error, list_checkpoints, verify
-from llmtrain.config import SaveErrorPolicy
+from llmtrain.checkpoint.format import _write_file, describe_write_error, list_checkpoints, verify
+from llmtrain.config.schema import SaveErrorPolicy
 from llmtrain.errors import EXIT_SAVE_FAILED, SaveFailed
 from llmtrain.sinks import ConsoleSink, MetricsSink
-from llmtrain.train import train
+from llmtrain.training.loop import train
 
 from ..conftest import tiny_config
 from ..test_cli_run import TINY
@@ -175,7 +175,7 @@ def test_a_failed_final_save_is_retried_after_the_loop_without_a_closed_sink_cra
 ) -> None:
     """The retry after the loop used to run once metrics.jsonl was closed: ValueError: I/O
     operation on closed file."""
-    import llmtrain.checkpoint as checkpoint_module
+    import llmtrain.checkpoint.format as checkpoint_module
 
     failures = {"left": 1}
 

@@ -12,11 +12,10 @@ from pathlib import Path
 
 import pytest
 
-import llmtrain.check as check
-from llmtrain.check import Status, run_check
-from llmtrain.cli import compose_config, main
-from llmtrain.config import (
-    OptimizerName,
+import llmtrain.preflight.check as check
+from llmtrain.cli import main
+from llmtrain.cli.compose import compose_config
+from llmtrain.config.derived import (
     default_lr,
     describe_lr,
     expected_data_vocab,
@@ -24,7 +23,9 @@ from llmtrain.config import (
     model_vocab_size,
     sane_lr_range,
 )
+from llmtrain.config.schema import OptimizerName
 from llmtrain.model import GPT, param_count
+from llmtrain.preflight.check import Status, run_check
 
 HEADLINE = ["model=gpt_small", "optim=adamw"]
 GiB = 2**30

@@ -18,18 +18,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from llmtrain.checkpoint import (
-    CheckpointError,
-    load_checkpoint,
-    read_weights_file,
-    resume_checkpoint,
-    set_damaged_aside,
-)
-from llmtrain.config import config_from_dict
-from llmtrain.export import newest_weights
+from llmtrain.checkpoint.format import load_checkpoint, read_weights_file
+from llmtrain.checkpoint.resume import resume_checkpoint, set_damaged_aside
+from llmtrain.checkpoint.shards import hash_files, read_full, read_metadata, write_shards
+from llmtrain.config.hydra import config_from_dict
+from llmtrain.errors import CheckpointError
 from llmtrain.model import GPT
-from llmtrain.optim import build_optimizer
-from llmtrain.shards import hash_files, read_full, read_metadata, write_shards
+from llmtrain.runs.artifacts import newest_weights
+from llmtrain.training.optim import build_optimizer
 
 from ..test_cli_run import TINY
 

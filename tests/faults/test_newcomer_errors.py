@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from llmtrain.cli import COMMANDS, compose_config, main, validate_overrides
-from llmtrain.config import ALARM_NAMES, accumulation_steps, micro_batch_size_derived
+from llmtrain.cli import COMMANDS, main
+from llmtrain.cli.compose import compose_config, validate_overrides
+from llmtrain.config.derived import accumulation_steps, micro_batch_size_derived
+from llmtrain.config.schema import ALARM_NAMES
 from llmtrain.errors import ConfigError
 
 from ..test_cli_run import TINY, llmtrain
@@ -146,7 +148,7 @@ def test_two_processes_train_with_a_derived_micro_batch(tmp_path: Path) -> None:
 
 
 def test_config_help_and_command_table_cite_no_document() -> None:
-    from llmtrain.cli import train_help
+    from llmtrain.cli.train import train_help
 
     for text in (train_help(), *COMMANDS.values()):
         assert not CITATION.search(text), CITATION.search(text)

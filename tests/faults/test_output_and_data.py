@@ -20,13 +20,15 @@ import numpy as np
 import pytest
 from rich.console import Console
 
-from llmtrain.check import Status, run_check
-from llmtrain.config import DataConfig, DataSource, TokenizerKind
+from llmtrain.config.schema import DataConfig, DataSource, TokenizerKind
 from llmtrain.data import corpus
 from llmtrain.data.prepare import prepare_data
-from llmtrain.report import RunRecords, build_report, overfitting
+from llmtrain.preflight.check import Status, run_check
+from llmtrain.runs.records import Records
+from llmtrain.runs.report import build_report, overfitting
 from llmtrain.sinks import ConsoleSink, default_console
-from llmtrain.train import threads_text, train
+from llmtrain.training.banner import threads_text
+from llmtrain.training.loop import train
 
 from ..conftest import TINY_CORPUS, tiny_config
 from ..test_cli_run import TINY
@@ -105,8 +107,8 @@ def test_threads_wording() -> None:
 
 
 def test_review_states_a_single_evaluation_once() -> None:
-    records = RunRecords({"train": [{"step": s, "loss": 4.0 - 0.1 * s} for s in range(45, 50)],
-                          "eval": [{"step": 49, "val_loss": 3.1}]})
+    records = Records([{"kind": "train", "step": s, "loss": 4.0 - 0.1 * s} for s in range(45, 50)]
+                      + [{"kind": "eval", "step": 49, "val_loss": 3.1}])
     finding = overfitting(records).finding
     # "gap -0.9000 at step 49; best validation loss 3.1000 at step 49", not the gap twice
     assert finding.count("at step 49") == 2 and finding.count("gap") == 1, finding

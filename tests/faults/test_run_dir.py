@@ -16,8 +16,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from llmtrain import rundir
 from llmtrain.cli import main
+from llmtrain.runs import rundir
 
 from ..test_cli_run import TINY, llmtrain
 

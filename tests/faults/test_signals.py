@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from llmtrain.checkpoint import verify
+from llmtrain.checkpoint.format import verify
 from llmtrain.errors import EXIT_ABORTED, EXIT_INTERRUPTED, RunStopped, StoppedBeforeStart
-from llmtrain.interrupts import StopRequest
+from llmtrain.training.interrupts import StopRequest
 
 from ..test_cli_run import TINY
 
@@ -174,12 +174,13 @@ def test_a_parent_relays_signals_to_its_ranks_and_keeps_waiting(tmp_path: Path) 
 def test_sigterm_while_the_cli_composes_the_config_stops_with_75(monkeypatch: pytest.MonkeyPatch,
                                                                   capsys: pytest.CaptureFixture[str]) -> None:
     from llmtrain import cli
+    from llmtrain.cli import train as train_cli
 
     def composing(args: list[str]) -> None:  # stands in for train_command's composing and checking
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(5)  # never reached
 
-    monkeypatch.setattr(cli, "train_command", composing)
+    monkeypatch.setattr(train_cli, "train_command", composing)
     with pytest.raises(SystemExit) as stopped:
         cli.main(["train"])
     assert stopped.value.code == EXIT_INTERRUPTED

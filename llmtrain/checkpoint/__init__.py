@@ -1,0 +1,1 @@
+"""Checkpoints: the on-disk format, when to save, sharded files, and which one a run resumes from."""

@@ -1,0 +1,96 @@
+"""`llmtrain <command>`: the dispatcher, and the entry point (`llmtrain.cli:main`).
+
+Only the standard library at module level, and each command's module is imported when that
+command runs: `llmtrain --help`, `--version` and shell completion answer instantly, and no command
+pays for another's imports (torch, hydra, rich).
+
+    train                  llmtrain.cli.train (composed and checked by llmtrain.cli.compose)
+    prepare, check, ...    llmtrain.cli.commands
+    -sc / --shell-completion   llmtrain.cli.completion
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+
+COMMANDS: dict[str, str] = {
+    "train": "Train a model from the composed config groups (Hydra overrides, -m sweeps).",
+    "prepare": "Tokenize a corpus (text files, folders, globs, JSONL) into cached memory-mapped token files.",
+    "check": "Pre-flight checklist + memory/compute estimate for a config; exit 0 pass, 1 warn, 2 fail.",
+    "sample": "Generate text from a run directory's trained model (or an export).",
+    "export": "Write a run's weights as safetensors + the model config as JSON.",
+    "compare": "The runs of a sweep side by side: a table sorted by val loss, a CSV and a PNG of the loss curves.",
+    "report": "Post-run review of a run dir: report.md + report.html with plots, a verdict per question.",
+    "doctor": "Diagnostic experiments that find bugs fast: overfit, lr-range, grad-check, eval-consistency.",
+}
+
+USAGE = """usage: llmtrain <command> [args]
+
+Trains GPT-style language models from composable Hydra config groups.
+
+commands:
+{commands}
+
+Run `llmtrain <command> --help` for a command's options, e.g. `llmtrain train --help`.
+Quick start: `llmtrain train` trains a small model on Python's own stdlib sources (CPU, no download).
+"""
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Run `llmtrain ARGV...` (sys.argv by default); exits with the command's code when it fails."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] in (["-sc"], ["--shell-completion"]):
+        from llmtrain.cli.completion import complete
+
+        complete(args, COMMANDS)
+        return
+    if not args or args[0] in ("-h", "--help", "help"):
+        width = max(len(c) for c in COMMANDS)
+        print(USAGE.format(commands="\n".join(f"  {c:<{width}}  {h}" for c, h in COMMANDS.items())), end="")
+        return
+    if args[0] == "--version":
+        from llmtrain import __version__
+
+        print(f"llmtrain {__version__}")
+        return
+    from llmtrain.cli.common import fail
+    from llmtrain.errors import EXIT_ABORTED, RunStopped
+
+    command, rest = args[0], args[1:]
+    if command not in COMMANDS:
+        fail(f"unknown command '{command}'; valid commands: {', '.join(COMMANDS)}. See `llmtrain --help`.")
+    handler = _handler(command)
+    try:
+        if command == "train":  # SIGTERM/Ctrl-C stop cleanly from here on, also while setting up
+            from llmtrain.training.interrupts import StopRequest
+
+            with StopRequest.shared().setting_up():
+                handler(rest)
+        else:
+            handler(rest)
+    except KeyboardInterrupt as err:  # a second signal, or a Ctrl-C outside the train loop
+        from llmtrain.training.interrupts import AbortRequested, abort_at_once, abort_message, announce_abort
+
+        if isinstance(err, AbortRequested):  # at once: the interpreter's teardown can take seconds
+            abort_at_once(abort_message(err))
+        announce_abort(abort_message(err))
+        sys.exit(EXIT_ABORTED)
+    except RunStopped as stopped:  # a SIGTERM while setting up, outside the run itself (composing the config)
+        fail(str(stopped), stopped.exit_code, label="stopped")
+
+
+def _handler(command: str) -> Callable[[list[str]], None]:
+    """The function that runs `command`, its module imported now (looked up at call time, so a
+    test's monkeypatch of the module reaches it)."""
+    if command == "train":
+        from llmtrain.cli import train
+
+        return train.train_command
+    from llmtrain.cli import commands
+
+    return {
+        "prepare": commands.prepare_command, "check": commands.check_command, "sample": commands.sample_command,
+        "export": commands.export_command, "compare": commands.compare_command, "report": commands.report_command,
+        "doctor": commands.doctor_command,
+    }[command]

@@ -1,0 +1,264 @@
+"""The subcommands other than `train`: prepare, check, sample, export, compare, report, doctor.
+
+Each parses its own arguments with argparse, then imports what it runs (torch, rich, the runs/
+readers) only once the arguments are good, so `--help` and a mistyped option answer at once. A
+UserError becomes one paragraph and exit code 2 (`fail`).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from llmtrain.cli.common import check_config_dir, fail, flush_denormals_first
+from llmtrain.cli.compose import compose_config
+
+# ---------------------------------------------------------------------------------------------
+# prepare
+# ---------------------------------------------------------------------------------------------
+
+
+def prepare_command(args: list[str]) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="llmtrain prepare",
+        description="Tokenize the data a config names into cached memory-mapped token files (train and val), once: "
+        "unchanged inputs are reused, changed inputs rebuilt. `llmtrain train` does this itself when needed.",
+        epilog="examples: llmtrain prepare data=text data.path=corpus/ data.tokenizer=bpe data.bpe_vocab_size=8192\n"
+        "          llmtrain prepare data=jsonl data.path='dumps/*.jsonl' data.text_field=content",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("overrides", nargs="*", help="config overrides, as for `llmtrain train` (data=..., data.path=...)")
+    parser.add_argument("--config-dir", "-cd", default=None, help="a folder of your own group options (as for train)")
+    opts = parser.parse_args(args)
+    check_config_dir(opts.config_dir)
+
+    from rich.markup import escape
+
+    from llmtrain.data.prepare import prepare_data
+    from llmtrain.errors import UserError
+    from llmtrain.sinks import default_console
+
+    console = default_console()
+    try:
+        cfg = compose_config(opts.overrides, opts.config_dir)
+        data = prepare_data(cfg.data, log=lambda message: console.print(f"[dim]{escape(message)}[/]"), progress=True)
+    except UserError as err:
+        fail(str(err))
+    m = data.meta
+    console.print(
+        f"prepared [bold]{cfg.data.source.value}[/] data in {data.directory}\n"
+        f"  {m['documents']:,} document{'s' if m['documents'] != 1 else ''}, {m['source_bytes']:,} bytes -> {m['train_tokens']:,} train / "
+        f"{m['val_tokens']:,} val tokens ({m['dtype']})\n"
+        f"  tokenizer {m['tokenizer']}, vocabulary {m['vocab_size']:,}; unigram entropy "
+        f"{m['unigram_entropy_nats']:.4f} nats/token (the loss to beat)"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# check
+# ---------------------------------------------------------------------------------------------
+
+
+def check_command(args: list[str]) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="llmtrain check",
+        description="Run the pre-flight checklist (settings that make training stable, plus static checks of the model "
+        "and data) on a config, with a memory and "
+        "compute estimate for this machine. Takes the same overrides as `llmtrain train`. "
+        "Exit code: 0 all items pass, 1 warnings, 2 failures (or a bad config).",
+        epilog="example: llmtrain check model=gpt_small optim=adamw precision=fp16",
+    )
+    parser.add_argument("overrides", nargs="*", help="config overrides, as for `llmtrain train` (GROUP=OPTION, KEY=VALUE)")
+    parser.add_argument("--config-dir", "-cd", default=None, help="a folder of your own group options (as for train)")
+    parser.add_argument("--no-compute", action="store_true", help="skip the matmul measurement and the time estimate")
+    opts = parser.parse_args(args)
+    check_config_dir(opts.config_dir)
+
+    from llmtrain.errors import UserError
+    from llmtrain.preflight.check import render, run_check
+
+    try:
+        cfg = compose_config(opts.overrides, opts.config_dir)
+        report = run_check(cfg, measure_compute=not opts.no_compute)
+    except UserError as err:
+        fail(str(err))
+    render(report)
+    sys.exit(report.exit_code)
+
+
+# ---------------------------------------------------------------------------------------------
+# sample
+# ---------------------------------------------------------------------------------------------
+
+
+def sample_command(args: list[str]) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="llmtrain sample", description="Generate text from a trained run.")
+    parser.add_argument("run_dir", type=Path, help="run directory written by `llmtrain train`")
+    parser.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
+    parser.add_argument("--max-new-tokens", type=int, default=400, help="tokens to generate (default 400)")
+    # The model's own distribution by default: a small byte-level model sampled colder (or top-k
+    # truncated) falls into its most likely loop, e.g. endless runs of indentation spaces.
+    parser.add_argument("--temperature", type=float, default=1.0, help="softmax temperature; 0 = greedy (default 1.0)")
+    parser.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest tokens only (default: all)")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed: same seed, same text (default 0)")
+    parser.add_argument("--ignore-end-of-text", action="store_true",
+                        help="keep generating past the end-of-text token (by default the text ends there: the model "
+                        "says its document is over)")
+    opts = parser.parse_args(args)
+    if opts.max_new_tokens < 1:
+        fail(f"--max-new-tokens is {opts.max_new_tokens}; it must be >= 1.")
+    if opts.top_k is not None and opts.top_k < 1:
+        fail(f"--top-k is {opts.top_k}; it must be >= 1.")
+
+    from llmtrain.errors import UserError
+    from llmtrain.runs.sample import sample_text
+
+    try:
+        text = sample_text(opts.run_dir, opts.prompt, opts.max_new_tokens, opts.temperature, opts.top_k, opts.seed,
+                           stop_at_end_of_text=not opts.ignore_end_of_text)
+    except UserError as err:
+        fail(str(err))
+    sys.stdout.write(opts.prompt + text + "\n")
+
+
+def export_command(args: list[str]) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="llmtrain export", description="Export a run's weights for inference.")
+    parser.add_argument("run_dir", type=Path, help="run directory written by `llmtrain train`")
+    parser.add_argument("--out", type=Path, default=None, help="output folder (default: RUN_DIR/export)")
+    opts = parser.parse_args(args)
+
+    from llmtrain.errors import UserError
+    from llmtrain.runs.export import export_run
+
+    try:
+        out = export_run(opts.run_dir, opts.out)
+    except UserError as err:
+        fail(str(err))
+    print(f"exported to {out}: model.safetensors, model_config.json, tokenizer.json (sample it: llmtrain sample {out})")
+
+
+# ---------------------------------------------------------------------------------------------
+# compare
+# ---------------------------------------------------------------------------------------------
+
+
+def compare_command(args: list[str]) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="llmtrain compare",
+        description="Compare the runs of a sweep (`llmtrain train -m ...`): overrides, final train/val loss, best "
+        "val loss and step, alarms, tokens/s, status; sorted by final val loss. Writes compare.csv and compare.png "
+        "(loss curves) into the sweep dir.",
+        epilog="example: llmtrain train -m optim.lr=1e-3,3e-3,1e-2 max_steps=200 && llmtrain compare multirun/<date>/<time>",
+    )
+    parser.add_argument("sweep_dir", type=Path, help="the sweep dir (or any folder of run dirs)")
+    parser.add_argument("--csv", type=Path, default=None, help="where the CSV goes (default: <sweep dir>/compare.csv)")
+    parser.add_argument("--png", type=Path, default=None, help="where the plot goes (default: <sweep dir>/compare.png)")
+    opts = parser.parse_args(args)
+
+    from rich.table import Table
+
+    from llmtrain.errors import UserError
+    from llmtrain.runs.compare import COLUMNS, compare_runs, plot_curves, rows, write_csv
+    from llmtrain.sinks import default_console
+
+    try:
+        summaries, common = compare_runs(opts.sweep_dir)
+    except UserError as err:
+        fail(str(err))
+    csv_path = opts.csv or opts.sweep_dir / "compare.csv"
+    png_path = opts.png or opts.sweep_dir / "compare.png"
+    title = f"{len(summaries)} run{'s' if len(summaries) != 1 else ''} in {opts.sweep_dir}"
+    table = Table(title=title, caption=f"common to all: {' '.join(common)}" if common else None, title_justify="left",
+                  caption_justify="left")
+    for column in COLUMNS:
+        table.add_column(column, overflow="fold")
+    for row in rows(summaries, opts.sweep_dir):
+        table.add_row(*row)
+    console = default_console()
+    console.print(table)
+    write_csv(summaries, opts.sweep_dir, csv_path)
+    plot_curves(summaries, png_path, title + (f"\ncommon: {' '.join(common)}" if common else ""))
+    console.print(f"wrote {csv_path} and {png_path}")
+
+
+# ---------------------------------------------------------------------------------------------
+# report
+# ---------------------------------------------------------------------------------------------
+
+
+def report_command(args: list[str]) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="llmtrain report",
+        description="The post-run review of a run dir, finished, interrupted or crashed: is the loss smooth, "
+        "does validation track training, does inference behave like training, peak memory and headroom, time per "
+        "step and its bottleneck, alarms and actions. Writes report.md and a self-contained report.html (plots "
+        "inside) into the run dir and prints the verdicts. `llmtrain train` writes it at the end of every run.",
+        epilog="example: llmtrain report outputs/2026-11-30/10-00-00",
+    )
+    parser.add_argument("run_dir", type=Path, help="a run dir written by `llmtrain train`")
+    parser.add_argument("--no-inference", action="store_true",
+                        help="skip reloading the weights for the inference-vs-training check")
+    opts = parser.parse_args(args)
+
+    from llmtrain.errors import UserError
+    from llmtrain.runs.report import render_summary, write_report
+    from llmtrain.sinks import default_console
+
+    console = default_console()
+    try:
+        report = write_report(opts.run_dir, inference=not opts.no_inference)
+    except UserError as err:
+        fail(str(err))
+    render_summary(report, console)
+
+
+# ---------------------------------------------------------------------------------------------
+# doctor
+# ---------------------------------------------------------------------------------------------
+
+
+def doctor_command(args: list[str]) -> None:
+    import argparse
+
+    from llmtrain.doctor import EXPERIMENTS
+
+    parser = argparse.ArgumentParser(
+        prog="llmtrain doctor",
+        description="Diagnostic experiments on a config (the same overrides as `llmtrain train`):\n"
+        + "\n".join(f"  {name}: {doc}" for name, doc in EXPERIMENTS.items())
+        + "\nExit code 0: the experiment passed; 1: it found a problem (the output says which and what to check).",
+        epilog="examples: llmtrain doctor overfit\n          llmtrain doctor lr-range optim=adamw model.n_layer=4\n"
+        "          llmtrain doctor grad-check model.dropout=0.1",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("experiment", choices=list(EXPERIMENTS), help="which experiment to run")
+    parser.add_argument("overrides", nargs="*", help="config overrides, as for `llmtrain train` (GROUP=OPTION, KEY=VALUE)")
+    parser.add_argument("--config-dir", "-cd", default=None, help="a folder of your own group options (as for train)")
+    parser.add_argument("--out", type=Path, default=Path("doctor"),
+                        help="where plots and results go (default: ./doctor)")
+    opts = parser.parse_args(args)
+    check_config_dir(opts.config_dir)
+
+    from llmtrain.doctor import run_doctor
+    from llmtrain.errors import UserError
+    from llmtrain.sinks import default_console
+
+    flush_denormals_first(opts.overrides)  # as train does: the doctor's steps are the train loop's
+    try:
+        cfg = compose_config(opts.overrides, opts.config_dir)
+        code = run_doctor(opts.experiment, cfg, opts.out, default_console())
+    except UserError as err:
+        fail(str(err))
+    sys.exit(code)

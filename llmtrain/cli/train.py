@@ -1,0 +1,325 @@
+"""`llmtrain train`: Hydra's command line, checked before Hydra starts, and the Hydra task.
+
+`train` hands its arguments to Hydra unchanged (overrides, `-m`, `--cfg`, `--info`,
+`hydra.run.dir=...`, `-sc`), but first composes each requested configuration itself and validates
+it (llmtrain.cli.compose), and checks the run dirs it will write, so a bad value or an unwritable
+dir fails with exit code 2 and one readable paragraph before any work starts, instead of Hydra's
+exit 1 and stack-trace hint. This is where Hydra and OmegaConf end: the task converts the composed
+node into a typed Config and hands it to training (one process, or the ranks llmtrain.distributed.launch
+starts).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import shlex
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from llmtrain.cli.commands import compare_command
+from llmtrain.cli.common import check_config_dir, conf_dir, fail, flush_denormals_first, given
+from llmtrain.cli.compose import validate_overrides
+from llmtrain.distributed.launch import RanksStopped, ranks_from_submitit_tasks, run_local_ranks, shared_run_dir
+from llmtrain.errors import EXIT_INTERRUPTED, EXIT_USER_ERROR, RunStopped, StoppedBeforeStart, UserError
+from llmtrain.runs import files
+
+if TYPE_CHECKING:
+    from llmtrain.config.schema import Config
+
+
+def train_command(args: list[str]) -> None:
+    """`llmtrain train ARGS`: refuse what cannot work, plan and check the run dirs, validate every
+    job, then hand ARGS to Hydra; a sweep ends with its comparison table."""
+    from hydra._internal.utils import get_args_parser
+
+    parsed = get_args_parser().parse_args(args)
+    if parsed.help:
+        print(train_help())
+        return
+    if parsed.multirun and (parsed.cfg or parsed.info):
+        fail("-m/--multirun cannot be combined with --cfg or --info; drop -m to print one job's config.")
+    if parsed.config_path:
+        fail(
+            f"--config-path ({parsed.config_path}) is not supported: llmtrain ships its own primary config. "
+            "Add your own group options with --config-dir DIR (-cd DIR), e.g. DIR/model/mine.yaml then model=mine."
+        )
+    check_config_dir(parsed.config_dir)
+    launched = int(os.environ.get("WORLD_SIZE") or 1)
+    if launched > 1 and parsed.multirun:
+        fail(f"-m/--multirun under torchrun ({launched} processes): each rank would run the whole sweep. Sweep "
+             "from one process with parallel.nproc=N per job, or launch one torchrun per setting.")
+    if launched > 1 and not parsed.shell_completion and given(parsed.overrides, "hydra.run.dir") is None:
+        try:
+            args = [*args, f"hydra.run.dir={shared_run_dir()}"]  # torchrun: one run dir for all ranks
+        except UserError as err:
+            fail(str(err))
+    runs = not parsed.shell_completion and not parsed.hydra_help and not (parsed.cfg or parsed.info)
+    sweep_dir = None
+    if runs:
+        try:  # before any work: a run dir that cannot be written is a mistake like a bad value
+            if parsed.multirun:
+                sweep_dir, args = _plan_sweep_dir(parsed.overrides, args)
+            else:
+                args = _plan_run_dir(args, parsed.config_dir, parsed.config_name)
+        except UserError as err:
+            fail(str(err))
+    if not parsed.shell_completion and not parsed.hydra_help:
+        flush_denormals_first(parsed.overrides)
+        try:
+            validate_overrides(
+                parsed.overrides, multirun=parsed.multirun, extra_dir=parsed.config_dir, config_name=parsed.config_name,
+                preflight=not (parsed.cfg or parsed.info),
+            )
+        except UserError as err:
+            fail(str(err))
+    try:
+        run_hydra(args, train_task)
+    except SystemExit as stop:
+        if sweep_dir is not None and stop.code == EXIT_USER_ERROR:  # a refused job: a new sweep dir goes if it holds no run
+            from llmtrain.runs.rundir import discard_created
+
+            discard_created(sweep_dir, only_if_empty=True, keep=frozenset({"multirun.yaml"}))
+        raise
+    if sweep_dir is not None and os.environ.get("RANK", "0") == "0" and Path(sweep_dir).is_dir():
+        compare_command([sweep_dir])  # a sweep ends with its comparison table
+
+
+def _plan_sweep_dir(overrides: list[str], args: list[str]) -> tuple[str, list[str]]:
+    """The sweep dir of `-m`, named here (Hydra's default pattern) so that the closing comparison
+    finds it, whichever launcher ran the jobs (submitit runs them in other processes); checked
+    before any work. Returns it and the arguments for Hydra."""
+    import datetime
+
+    from llmtrain.runs.rundir import check_dir
+
+    sweep_dir = given(overrides, "hydra.sweep.dir")
+    if sweep_dir is None:
+        sweep_dir = datetime.datetime.now().strftime("multirun/%Y-%m-%d/%H-%M-%S")
+        args = [*args, f"hydra.sweep.dir={sweep_dir}"]
+    if "${" not in sweep_dir:  # an interpolation is Hydra's to resolve
+        check_dir("hydra.sweep.dir", sweep_dir, "sweep dir", "multirun/first")
+    return sweep_dir, args
+
+
+def _plan_run_dir(args: list[str], extra_dir: str | None, config_name: str | None) -> list[str]:
+    """Check the dirs a run will write (hydra.run.dir, and out_dir when set) before any work, and
+    note those that do not exist yet, so that a refused run removes them again. A name Hydra
+    would take from the clock (${now:...}) is fixed here, so that the dir checked is the dir Hydra
+    makes. Returns the arguments for Hydra."""
+    from hydra._internal.utils import get_args_parser
+
+    from llmtrain.runs.rundir import check_dir
+
+    planned = _planned_dirs(get_args_parser().parse_args(args).overrides, extra_dir, config_name)
+    if planned is None:  # the composition fails: validate_overrides says why, in one paragraph
+        return args
+    raw, run_dir, out_dir = planned
+    if "${" in raw and re.fullmatch(r"[\w./:@%+~-]+", run_dir):
+        args = [*args, f"hydra.run.dir={run_dir}"]
+    check_dir("hydra.run.dir", run_dir)
+    if out_dir is not None:
+        check_dir("out_dir", out_dir)
+    return args
+
+
+def _planned_dirs(overrides: list[str], extra_dir: str | None, config_name: str | None) -> tuple[str, str, str | None] | None:
+    """hydra.run.dir as written and as resolved, and out_dir, for this command line; None when the
+    config does not compose or the name does not resolve outside a run."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    from llmtrain.config.hydra import register_configs
+
+    register_configs()
+    search = [f"hydra.searchpath=[file://{Path(extra_dir).expanduser().resolve()}]"] if extra_dir else []
+    GlobalHydra.instance().clear()
+    previous = HydraConfig.instance().cfg
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3", job_name="train"):
+            node = compose(config_name=config_name or "config", overrides=[*search, *overrides], return_hydra_config=True)
+        HydraConfig.instance().set_config(node)  # for a ${hydra:...} in the name
+        raw = OmegaConf.to_container(node.hydra.run, resolve=False)["dir"]
+        out_dir = node.get("out_dir")
+        return str(raw), str(OmegaConf.select(node, "hydra.run.dir")), None if out_dir is None else str(out_dir)
+    except Exception:  # noqa: BLE001 - see the docstring
+        return None
+    finally:
+        HydraConfig.instance().cfg = previous
+        GlobalHydra.instance().clear()
+
+
+def run_hydra(args: list[str], task: Callable) -> None:
+    """Hand `args` to Hydra's own command line (as if typed after `llmtrain`), with the shipped
+    config groups registered: Hydra runs `task` once per job, or answers -sc/--cfg/--info itself."""
+    import hydra
+
+    from llmtrain.config.hydra import register_configs
+
+    register_configs()
+    sys.argv = ["llmtrain", *args]
+    hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(task)()
+
+
+def train_task(node) -> float | None:  # node: the composed OmegaConf DictConfig (untyped: imports stay lazy)
+    """One run. Returns its objective for sweepers that optimize (Optuna): the final validation
+    loss, or the final train loss when the run does not evaluate.
+
+    Hydra's record of the run (.hydra/, train.log) is written only once train() accepts the run
+    (conf/config.yaml keeps Hydra from writing it first): a refused run leaves an existing run dir
+    as it was, and removes a run dir this command created."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from llmtrain.runs import rundir
+
+    hydra_dir = HydraConfig.get().runtime.output_dir
+    run_dir = node.get("out_dir") or hydra_dir
+    rundir.hold_job_log()
+    describe = functools.partial(rundir.describe_run, _hydra_files(node))
+    try:
+        return _run_task(node, describe)
+    except BaseException as stop:
+        # Refused (2), or stopped by a signal while setting up (75, or Ctrl-C / a SIGTERM on its way
+        # out as a BaseException), before the run was accepted: no dir left behind.
+        stopped = not isinstance(stop, SystemExit | Exception) or (
+            isinstance(stop, SystemExit) and stop.code in (EXIT_USER_ERROR, EXIT_INTERRUPTED))
+        if stopped and not (Path(run_dir) / files.CONFIG).exists():
+            rundir.discard_created(run_dir)
+        raise
+    finally:
+        if rundir.absolute(run_dir) != rundir.absolute(hydra_dir):  # out_dir elsewhere: Hydra's dir holds nothing
+            rundir.discard_created(hydra_dir, only_if_empty=True)
+
+
+def _hydra_files(task_cfg) -> dict[str, str]:
+    """What Hydra writes into `<run dir>/.hydra/` for this job (the task's config, Hydra's own
+    config, the task overrides), as texts: taken while HydraConfig is set, written on acceptance."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    from llmtrain.runs.rundir import HYDRA_SUBDIR
+
+    hydra_cfg = HydraConfig.instance().cfg
+    return {
+        f"{HYDRA_SUBDIR}/config.yaml": OmegaConf.to_yaml(task_cfg),
+        f"{HYDRA_SUBDIR}/hydra.yaml": OmegaConf.to_yaml(hydra_cfg),
+        f"{HYDRA_SUBDIR}/overrides.yaml": OmegaConf.to_yaml(hydra_cfg.hydra.overrides.task),
+    }
+
+
+def _run_task(node, describe: Callable[[Path], None]) -> float | None:
+    from hydra.core.hydra_config import HydraConfig
+
+    from llmtrain.config.hydra import to_config
+
+    def resume_hint(run_dir: object) -> str:
+        overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith(("hydra.run.dir=", "out_dir="))]
+        command = shlex.join(["llmtrain", "train", *overrides, f"hydra.run.dir={run_dir}"])
+        return f"To resume exactly where it stopped, run:\n  {command}"
+
+    try:
+        ranks_from_submitit_tasks()
+        cfg = to_config(node)
+        if cfg.out_dir is None:
+            cfg.out_dir = HydraConfig.get().runtime.output_dir
+        if cfg.parallel.nproc > 1 and not os.environ.get("WORLD_SIZE"):
+            return _train_on_local_ranks(cfg, resume_hint, describe)
+        from llmtrain.training.loop import train
+
+        result = train(cfg, on_accept=describe)
+        _report_after_run(cfg)
+    except UserError as err:
+        fail(str(err))
+    except RunStopped as stopped:
+        if not isinstance(stopped, StoppedBeforeStart):  # stopped while setting up: the run dir stays as it was
+            _report_after_run(cfg)  # an interrupted run is reviewed too
+        fail(f"{stopped}\n{resume_hint(stopped.run_dir or cfg.out_dir)}", stopped.exit_code, label="stopped")
+    if result.val_losses:
+        return result.final_val_loss
+    return result.train_losses[max(result.train_losses)] if result.train_losses else None
+
+
+def _train_on_local_ranks(cfg: Config, resume_hint: Callable[[object], str], describe: Callable[[Path], None]) -> float | None:
+    """parallel.nproc=N: the ranks train (llmtrain.distributed.launch); this process exits with a
+    failed rank's code, or reads their results, writes the review and returns the run's objective."""
+    try:
+        run_local_ranks(cfg, resume_hint, describe)
+    except RanksStopped as stopped:
+        if stopped.message is None:  # rank 0 has printed why
+            sys.exit(stopped.exit_code)
+        fail(stopped.message, stopped.exit_code, label=stopped.label)
+    from llmtrain.runs.compare import summarize
+
+    ran = summarize(Path(cfg.out_dir))
+    _report_after_run(cfg)
+    return ran.final_val_loss if ran.final_val_loss is not None else ran.final_train_loss
+
+
+def _report_after_run(cfg: Config) -> None:
+    """`train` ends with the post-run review (report=true), written by rank 0. The run's own results
+    are on disk by then: a report that fails is a warning, never a failed run."""
+    if not cfg.report or os.environ.get("RANK", "0") != "0" or not (Path(cfg.out_dir) / files.METRICS).is_file():
+        return
+    from llmtrain.runs.report import render_summary, write_report
+    from llmtrain.sinks import default_console
+
+    try:
+        render_summary(write_report(Path(cfg.out_dir)), default_console())
+    except Exception as err:  # noqa: BLE001 - see the docstring
+        print(f"llmtrain: warning: the post-run report could not be written ({type(err).__name__}: {err}); "
+              f"`llmtrain report {cfg.out_dir}` retries it.", file=sys.stderr)
+
+
+def train_help() -> str:
+    """Groups with their options, then every key with its default and one-line doc."""
+    import dataclasses
+
+    import yaml
+
+    from llmtrain.config.schema import GROUPS, Config, config_to_dict, field_type, schema_fields
+
+    root = conf_dir()
+    defaults = {}
+    for entry in yaml.safe_load((root / "config.yaml").read_text())["defaults"]:
+        if isinstance(entry, dict):
+            defaults.update(entry)
+    lines = [
+        "usage: llmtrain train [GROUP=OPTION ...] [KEY=VALUE ...] [-m] [--cfg job|hydra|all] [--info] [--hydra-help]",
+        "",
+        "Compose a config from the groups below, override any key, and train. Examples:",
+        "  llmtrain train model=gpt_small optim=sgd optim.lr=0.05",
+        "  llmtrain train -m optim.lr=1e-3,3e-4 max_steps=20      # a sweep: one run dir per job",
+        "  llmtrain train data=text data.path=corpus.txt data.tokenizer=char --cfg job",
+        "  llmtrain train preset=[stable,fast]                     # presets: checklist items switched on",
+        "",
+        "Config groups (default marked *):",
+    ]
+    for group in (*GROUPS, "preset"):
+        options = sorted(p.stem for p in (root / group).glob("*.yaml"))
+        shown = ", ".join(f"{o}*" if o == defaults.get(group) else o for o in options)
+        lines.append(f"  {group:<11} {shown}")
+    lines += ["", "Keys (defaults of the schema; a group option sets its own values):"]
+
+    def walk(schema: type, prefix: str, values: dict) -> None:
+        for name, fld in schema_fields(schema).items():
+            tp = field_type(fld.type)
+            if dataclasses.is_dataclass(tp):
+                walk(tp, f"{prefix}{name}.", values[name])
+                continue
+            value = values[name]
+            shown = "null" if value is None else str(value)
+            lines.append(f"  {prefix + name:<33} {shown:<12} {fld.metadata.get('help', '')}")
+
+    walk(Config, "", config_to_dict(Config()))
+    lines += [
+        "",
+        "Hydra: -m/--multirun, --cfg job, --info, hydra.run.dir=PATH, -sc install=bash (shell completion),",
+        "       -cd DIR (your own group options, e.g. DIR/model/mine.yaml -> model=mine).",
+        "Full Hydra help: llmtrain train --hydra-help",
+    ]
+    return "\n".join(lines)

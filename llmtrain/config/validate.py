@@ -1,0 +1,351 @@
+"""Cross-field validation of a typed `Config`: everything that can be refused before any work
+starts. `validate` is the entry point; it runs one check function per config group, in a fixed
+order, so that a config with several mistakes always names the same one first. It also fills in
+the two values a config may leave null (the micro-batch size and the learning rate, by
+`llmtrain.config.derived`), so everything downstream reads numbers."""
+
+import difflib
+import importlib.util
+import math
+import os
+import re
+
+from llmtrain.config.derived import (
+    resolve_lr,
+    resolve_micro_batch_size,
+    resolved_warmup_steps,
+    seq_len_of,
+    seq_len_schedule,
+    total_steps,
+    world_size_of,
+)
+from llmtrain.config.schema import (
+    ALARM_NAMES,
+    INIT_SCHEMES,
+    MAPPING_KEYS,
+    CheckpointConfig,
+    CheckpointFormat,
+    Config,
+    DataConfig,
+    DataSource,
+    HeadInit,
+    LRScaling,
+    ModelConfig,
+    MonitorConfig,
+    OptimConfig,
+    ParallelMode,
+    PositionEncoding,
+    PrecisionConfig,
+    Sampling,
+    ScheduleConfig,
+    SeqLenKeep,
+    TokenizerKind,
+    WandbMode,
+)
+from llmtrain.errors import ConfigError
+
+
+def validate(cfg: Config, world_size: int | None = None) -> None:
+    """Cross-field checks: contradictions no single field's type can catch. Raises `ConfigError`
+    with one paragraph naming the key, the value seen and what is valid.
+
+    The order is part of the behaviour (the first mistake found is the one reported): counts come
+    first because later checks divide by them, and the world size is settled before anything that
+    depends on the micro-batch size."""
+    _validate_counts(cfg)
+    _validate_parallel(cfg)
+    world_size = world_size or world_size_of(cfg)
+    resolve_micro_batch_size(cfg, world_size)
+    _validate_model(cfg.model)
+    _validate_optim(cfg)
+    _validate_schedule(cfg.schedule, cfg.global_batch_size)
+    _validate_run_length(cfg, world_size)
+    total = total_steps(cfg, world_size)
+    _validate_seq_len(cfg, total)
+    _validate_data_amounts(cfg.data)
+    # An optim key, checked here among the data checks where it has always been: moving it would
+    # change which mistake a config with several is told about first.
+    _validate_label_smoothing(cfg.optim)
+    _validate_data_source(cfg.data)
+    _validate_warmup(cfg.schedule, total)
+    _validate_device_and_seeds(cfg)
+    _validate_precision(cfg.precision)
+    _validate_checkpoint(cfg.checkpoint)
+    _validate_monitor(cfg.monitor)
+    _validate_sinks(cfg)
+    _validate_resume_and_threads(cfg)
+
+
+def _validate_counts(cfg: Config) -> None:
+    """The sizes and intervals later checks divide or count by (model sizes included)."""
+    m = cfg.model
+    for key, value in [
+        ("model.n_layer", m.n_layer), ("model.n_head", m.n_head), ("model.n_embd", m.n_embd),
+        ("model.block_size", m.block_size), ("micro_batch_size", cfg.micro_batch_size),
+        ("global_batch_size", cfg.global_batch_size), ("eval_batches", cfg.eval_batches),
+        ("log_interval", cfg.log_interval),
+    ]:
+        # micro_batch_size may still be null here: it is derived later, once the world size is known
+        _require(value is None or value >= 1, f"'{key}' is {value}; it must be a positive integer.")
+    _require(cfg.eval_interval >= 0, f"'eval_interval' is {cfg.eval_interval}; use a step count >= 1, or 0 to disable evaluation.")
+    _require(cfg.timing_interval >= 0,
+             f"'timing_interval' is {cfg.timing_interval}; use a step count >= 1, or 0 to time no step.")
+
+
+def _validate_parallel(cfg: Config) -> None:
+    p = cfg.parallel
+    _require(p.nproc >= 1, f"'parallel.nproc' is {p.nproc}; it must be >= 1.")
+    launched = int(os.environ.get("WORLD_SIZE") or 1)
+    _require(p.mode is not ParallelMode.single or (p.nproc == 1 and launched == 1),
+             f"parallel.mode is single but {'parallel.nproc is ' + str(p.nproc) if p.nproc > 1 else f'torchrun started {launched} processes'}; "
+             "add parallel=ddp (or parallel=zero1 or parallel=fsdp) to train one model across them.")
+    _require(cfg.checkpoint.format is not CheckpointFormat.sharded or p.mode is ParallelMode.fsdp,
+             f"checkpoint.format is sharded but parallel.mode is {p.mode.value}: only parallel=fsdp shards the model "
+             "and optimizer across the ranks; use checkpoint.format=full or auto (sharded files under fsdp).")
+    _require(launched == 1 or p.nproc in (1, launched),  # == launched: the ranks parallel.nproc started
+             f"torchrun started {launched} processes and parallel.nproc is {p.nproc}: under torchrun leave "
+             "parallel.nproc=1 (torchrun's --nproc_per_node sets the count).")
+
+
+def _validate_model(m: ModelConfig) -> None:
+    if m.n_embd % m.n_head:
+        raise ConfigError(
+            f"'model.n_embd' ({m.n_embd}) is not divisible by 'model.n_head' ({m.n_head}); "
+            f"pick a head count that divides the width, e.g. model.n_head={_divisor_near(m.n_embd, m.n_head)}."
+        )
+    if m.position is PositionEncoding.rope:
+        _require(
+            (m.n_embd // m.n_head) % 2 == 0,
+            f"RoPE needs an even head dimension; n_embd/n_head = {m.n_embd // m.n_head}.",
+        )
+    _require(0.0 <= m.dropout < 1.0, f"'model.dropout' is {m.dropout}; valid range is 0 <= dropout < 1.")
+    _require(
+        m.init in INIT_SCHEMES,
+        f"'model.init' is '{m.init}'; valid init schemes: {', '.join(INIT_SCHEMES)}.",
+    )
+    _require(
+        m.tie_weights is False or m.head_init is HeadInit.plain,
+        f"'model.head_init' is {m.head_init.value} but model.tie_weights=true shares the head with the embedding; "
+        "use model.tie_weights=false for a zero or tiny head, or model.head_init=plain.",
+    )
+    _require(
+        m.mlp_ratio > 0 and int(m.mlp_ratio * m.n_embd) >= 1,
+        f"'model.mlp_ratio' is {m.mlp_ratio}; the MLP needs a positive width (typical: 4.0).",
+    )
+    _require(m.init_std > 0, f"'model.init_std' is {m.init_std}; it must be > 0.")
+    _require(m.vocab_size is None or m.vocab_size >= 1, f"'model.vocab_size' is {m.vocab_size}; use a positive size or null.")
+    _require(m.vocab_multiple >= 1, f"'model.vocab_multiple' is {m.vocab_multiple}; use 1 (no padding) or a "
+             "positive multiple, e.g. 64.")
+
+
+def _divisor_near(n: int, k: int) -> int:
+    """The divisor of `n` closest to `k`: the head count suggested for a width it does not divide."""
+    divisors = [d for d in range(1, n + 1) if n % d == 0]
+    return min(divisors, key=lambda d: abs(d - k))
+
+
+def _validate_optim(cfg: Config) -> None:
+    """The optimizer's settings; a null optim.lr is filled in (for the model's width) once it passed."""
+    o = cfg.optim
+    _require(
+        o.lr is None or (o.lr > 0 and math.isfinite(o.lr)),
+        f"'optim.lr' is {o.lr}; the learning rate must be a finite number > 0 (typical AdamW values: 1e-4 to 3e-3), "
+        "or null for the default of this optimizer and model width.",
+    )
+    resolve_lr(cfg)
+    _require(0 <= o.momentum < 1, f"'optim.momentum' is {o.momentum}; valid range is [0, 1) (typical: 0.9).")
+    _require(o.weight_decay >= 0, f"'optim.weight_decay' is {o.weight_decay}; it must be >= 0.")
+    _require(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, f"'optim.beta1'/'optim.beta2' are {o.beta1}/{o.beta2}; both must be in [0, 1).")
+    _require(o.eps > 0, f"'optim.eps' is {o.eps}; it must be > 0.")
+    _require(
+        not (o.clip_grad_norm is not None and o.clip_grad_value is not None),
+        f"Both 'optim.clip_grad_norm' ({o.clip_grad_norm}) and 'optim.clip_grad_value' ({o.clip_grad_value}) "
+        "are set; choose one, e.g. optim.clip_grad_value=null.",
+    )
+    for key, value in [("optim.clip_grad_norm", o.clip_grad_norm), ("optim.clip_grad_value", o.clip_grad_value)]:
+        _require(value is None or value > 0, f"'{key}' is {value}; use a positive threshold or null to disable.")
+
+
+def _validate_schedule(s: ScheduleConfig, global_batch_size: int) -> None:
+    _require(0 <= s.min_lr_ratio <= 1, f"'schedule.min_lr_ratio' is {s.min_lr_ratio}; valid range is [0, 1].")
+    _require(0 <= s.warmup_fraction < 1, f"'schedule.warmup_fraction' is {s.warmup_fraction}; valid range is [0, 1).")
+    _require(0 < s.decay_fraction <= 1, f"'schedule.decay_fraction' is {s.decay_fraction}; valid range is (0, 1].")
+    if s.lr_scaling is not LRScaling.none:
+        _require(
+            s.reference_batch_size is not None and s.reference_batch_size >= 1,
+            f"schedule.lr_scaling={s.lr_scaling.value} needs 'schedule.reference_batch_size', the global batch "
+            f"(in sequences) optim.lr was tuned for, e.g. schedule.reference_batch_size={global_batch_size}.",
+        )
+    _require(s.warmup_steps is None or s.warmup_steps >= 0, f"'schedule.warmup_steps' is {s.warmup_steps}; it must be >= 0.")
+
+
+def _validate_run_length(cfg: Config, world_size: int) -> None:
+    """A budget (steps or tokens), and a global batch the micro-batches of all processes fill."""
+    _require(
+        cfg.max_steps is not None or cfg.max_tokens is not None,
+        "Neither 'max_steps' nor 'max_tokens' is set; set one, e.g. max_steps=1000.",
+    )
+    _require(cfg.max_tokens is None or cfg.max_tokens >= 1, f"'max_tokens' is {cfg.max_tokens}; it must be >= 1.")
+    _require(cfg.max_steps is None or cfg.max_steps >= 1, f"'max_steps' is {cfg.max_steps}; it must be >= 1.")
+    per_pass = cfg.micro_batch_size * world_size
+    _require(
+        cfg.global_batch_size % per_pass == 0,
+        f"'global_batch_size' ({cfg.global_batch_size}) is not divisible by micro_batch_size x world size "
+        f"({cfg.micro_batch_size} x {world_size} = {per_pass}); valid global batch sizes are multiples of "
+        f"{per_pass}, e.g. global_batch_size={max(per_pass, cfg.global_batch_size // per_pass * per_pass)}.",
+    )
+
+
+def _validate_seq_len(cfg: Config, total: int) -> None:
+    """The sequence length (the schedule's stages, then the length they end at) fits the model."""
+    _validate_seq_len_schedule(cfg, total)
+    seq_len = seq_len_of(cfg)
+    _require(seq_len >= 1, f"'data.seq_len' is {seq_len}; it must be >= 1.")
+    _require(
+        seq_len <= cfg.model.block_size,
+        f"'data.seq_len' ({seq_len}) is longer than the model's context 'model.block_size' ({cfg.model.block_size}); "
+        f"use data.seq_len<={cfg.model.block_size} or raise model.block_size.",
+    )
+
+
+def _validate_seq_len_schedule(cfg: Config, total: int) -> None:
+    d = cfg.data
+    if not d.seq_len_schedule:
+        return
+    where = f"'data.seq_len_schedule' is {[list(p) for p in d.seq_len_schedule]}"
+    _require(all(len(pair) == 2 for pair in d.seq_len_schedule),
+             f"{where}; give [step, seq_len] pairs, e.g. [[0,256],[1000,512],[3000,1024]].")
+    schedule = seq_len_schedule(cfg)
+    _require(len(schedule) == len(d.seq_len_schedule), f"{where}; each step may start one stage only.")
+    _require(0 in schedule, f"{where}; it must say the length at step 0, e.g. [[0,{min(schedule.values())}],...].")
+    _require(all(step >= 0 for step in schedule), f"{where}; steps must be >= 0.")
+    for length in schedule.values():
+        _require(1 <= length <= cfg.model.block_size,
+                 f"{where}; every length must be in 1..model.block_size ({cfg.model.block_size}), not {length}.")
+    final = seq_len_of(cfg)
+    _require(d.seq_len is None or d.seq_len == final,
+             f"{where}, whose last length is {final}, but 'data.seq_len' is {d.seq_len}; drop data.seq_len (the "
+             f"schedule sets it) or make them equal.")
+    late = max(schedule)
+    _require(late < total, f"{where}, but the run has only {total} steps: the stage at step {late} never starts.")
+    _require(d.sampling is Sampling.random and d.source is not DataSource.instruct and not d.overfit_batches,
+             f"{where}; a sequence-length schedule needs data.sampling=random (an epoch's windows are cut at one "
+             "length), plain text data (not data=instruct) and data.overfit_batches=0.")
+    if d.seq_len_keep is SeqLenKeep.tokens:
+        uneven = [length for length in schedule.values() if (cfg.micro_batch_size * final) % length]
+        _require(not uneven,
+                 f"{where} with data.seq_len_keep=tokens: a micro-batch holds micro_batch_size x {final} = "
+                 f"{cfg.micro_batch_size * final} tokens, which length(s) {uneven} do not divide; use lengths that "
+                 f"divide it (e.g. {final // 2}, {final // 4}) or data.seq_len_keep=batch.")
+
+
+def _validate_data_amounts(d: DataConfig) -> None:
+    """How much of the corpus is held out, cycled and read."""
+    _require(0 < d.val_fraction < 1, f"'data.val_fraction' is {d.val_fraction}; valid range is (0, 1).")
+    _require(d.overfit_batches >= 0, f"'data.overfit_batches' is {d.overfit_batches}; use 0 (off) or a batch count >= 1.")
+    _require(d.max_bytes is None or d.max_bytes > 0, f"'data.max_bytes' is {d.max_bytes}; use a positive size or null.")
+
+
+def _validate_label_smoothing(o: OptimConfig) -> None:
+    _require(0 <= o.label_smoothing < 1, f"'optim.label_smoothing' is {o.label_smoothing}; valid range is [0, 1) (typical: 0.1).")
+
+
+def _validate_data_source(d: DataConfig) -> None:
+    """Where the text comes from and how it is tokenized."""
+    _require(d.source is not DataSource.hf or bool(d.hf_name),
+             "Missing required value 'data.hf_name': data=hf needs a dataset, e.g. data.hf_name=roneneldan/TinyStories, "
+             "a folder written by save_to_disk, or data.hf_name=json data.path=docs.jsonl.")
+    if d.source in (DataSource.text, DataSource.jsonl, DataSource.instruct):
+        _require(
+            d.path is not None,
+            f"Missing required value 'data.path': data={d.source.value} needs your files, e.g. "
+            f"data.path={'corpus/' if d.source is DataSource.text else 'docs.jsonl'}.",
+        )
+    _require(d.tokenizer is not TokenizerKind.bpe or d.bpe_sample_bytes >= 2**16, f"'data.bpe_sample_bytes' is {d.bpe_sample_bytes}; give at least 65536 "
+             "(64 KiB of text to learn merges from; the default is 33554432, 32 MiB).")
+    _require(d.bpe_vocab_size >= 257, f"'data.bpe_vocab_size' is {d.bpe_vocab_size}; it must be >= 257 (256 bytes + end-of-text).")
+    _require(d.text_field.strip() != "", "'data.text_field' is empty; name the JSON field that holds the text, e.g. text.")
+
+
+def _validate_warmup(s: ScheduleConfig, total: int) -> None:
+    """Warmup shorter than the run; checked once the run's length in steps is known."""
+    warmup = resolved_warmup_steps(s, total)
+    source = (
+        f"schedule.warmup_steps={s.warmup_steps}" if s.warmup_steps is not None
+        else f"schedule.warmup_fraction={s.warmup_fraction} of {total} steps"
+    )
+    _require(
+        warmup < total or total == 1 and warmup <= 1,
+        f"Warmup ({warmup} steps, from {source}) is not shorter than the run ({total} steps); "
+        f"use schedule.warmup_steps<{total}, typically 1-10% of the run (e.g. schedule.warmup_steps={max(1, total // 20)}).",
+    )
+
+
+def _validate_device_and_seeds(cfg: Config) -> None:
+    _require(
+        re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", cfg.device) is not None,
+        f"'device' is '{cfg.device}'; valid: auto, cpu, cuda, cuda:N, mps.",
+    )
+    for key, seed in (("seed", cfg.seed), ("data.seed", cfg.data.seed)):
+        _require(seed is None or 0 <= seed < 2**32, f"'{key}' is {seed}; seeds must be in [0, 2**32).")
+
+
+def _validate_precision(p: PrecisionConfig) -> None:
+    _require(p.init_scale > 0 and math.isfinite(p.init_scale), f"'precision.init_scale' is {p.init_scale}; it must be a finite number > 0.")
+    _require(p.growth_interval >= 1, f"'precision.growth_interval' is {p.growth_interval}; it must be >= 1.")
+
+
+def _validate_checkpoint(c: CheckpointConfig) -> None:
+    _require(c.every_steps is None or c.every_steps >= 1, f"'checkpoint.every_steps' is {c.every_steps}; use a step count >= 1 or null.")
+    _require(
+        c.every_minutes is None or c.every_minutes > 0,
+        f"'checkpoint.every_minutes' is {c.every_minutes}; use minutes > 0 or null.",
+    )
+    _require(c.keep_last >= 1, f"'checkpoint.keep_last' is {c.keep_last}; keep at least 1 checkpoint.")
+    _require(c.max_consecutive_skips >= 1, f"'checkpoint.max_consecutive_skips' is {c.max_consecutive_skips}; it must be >= 1.")
+    _require(0 < c.rollback_lr_factor <= 1, f"'checkpoint.rollback_lr_factor' is {c.rollback_lr_factor}; valid range is (0, 1].")
+    _require(c.max_rollbacks >= 0, f"'checkpoint.max_rollbacks' is {c.max_rollbacks}; it must be >= 0.")
+
+
+def _validate_monitor(mon: MonitorConfig) -> None:
+    for key in ("interval", "activation_interval", "patience", "trend_window", "activation_window",
+                "activation_patience", "spike_window", "cooldown_checks"):
+        _require(getattr(mon, key) >= 1, f"'monitor.{key}' is {getattr(mon, key)}; it must be >= 1.")
+    _require(mon.trend_window >= 3, f"'monitor.trend_window' is {mon.trend_window}; a trend needs >= 3 checks.")
+    _require(0 < mon.reduce_lr_factor < 1, f"'monitor.reduce_lr_factor' is {mon.reduce_lr_factor}; valid range is (0, 1).")
+    for name in mon.actions:
+        _require(name in ALARM_NAMES, unknown_name_message("monitor.actions", name))
+
+
+def unknown_name_message(mapping: str, name: str) -> str:
+    """A name a mapping such as `monitor.actions` does not know (added with '+key=...')."""
+    names = MAPPING_KEYS[mapping]
+    close = difflib.get_close_matches(name, names, n=1)
+    hint = f" Did you mean '{close[0]}'?" if close else ""
+    return f"'{mapping}' names an unknown alarm '{name}'; valid alarms: {', '.join(names)}.{hint}"
+
+
+def _validate_sinks(cfg: Config) -> None:
+    """The optional metric sinks need their packages (the extras) installed."""
+    if cfg.tensorboard:
+        _require(
+            importlib.util.find_spec("tensorboard") is not None,
+            "tensorboard=true, but the tensorboard package is not installed; pip install 'llmtrain[tensorboard]' "
+            "(or pip install tensorboard), or set tensorboard=false.",
+        )
+    if cfg.wandb is not WandbMode.off:
+        _require(
+            importlib.util.find_spec("wandb") is not None,
+            f"wandb={cfg.wandb.value}, but the wandb package is not installed; pip install 'llmtrain[wandb]' "
+            "(or pip install wandb), or set wandb=off.",
+        )
+
+
+def _validate_resume_and_threads(cfg: Config) -> None:
+    _require(cfg.resume.strip() != "", "'resume' is empty; use auto, never, or the path of a checkpoint or run dir.")
+    _require(cfg.threads is None or cfg.threads >= 1, f"'threads' is {cfg.threads}; use a positive count or null.")
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)

@@ -1,0 +1,132 @@
+"""Torch-side measurements for the health monitor, taken only on check steps.
+
+Everything here returns tensors on the device (no host sync); the loop turns one stacked tensor into
+floats once per check.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+
+import torch
+from torch import nn
+
+from llmtrain.distributed.wrapping import local_value
+
+
+class ActivationProbe:
+    """Forward hooks on each block that record the output's mean and variance of the first call
+    (the step's first micro-batch). Installed for one sampled step, removed right after."""
+
+    def __init__(self, blocks: nn.ModuleList) -> None:
+        self.means: list[torch.Tensor | None] = [None] * len(blocks)
+        self.vars: list[torch.Tensor | None] = [None] * len(blocks)
+        self.handles = [block.register_forward_hook(self._hook(i)) for i, block in enumerate(blocks)]
+
+    def _hook(self, index: int):  # noqa: ANN202 - a torch hook
+        def record(module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
+            if self.means[index] is None:
+                out = output.detach().float()
+                self.means[index], self.vars[index] = out.mean(), out.var()
+
+        return record
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+    def stats(self) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+        if any(m is None for m in self.means):
+            return None
+        return list(self.means), list(self.vars)
+
+
+def block_norms(blocks: nn.ModuleList, grads: bool) -> torch.Tensor:
+    """L2 norm of each block's gradients (grads=True) or parameters, as one tensor of shape (blocks,)."""
+    norms = []
+    for block in blocks:
+        tensors = [p.grad if grads else p for p in block.parameters() if (p.grad is not None or not grads)]
+        if not tensors:
+            norms.append(torch.zeros((), device=next(block.parameters()).device))
+            continue
+        norms.append(torch.linalg.vector_norm(torch.stack([_norm(t) for t in tensors])))
+    return torch.stack(norms)
+
+
+def total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.linalg.vector_norm(torch.stack([_norm(t) for t in tensors]))
+
+
+def _norm(tensor: torch.Tensor) -> torch.Tensor:
+    """L2 norm as a plain tensor; for a parameter sharded by FSDP2 (a DTensor) over all its shards."""
+    return local_value(torch.linalg.vector_norm(tensor.detach().float()))
+
+
+def rss_mb() -> float:
+    """Resident memory of this process in MB (current on Linux, peak elsewhere)."""
+    try:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak / 2**20 if sys.platform == "darwin" else peak / 2**10
+
+
+def cuda_memory_mb(device: torch.device) -> dict[str, float]:
+    if device.type != "cuda":
+        return {}
+    return {
+        "cuda_allocated_mb": torch.cuda.memory_allocated(device) / 2**20,
+        "cuda_reserved_mb": torch.cuda.memory_reserved(device) / 2**20,
+        "cuda_peak_mb": torch.cuda.max_memory_allocated(device) / 2**20,
+    }
+
+
+def matmul_peak_flops(device: torch.device, size: int = 1024, repeats: int = 8) -> float:
+    """This device's achievable fp32 matmul rate (FLOP/s), measured in a fraction of a second: the
+    reference for MFU (model FLOPs utilization)."""
+    import time
+
+    # A private generator: measuring must not move the training RNG (dropout, exact resume).
+    generator = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(size, size, device=device, generator=generator)
+    b = torch.randn(size, size, device=device, generator=generator)
+    for _ in range(2):  # warm-up: kernels, caches, clocks
+        a @ b
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        c = a @ b
+    c.sum().item()  # waits for the device
+    return 2 * size**3 * repeats / (time.perf_counter() - start)
+
+
+def peak_rss_mb() -> float:
+    """The highest resident memory this process reached, in MB (VmHWM on Linux)."""
+    try:
+        for line in open("/proc/self/status").read().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10
+
+
+def device_memory_mb(device: torch.device) -> float | None:
+    """All the memory a run on `device` could use, in MB: the GPU's, or the host's (its cgroup
+    limit when that is lower), the figure peak memory is measured against."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory / 2**20
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**20
+    try:
+        limit = open("/sys/fs/cgroup/memory.max").read().strip()
+        if limit.isdigit():
+            total = min(total, int(limit) / 2**20)
+    except OSError:
+        pass
+    return total

@@ -1,0 +1,226 @@
+"""The loop's side of the health monitor: what to measure on a check step, and where alarms go.
+
+On a check step (every `monitor.interval` steps) the loop asks `HealthWatch` to take its numbers:
+per-block gradient and parameter norms, the applied vs scheduled LR, memory, the share of time
+spent waiting for data, and (every `activation_interval` steps) block-output activation stats from
+hooks installed for that step only. All of it becomes floats in one host sync; `HealthMonitor`
+judges them; new alarms are printed once with their explanation, written to `events.jsonl`, and
+returned so the loop can act on them. After the optimizer step, the update-to-parameter ratio
+completes the step's `health` record in `metrics.jsonl`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from llmtrain.config.schema import MonitorConfig
+from llmtrain.health.detectors import Alarm, HealthMonitor, Sample
+from llmtrain.health.probes import (
+    ActivationProbe,
+    block_norms,
+    cuda_memory_mb,
+    matmul_peak_flops,
+    rss_mb,
+    total_norm,
+)
+from llmtrain.runs import files
+from llmtrain.runs.files import Kind
+from llmtrain.sinks import ConsoleSink, JsonlSink, MetricsSink, NullSink
+from llmtrain.training import faults
+
+
+class HealthWatch:
+    """The monitor, as the loop sees it: one call per moment of the step (before/after the forward,
+    the check, after the optimizer step), plus what a checkpoint, a rollback or a stop needs."""
+
+    def __init__(self, cfg: MonitorConfig, model: torch.nn.Module, run_dir: Path, sink: ConsoleSink,
+                 metrics: MetricsSink | NullSink, steps_total: int, fp16_without_scaler: bool = False,
+                 flops_per_token: float = 0.0, write_events: bool = True, world_size: int = 1) -> None:
+        self.flops_per_token = flops_per_token
+        self.world_size = world_size  # tokens/s counts all ranks; the peak is one device's
+        self.peak_flops: float | None = None  # measured at the first check, for MFU
+        self.cfg, self.model, self.sink, self.metrics = cfg, model, sink, metrics
+        self.fp16_without_scaler = fp16_without_scaler
+        # Test-only hook (faults.py): keep this many MB alive per step, a leak the monitor must see.
+        self.leak_mb = faults.leak_mb_per_step()
+        self.leaked: list[bytearray] = []
+        self.blocks = model.blocks
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.monitor = HealthMonitor(cfg)
+        self.events = JsonlSink(run_dir / files.EVENTS) if write_events else NullSink()
+        self.steps_total = steps_total
+        self.probe: ActivationProbe | None = None
+        self.before: list[torch.Tensor] | None = None
+        self.record: dict | None = None
+        self.data_seconds = 0.0
+        self.interval_start = time.perf_counter()
+        self.interval_tokens = 0
+        self.last_activations: dict[str, list[float]] = {}
+
+    def is_check(self, step: int) -> bool:
+        """`step` is the 1-based number of the step being taken."""
+        return step % self.cfg.interval == 0
+
+    def before_forward(self, step: int) -> None:
+        if self.leak_mb:
+            self.leaked.append(bytearray(b"\1" * int(self.leak_mb * 2**20)))
+        if self.is_check(step) and step % self.cfg.activation_interval == 0:
+            self.probe = ActivationProbe(self.blocks)
+
+    def waited_for_data(self, seconds: float) -> None:
+        """Time the loop spent fetching a window: the check's data-wait share."""
+        self.data_seconds += seconds
+
+    def after_forward(self) -> None:
+        if self.probe is not None:
+            self.probe.remove()
+
+    def skip_check(self) -> None:
+        """A step that is not checked (not a check step, or not finite): activations sampled on
+        it are not reported later."""
+        self.probe = None
+
+    def check(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr_applied: float, lr_schedule: float,
+              tokens: int, loss_scale: float | None) -> list[Alarm]:
+        """Measure (one host sync), judge, report. Call after clipping, before the optimizer step."""
+        device = loss.device
+        grads = block_norms(self.blocks, grads=True)
+        weights = block_norms(self.blocks, grads=False)
+        parts = [loss.reshape(1).float(), grad_norm.reshape(1).float().to(device), total_norm(self.params).reshape(1),
+                 grads.to(device), weights.to(device)]
+        stats = self.probe.stats() if self.probe is not None else None
+        if stats is not None:
+            parts += [torch.stack(stats[0]).to(device), torch.stack(stats[1]).to(device)]
+        self.probe = None
+        values = torch.cat(parts).tolist()  # the check's one host sync
+        n = len(self.blocks)
+        loss_v, grad_v, param_v = values[:3]
+        block_grads, block_params = values[3:3 + n], values[3 + n:3 + 2 * n]
+        act_mean = values[3 + 2 * n:3 + 3 * n] if stats is not None else None
+        act_var = values[3 + 3 * n:3 + 4 * n] if stats is not None else None
+        now = time.perf_counter()
+        tokens_per_s = (tokens - self.interval_tokens) / max(now - self.interval_start, 1e-9)
+        if self.peak_flops is None:
+            self.peak_flops = matmul_peak_flops(device)
+        sample = Sample(step=step, loss=loss_v, grad_norm=grad_v, block_grad_norms=block_grads, param_norm=param_v,
+                        lr_applied=lr_applied, lr_schedule=lr_schedule, rss_mb=rss_mb(), steps_total=self.steps_total,
+                        fp16_without_scaler=self.fp16_without_scaler,
+                        activation_mean=act_mean, activation_var=act_var)
+        self.record = {
+            "kind": Kind.HEALTH, "step": step, "loss": loss_v, "grad_norm": grad_v, "block_grad_norms": block_grads,
+            "param_norm": param_v, "block_param_norms": block_params, "lr_applied": lr_applied,
+            "lr_schedule": lr_schedule, "rss_mb": sample.rss_mb, "tokens_per_s": tokens_per_s,
+            "data_wait_share": self.data_seconds / max(now - self.interval_start, 1e-9),
+            "mfu": tokens_per_s * self.flops_per_token / (self.peak_flops * self.world_size), "peak_flops_per_s": self.peak_flops,
+            **cuda_memory_mb(device),
+        }
+        if act_mean is not None:
+            self.record["activation_mean"], self.record["activation_var"] = act_mean, act_var
+        if loss_scale is not None:
+            self.record["loss_scale"] = loss_scale
+        self.data_seconds, self.interval_tokens = 0.0, tokens
+        self.interval_start = time.perf_counter()  # the peak measurement is not training time
+        if not math.isfinite(grad_v):
+            # fp16: the loss scaler found an overflow and skips this step; it is not the run's gradient.
+            self.sink.health({**self.last_activations, **self.record}, sorted(self.monitor.active))
+            self.before = [p.detach().clone() for p in self.params]
+            return []
+        alarms = self.monitor.check(sample)
+        for alarm in alarms:
+            self.events.write(alarm.to_record())
+            self.metrics.write(alarm.to_record())
+            self.sink.alarm(alarm)
+        if act_mean is not None:
+            self.last_activations = {"activation_mean": act_mean, "activation_var": act_var}
+        # The dashboard shows the latest activation sample until the next one (every activation_interval).
+        self.sink.health({**self.last_activations, **self.record}, sorted(self.monitor.active))
+        self.before = [p.detach().clone() for p in self.params]  # for the update-to-parameter ratio
+        return alarms
+
+    def checkpoint_state(self) -> dict:
+        """What a checkpoint keeps of the monitor (windows, counts, active alarms)."""
+        return {"monitor": self.monitor.state_dict()}
+
+    def restore(self, monitor_state: dict | None) -> None:
+        """The monitor as a checkpoint left it (a resume, a rollback): a recurring pattern is
+        raised again. No state (an older checkpoint, or none): as it is."""
+        if monitor_state:
+            self.monitor.load_state_dict(monitor_state)
+
+    def forget_alarm(self, name: str) -> None:
+        """Not active any more, so not saved as active: a resumed run that still shows the pattern
+        raises it (and acts on it) again."""
+        self.monitor.active.discard(name)
+
+    def restart_interval(self, tokens: int) -> None:
+        """After a rollback the token count went back: tokens/s starts over from here."""
+        self.interval_tokens, self.interval_start, self.data_seconds = tokens, time.perf_counter(), 0.0
+
+    def after_step(self, applied: bool) -> None:
+        """Finish the check step's record with the update-to-parameter ratio ||dW|| / ||W||."""
+        if self.record is None:
+            return
+        if applied and self.before is not None:
+            update = total_norm([p - b for p, b in zip(self.params, self.before)])
+            self.record["update_ratio"] = (update / total_norm(self.before).clamp_min(1e-12)).item()
+        self.metrics.write(self.record)
+        self.record, self.before = None, None
+
+    def action_taken(self, alarm: Alarm, detail: str) -> None:
+        record = {"kind": Kind.ACTION, "alarm": alarm.name, "step": alarm.step, "action": alarm.action, "detail": detail}
+        self.events.write(record)
+        self.metrics.write(record)
+
+    def close(self) -> None:
+        if self.probe is not None:
+            self.probe.remove()
+        self.events.close()
+
+
+class NullWatch:
+    """The watch of a run with the monitor off (monitor.enabled=false): the same calls, none does
+    anything, so the loop never asks whether there is a monitor."""
+
+    def is_check(self, step: int) -> bool:
+        return False
+
+    def before_forward(self, step: int) -> None:
+        pass
+
+    def waited_for_data(self, seconds: float) -> None:
+        pass
+
+    def after_forward(self) -> None:
+        pass
+
+    def skip_check(self) -> None:
+        pass
+
+    def check(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr_applied: float, lr_schedule: float,
+              tokens: int, loss_scale: float | None) -> list[Alarm]:
+        return []
+
+    def checkpoint_state(self) -> dict:
+        return {}
+
+    def restore(self, monitor_state: dict | None) -> None:
+        pass
+
+    def forget_alarm(self, name: str) -> None:
+        pass
+
+    def restart_interval(self, tokens: int) -> None:
+        pass
+
+    def after_step(self, applied: bool) -> None:
+        pass
+
+    def action_taken(self, alarm: Alarm, detail: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,49 @@
+"""Every file a run dir holds and every record kind its logs carry, named once.
+
+A run dir (`out_dir`, by default Hydra's `outputs/<date>/<time>`):
+
+    config.yaml        the resolved config of the run (rewritten on every accepted start)
+    tokenizer.json     the tokenizer the data was encoded with; a resume must match it
+    metrics.jsonl      one JSON record per line, appended (a resumed run continues the file)
+    events.jsonl       the health monitor's alarms and actions (also in metrics.jsonl)
+    model.pt           the final weights (the unwrapped model's state dict), for sample/export
+    checkpoints/       step_NNNNNNNN/ folders and `latest` (see checkpoint/format.py)
+    report.md, report.html, report/   the post-run review (`llmtrain report`)
+    train.log, .hydra/ the CLI's log and Hydra's record of the command (written on acceptance;
+                       runs/rundir.py names them)
+
+Writers log dicts whose "kind" is one of `Kind` (through sinks.py's JsonlSink); runs/records.py is
+the one reader of both logs. The data cache (data/prepare.py) keeps its tokenizer under the same
+name, TOKENIZER; an export folder's own names are in runs/artifacts.py, a checkpoint folder's in
+checkpoint/format.py. This module imports nothing, so any layer may name a file through it.
+"""
+
+from __future__ import annotations
+
+CONFIG = "config.yaml"
+TOKENIZER = "tokenizer.json"
+METRICS = "metrics.jsonl"
+EVENTS = "events.jsonl"
+FINAL_WEIGHTS = "model.pt"
+CHECKPOINTS = "checkpoints"
+TRAINER_STATE = "trainer_state.json"  # inside a checkpoint folder
+REPORT_MD = "report.md"
+REPORT_HTML = "report.html"
+
+
+class Kind:
+    """The "kind" of a metrics.jsonl / events.jsonl record (plain strings: the file format)."""
+
+    START = "start"  # the run (or a resumed part of it) begins: steps, seed, device, check verdicts
+    SEQ_LEN = "seq_len"  # a sequence-length stage begins
+    TRAIN = "train"  # every log_interval: loss, lr, grad norm, tokens/s
+    EVAL = "eval"  # every eval_interval: validation loss and perplexity
+    TIMING = "timing"  # every timing_interval: where one step's time went
+    HEALTH = "health"  # every monitor.interval: the monitor's sample
+    ALARM = "alarm"  # the monitor raised an alarm
+    ACTION = "action"  # what was done about an alarm
+    NONFINITE = "nonfinite"  # a non-finite loss/gradient; the update was not applied
+    ROLLBACK = "rollback"  # weights and optimizer went back to a checkpoint
+    CHECKPOINT = "checkpoint"  # a checkpoint was saved
+    CHECKPOINT_ERROR = "checkpoint_error"  # a save failed (the previous checkpoints are intact)
+    END = "end"  # the run's end (also on a stop or failure): peak memory

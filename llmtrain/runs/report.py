@@ -1,0 +1,675 @@
+"""`llmtrain report <run dir>`: the post-run review of one run, with plots.
+
+Six questions, each answered with a verdict (ok / warn / n/a) and the numbers behind it:
+
+    smoothness    spikes in the train loss (robust z-score against the preceding window)
+    overfitting   the validation-train gap over time, and where validation turns up if it does
+    inference     the final weights reloaded: eval mode twice identical, equal to train mode with
+                  dropout off, a few sampled tokens
+    memory        peak memory against what the device has
+    step time     data / forward / backward / optimizer / other on the timed steps, the
+                  bottleneck, tokens/s and MFU
+    alarms        the health alarms raised and the actions taken, non-finite steps, failed saves
+
+Everything comes from the run dir, so a run that was interrupted or crashed gets its report too:
+the logs through runs/records.py (the run as it finally went: a resume's redone steps replace the
+first take), the headline facts from compare's `summarize`, the weights through runs/artifacts.py,
+config.yaml and tokenizer.json. Writes report/*.png, report.md (which links the PNGs) and
+report.html (self-contained: the PNGs are inside it).
+
+torch, matplotlib, the model and the data are imported inside the functions that need them, so
+`llmtrain report --no-inference` never loads torch.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import html
+import json
+import math
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from rich.markup import escape
+from rich.table import Table
+
+from llmtrain.config.hydra import config_from_dict
+from llmtrain.errors import ConfigError, UserError
+from llmtrain.health.detectors import robust_z
+from llmtrain.runs.compare import summarize
+from llmtrain.runs.files import CONFIG, EVENTS, METRICS, REPORT_HTML, REPORT_MD, TOKENIZER, TRAINER_STATE, Kind
+from llmtrain.runs.records import Records, number, read_records
+
+OK, WARN, NA = "ok", "warn", "n/a"
+SPIKE_WINDOW = 20  # logged points a loss value is compared with
+MEMORY_HEADROOM_WARN = 0.8  # peak above this share of the device's memory leaves little headroom
+PHASE_NAMES = ("data", "forward", "backward", "optimizer", "other")
+
+
+@dataclass
+class Verdict:
+    key: str
+    question: str
+    status: str
+    finding: str
+    details: list[str] = field(default_factory=list)
+    plots: list[str] = field(default_factory=list)  # PNG names under report/
+    marks: list[int] = field(default_factory=list)  # steps to mark on its plot (the spikes)
+
+
+@dataclass
+class Report:
+    run_dir: Path
+    title: str
+    facts: list[tuple[str, str]]
+    verdicts: list[Verdict]
+    plots: dict[str, Path]
+    markdown: Path | None = None
+    html: Path | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# reading the run
+# ---------------------------------------------------------------------------------------------
+
+
+def _load_config(run_dir: Path) -> Any:
+    path = run_dir / CONFIG
+    if not path.is_file():
+        return None
+    try:
+        return config_from_dict(yaml.safe_load(path.read_text()))
+    except (ConfigError, ValueError, TypeError, yaml.YAMLError):
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
+# the six questions
+# ---------------------------------------------------------------------------------------------
+
+
+def smoothness(records: Records, spike_z: float) -> Verdict:
+    question = "Is the loss curve smooth?"
+    # The train records (every log_interval) and the health checks (every monitor.interval): one
+    # step's loss, not an average, so a spike shows as it was.
+    points = dict(zip(*records.series(Kind.HEALTH, "loss")))
+    points.update(zip(*records.series(Kind.TRAIN, "loss")))
+    nonfinite = records.of(Kind.NONFINITE)
+    finite = [(s, points[s]) for s in sorted(points) if math.isfinite(points[s])]
+    if len(finite) < 5 and not nonfinite:
+        return Verdict("smoothness", question, NA, f"only {len(finite)} logged train losses; too few to judge.",
+                       plots=["loss.png"])
+    spikes = []
+    for i in range(3, len(finite)):
+        window = [v for _, v in finite[max(0, i - SPIKE_WINDOW):i]]
+        z = robust_z(finite[i][1], window)
+        if z > spike_z:
+            spikes.append((z, finite[i][0], finite[i][1], statistics.median(window)))
+    details = [f"{len(finite)} logged train losses (train records and health checks), each compared with the median "
+               f"and MAD of the {SPIKE_WINDOW} before it (robust z-score; a spike is z > {spike_z:g}, monitor.spike_z)."]
+    if nonfinite:
+        details.append(f"{len(nonfinite)} non-finite step(s) (NaN/Inf loss or gradient, never applied): steps "
+                       + ", ".join(str(r["step"]) for r in nonfinite[:10]) + ("..." if len(nonfinite) > 10 else "") + ".")
+    if not spikes and not nonfinite:
+        largest = max((robust_z(finite[i][1], [v for _, v in finite[max(0, i - SPIKE_WINDOW):i]]), finite[i][0])
+                      for i in range(3, len(finite)))
+        return Verdict("smoothness", question, OK,
+                       f"smooth: no spike among {len(finite)} logged losses (largest robust z {largest[0]:.1f}, at "
+                       f"step {largest[1]}; a spike is > {spike_z:g}).", details, ["loss.png"])
+    finding = []
+    if spikes:
+        z, step, value, median = max(spikes)
+        finding.append(f"{len(spikes)} spike(s); the largest at step {step}: loss {value:.4f} against a recent median "
+                       f"of {median:.4f} (z {z:.1f})")
+        details.append("Spikes (step: loss, z): " + ", ".join(f"{s}: {v:.4f}, {zz:.1f}" for zz, s, v, _ in spikes[:10]))
+        details.append("Usual causes: LR too high for this batch size, too short a warmup, no or loose gradient "
+                       "clipping, a bad batch (check the data at those steps), fp16 overflow.")
+    if nonfinite:
+        finding.append(f"{len(nonfinite)} non-finite step(s)")
+    return Verdict("smoothness", question, WARN, "; ".join(finding) + ".", details, ["loss.png"],
+                   marks=[step for _, step, _, _ in spikes])
+
+
+def overfitting(records: Records) -> Verdict:
+    question = "Does validation track training?"
+    val = [(s, v) for s, v in zip(*records.series(Kind.EVAL, "val_loss")) if math.isfinite(v)]
+    train = [(s, v) for s, v in zip(*records.series(Kind.TRAIN, "loss")) if math.isfinite(v)]
+    if not val or not train:
+        return Verdict("overfitting", question, NA, "no validation loss recorded (eval_interval=0?) or no train loss.",
+                       plots=["loss.png"])
+    gaps = []
+    for step, v in val:
+        near = [t for s, t in train if s <= step][-3:] or [train[0][1]]  # the train loss around that step
+        gaps.append((step, v - statistics.mean(near)))
+    details = ["Gap = validation loss - mean of the last (up to 3) logged train losses at that step: "
+               + ", ".join(f"step {s}: {g:+.4f}" for s, g in _thin(gaps, 8)) + "."]
+    best_step, best = min(val, key=lambda sv: sv[1])
+    last_step, last = val[-1]
+    train_at_best = [t for s, t in train if s <= best_step][-1:] or [train[0][1]]
+    train_last = train[-1][1]
+    rose = last - best
+    if last_step > best_step and rose > max(0.01, 0.02 * abs(best)) and train_last < train_at_best[0]:
+        return Verdict(
+            "overfitting", question, WARN,
+            f"overfitting from about step {best_step}: validation rose from {best:.4f} to {last:.4f} (step {last_step}) "
+            f"while the train loss fell from {train_at_best[0]:.4f} to {train_last:.4f}.",
+            details + ["Options: stop at the best step (its checkpoint is kept with checkpoint.keep_best), more data "
+                       "or fewer epochs, dropout (model.dropout), weight decay (optim.weight_decay), a smaller model."],
+            ["loss.png"],
+        )
+    return Verdict("overfitting", question, OK,
+                   f"validation tracks training: {_gap_text(gaps)}; best validation loss {best:.4f} at step {best_step}.",
+                   details, ["loss.png"])
+
+
+def _gap_text(gaps: list[tuple[int, float]]) -> str:
+    """The first and the last gap; once when they are the same evaluation (a single one)."""
+    (first_step, first), (last_step, last) = gaps[0], gaps[-1]
+    if first_step == last_step:
+        return f"gap {last:+.4f} at step {last_step}"
+    return f"gap {first:+.4f} at step {first_step}, {last:+.4f} at step {last_step}"
+
+
+def _thin(points: list, n: int) -> list:
+    if len(points) <= n:
+        return points
+    stride = (len(points) - 1) / (n - 1)
+    return [points[round(i * stride)] for i in range(n)]
+
+
+def inference(run_dir: Path, cfg: Any) -> Verdict:
+    """Reload the final weights; eval twice (identical), train mode with dropout off (equal to eval),
+    a few sampled tokens."""
+    question = "Does inference behave like training?"
+    if cfg is None:
+        return Verdict("inference", question, NA, "config.yaml is missing or unreadable; cannot rebuild the model.")
+    import torch
+
+    from llmtrain.data.prepare import cached_data
+    from llmtrain.model import GPT
+    from llmtrain.runs.artifacts import newest_weights
+
+    try:
+        state = newest_weights(run_dir, warn=lambda message: None)
+        data = cached_data(cfg.data)
+    except Exception as err:  # noqa: BLE001 - unreadable weights or data: this question has no answer, the others do
+        return Verdict("inference", question, NA, f"not checked: {type(err).__name__}: {str(err).splitlines()[0][:300]}"
+                       if str(err) else f"not checked: {type(err).__name__}")
+    if data is None:  # a report never tokenizes a corpus: that is `llmtrain prepare`'s job
+        return Verdict("inference", question, NA,
+                       "not checked: the run's prepared data is not in the cache (deleted, or the corpus changed "
+                       "since); `llmtrain prepare` with the run's data settings brings it back.")
+    vocab = state["wte.weight"].shape[0]
+    model = GPT(cfg.model, vocab)
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as err:  # e.g. an old model.pt left in a reused run dir
+        first = (str(err).strip().splitlines()[1:2] or [str(err)])[0].strip()[:300]
+        return Verdict("inference", question, NA, f"not checked: the weights do not fit config.yaml ({first})")
+    tokens = data.tokens("val")
+    if len(tokens) < 3:
+        tokens = data.tokens("train")
+    length = min(cfg.model.block_size, len(tokens) - 1, 128)
+    count = max(1, min(4, (len(tokens) - 1) // length))
+    x = torch.stack([torch.from_numpy(tokens[i * length:(i + 1) * length].astype("int64")) for i in range(count)])
+    with torch.no_grad():
+        model.eval()
+        first, second = model(x), model(x)
+        no_dropout = GPT(_without_dropout(cfg.model), vocab)
+        no_dropout.load_state_dict(state)
+        no_dropout.train()
+        train_mode = no_dropout(x)
+    identical = torch.equal(first, second)
+    difference = (first - train_mode).abs().max().item()
+    text = _sample_text(run_dir, model, [int(t) for t in x[0, :32]], cfg)
+    details = [f"{count} validation sequence(s) of {length} tokens through the reloaded final weights.",
+               f"eval mode twice: {'identical' if identical else 'DIFFERENT'} logits.",
+               f"eval mode vs train mode with dropout off: largest logit difference {difference:.2e}.",
+               f"model.dropout={cfg.model.dropout:g} (train mode with dropout on is stochastic by design)."]
+    if text:
+        details.append(f"sampled continuation (temperature 1): {text}")
+    if not identical or difference > 1e-4:
+        what = "eval mode is not deterministic" if not identical else "train mode (dropout off) differs from eval mode"
+        return Verdict("inference", question, WARN,
+                       f"{what} (largest logit difference {difference:.2e}): a layer behaves differently by mode "
+                       "beyond dropout (e.g. a norm with running statistics, a mode-dependent branch).", details)
+    return Verdict("inference", question, OK,
+                   f"yes: the reloaded weights give identical logits in eval mode twice, and train mode with dropout off "
+                   f"matches eval mode (largest difference {difference:.1e}).", details)
+
+
+def _without_dropout(model_cfg: Any) -> Any:
+    return dataclasses.replace(model_cfg, dropout=0.0)
+
+
+def _sample_text(run_dir: Path, model: Any, prompt: list[int], cfg: Any) -> str:
+    """A validation prompt and 48 sampled tokens (temperature 1, seed 0), decoded; "" without a
+    readable tokenizer.json."""
+    import torch
+
+    from llmtrain.data.tokenizers import load_tokenizer
+    from llmtrain.runs.sample import generate
+
+    try:
+        tokenizer = load_tokenizer(run_dir / TOKENIZER)
+    except (OSError, ValueError, KeyError, UserError):
+        return ""
+    continuation = generate(model, prompt, 48, temperature=1.0, generator=torch.Generator().manual_seed(0),
+                            context=cfg.model.block_size, vocab_limit=tokenizer.vocab_size, stop_id=tokenizer.eos_id)
+    text = f"{tokenizer.decode(prompt)!r} -> {tokenizer.decode(continuation)!r}"
+    return text[:400]
+
+
+def memory(records: Records) -> Verdict:
+    question = "Peak memory and headroom?"
+    start = records.last(Kind.START) or {}
+    end_records = records.of(Kind.END)
+    health = records.of(Kind.HEALTH)
+    cuda_peak = max([number(r["cuda_peak_mb"]) for r in end_records + health if r.get("cuda_peak_mb") is not None],
+                    default=None)
+    rss_peak = max([number(r["peak_rss_mb"]) for r in end_records if r.get("peak_rss_mb") is not None]
+                   + [number(r["rss_mb"]) for r in health if r.get("rss_mb") is not None], default=None)
+    total = start.get("device_memory_mb")
+    device = str(start.get("device", "cpu"))
+    # CPU ranks on one host share its memory: rank 0's peak stands for each of them.
+    sharing = int(start.get("local_world_size") or 1) if not device.startswith("cuda") else 1
+    peak, what = (cuda_peak, "GPU memory allocated by tensors") if cuda_peak is not None else (rss_peak, "process RSS")
+    if peak is None:
+        return Verdict("memory", question, NA, "no memory figures recorded (monitor off and no end record).",
+                       plots=["memory.png"])
+    source = "the end record (the process's high-water mark)" if end_records else "the health checks (sampled)"
+    details = [f"peak {what}: {peak:,.0f} MB, from {source}."]
+    if cuda_peak is not None and rss_peak is not None:
+        details.append(f"host process RSS peak: {rss_peak:,.0f} MB.")
+    if not total:
+        return Verdict("memory", question, NA, f"peak {peak:,.0f} MB ({what}); the device's total was not recorded.",
+                       details, ["memory.png"])
+    if sharing > 1:
+        details.append(f"{sharing} processes share this host's memory: rank 0's peak x {sharing} = "
+                       f"{peak * sharing:,.0f} MB is what the host held (the other ranks' peaks are alike).")
+        peak *= sharing
+    share = peak / total
+    details.append(f"{device} memory: {total:,.0f} MB; headroom {total - peak:,.0f} MB ({1 - share:.0%}).")
+    leaks = [r for r in records.of(Kind.ALARM) if r.get("alarm") == "memory_leak"]
+    if leaks:
+        details.append(f"the monitor raised memory_leak at step {leaks[0].get('step')}.")
+    if share > MEMORY_HEADROOM_WARN or leaks:
+        why = "little headroom" if share > MEMORY_HEADROOM_WARN else "memory grew steadily (leak alarm)"
+        return Verdict("memory", question, WARN,
+                       f"{why}: peak {peak:,.0f} of {total:,.0f} MB ({share:.0%}) on {device}. A longer sequence or a "
+                       "larger batch may not fit: activation checkpointing (model.activation_checkpointing=true), a "
+                       "smaller micro_batch_size with accumulation, or bf16 cut it.", details, ["memory.png"])
+    return Verdict("memory", question, OK,
+                   f"peak {peak:,.0f} of {total:,.0f} MB ({share:.0%}) on {device}; {total - peak:,.0f} MB headroom.",
+                   details, ["memory.png"])
+
+
+def step_time(records: Records) -> Verdict:
+    question = "Where does a step's time go?"
+    timings = records.of(Kind.TIMING)
+    speeds = [v for v in records.series(Kind.TRAIN, "tokens_per_s")[1][1:] if math.isfinite(v)]  # the first holds warm-up
+    mfus = [v for v in records.series(Kind.HEALTH, "mfu")[1] if math.isfinite(v)]
+    throughput = []
+    if speeds:
+        throughput.append(f"median {statistics.median(speeds):,.0f} tokens/s over {len(speeds)} log intervals")
+    if mfus:
+        mfu = statistics.median(mfus)
+        throughput.append(f"MFU {mfu:.1%}" if mfu < 0.1 else f"MFU {mfu:.0%}")
+        throughput[-1] += " of this device's measured matmul rate"
+    if not timings:
+        return Verdict("step_time", question, NA,
+                       "no step was timed (a run shorter than timing_interval + 1 steps, or timing_interval=0)"
+                       + (f"; {', '.join(throughput)}." if throughput else "."), plots=["throughput.png"])
+    medians = {p: statistics.median(number(t[f"{p}_s"]) for t in timings) for p in PHASE_NAMES}
+    total = statistics.median(number(t["total_s"]) for t in timings)
+    shares = {p: medians[p] / max(sum(medians.values()), 1e-12) for p in PHASE_NAMES}
+    bottleneck = max(PHASE_NAMES, key=lambda p: shares[p])
+    split = ", ".join(f"{p} {shares[p]:.0%}" for p in PHASE_NAMES)
+    details = [f"{len(timings)} timed step(s) (every timing_interval-th); median {total * 1000:,.1f} ms per step: "
+               + ", ".join(f"{p} {medians[p] * 1000:,.1f} ms" for p in PHASE_NAMES) + "."]
+    details += [t[0].upper() + t[1:] + "." for t in throughput]
+    advice = {
+        "data": "the model waits for batches: prepare the data once (llmtrain prepare), keep it on a local disk, "
+                "or a larger micro-batch per read.",
+        "optimizer": "the optimizer step dominates: use a fused or foreach optimizer (optim.fused=true), fewer "
+                     "parameter groups, or a larger batch per step.",
+        "other": "host-side overhead dominates (logging syncs, Python between kernels): raise log_interval and "
+                 "monitor.interval, or compile (compile=on on GPU).",
+    }
+    status = WARN if bottleneck in advice and shares[bottleneck] > 0.25 else OK
+    finding = f"{split} of {total * 1000:,.1f} ms/step; bottleneck: {bottleneck}"
+    if status == WARN:
+        finding += f" ({advice[bottleneck]})"
+    else:
+        finding += " (compute, as it should be)" if bottleneck in ("forward", "backward") else ""
+    if throughput:
+        finding += f"; {throughput[0]}" + (f", {throughput[1]}" if len(throughput) > 1 else "")
+    slow = _slow_intervals(records)
+    if slow:
+        status = WARN
+        finding += f". {slow}"
+    return Verdict("step_time", question, status, finding.rstrip(".") + ".", details, ["step_time.png", "throughput.png"])
+
+
+def _slow_intervals(records: Records) -> str:
+    """Log intervals at under half the median speed, when they are more than a stray one or two: the
+    machine was shared, or something stalled the loop. The same code ran at full speed elsewhere."""
+    points = [(s, v) for s, v in zip(*records.series(Kind.TRAIN, "tokens_per_s"))][1:]
+    points = [(s, v) for s, v in points if math.isfinite(v)]
+    if len(points) < 10:
+        return ""
+    median = statistics.median(v for _, v in points)
+    slow = [(s, v) for s, v in points if v < 0.5 * median]
+    if len(slow) <= max(2, len(points) // 20):
+        return ""
+    slowest = min(slow, key=lambda sv: sv[1])
+    return (f"Throughput fell below half its median in {len(slow)} of {len(points)} log intervals (slowest "
+            f"{slowest[1]:,.0f} tokens/s, at step {slowest[0]}; steps {slow[0][0]}-{slow[-1][0]}): another process "
+            "competing for the CPU or GPU, swapping, a stalled file system, or thermal throttling; the same code ran "
+            "at full speed in the other intervals")
+
+
+def alarms(records: Records) -> Verdict:
+    question = "Which alarms were raised, and what was done?"
+    # Alarms and actions are in both logs: events.jsonl's when it has them (the monitor's own log).
+    raised = records.written(Kind.ALARM, EVENTS) or records.of(Kind.ALARM)
+    actions = records.written(Kind.ACTION, EVENTS) or records.of(Kind.ACTION)
+    rollbacks, save_errors = records.of(Kind.ROLLBACK), records.of(Kind.CHECKPOINT_ERROR)
+    nonfinite = records.of(Kind.NONFINITE)
+    details = []
+    for alarm in raised:
+        taken = [a for a in actions if a.get("alarm") == alarm.get("alarm") and a.get("step") == alarm.get("step")]
+        action = "; ".join(f"{a.get('action')}: {a.get('detail')}" for a in taken) or alarm.get("action") or "warn"
+        details.append(f"step {alarm.get('step')}: {alarm.get('alarm')} ({alarm.get('severity', '?')}): "
+                       f"{alarm.get('metric', '?')} left the band {alarm.get('band', '?')} -> {action}")
+    for record in nonfinite:
+        details.append(f"step {record.get('step')}: non-finite loss/gradient -> {record.get('action')}")
+    for record in rollbacks:
+        details.append(f"step {record.get('step')}: rolled back to step {record.get('to_step')} "
+                       f"(LR scale {record.get('lr_scale')})")
+    for record in save_errors:
+        details.append(f"step {record.get('step')}: checkpoint save failed: {record.get('error')}")
+    if not (raised or nonfinite or rollbacks or save_errors):
+        return Verdict("alarms", question, OK, "none: every health check stayed in its band.")
+    counts: dict[str, int] = {}
+    for alarm in raised:
+        counts[alarm.get("alarm", "?")] = counts.get(alarm.get("alarm", "?"), 0) + 1
+    parts = [f"{name} x{n}" if n > 1 else name for name, n in counts.items()]
+    if nonfinite:
+        parts.append(f"{len(nonfinite)} non-finite step(s)")
+    if rollbacks:
+        parts.append(f"{len(rollbacks)} rollback(s)")
+    if save_errors:
+        parts.append(f"{len(save_errors)} failed save(s)")
+    return Verdict("alarms", question, WARN, "; ".join(parts) + " (details below and in events.jsonl).", details)
+
+
+# ---------------------------------------------------------------------------------------------
+# plots
+# ---------------------------------------------------------------------------------------------
+
+
+def _plot_series(ax: Any, series: tuple[list[int], list[float]], label: str) -> bool:
+    """Draw one (steps, values) curve; False when there is nothing to draw."""
+    if not series[0]:
+        return False
+    ax.plot(*series, label=label or None)
+    return True
+
+
+def _plots(records: Records, folder: Path, spikes: list[int]) -> dict[str, Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    folder.mkdir(parents=True, exist_ok=True)
+    written: dict[str, Path] = {}
+
+    def save(fig: Any, name: str) -> None:
+        fig.tight_layout()
+        fig.savefig(folder / name, dpi=90)
+        plt.close(fig)
+        written[name] = folder / name
+
+    def empty(ax: Any, what: str) -> None:
+        ax.text(0.5, 0.5, f"no {what} recorded", ha="center", va="center", transform=ax.transAxes, color="grey")
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    steps, losses = records.series(Kind.TRAIN, "loss")
+    val_steps, val = records.series(Kind.EVAL, "val_loss")
+    ax.plot(steps, losses, label="train", lw=1)
+    if val:
+        ax.plot(val_steps, val, "o-", label="validation", ms=3)
+    spike_points = [(s, v) for s, v in zip(steps, losses) if s in spikes]
+    if spike_points:
+        ax.plot(*zip(*spike_points), "rx", ms=8, label="spike")
+    if not steps:
+        empty(ax, "train loss")
+    ax.set(xlabel="step", ylabel="loss (nats/token)", title="Loss")
+    ax.legend()
+    save(fig, "loss.png")
+
+    fig, ax = plt.subplots(figsize=(8, 3))
+    ax.plot(*records.series(Kind.TRAIN, "lr"), label="applied")
+    sched = records.series(Kind.HEALTH, "lr_schedule")
+    if sched[0]:
+        ax.plot(*sched, "--", label="schedule (health checks)")
+    ax.set(xlabel="step", ylabel="learning rate", title="Learning rate")
+    ax.legend()
+    save(fig, "lr.png")
+
+    fig, ax = plt.subplots(figsize=(8, 3))
+    g_steps, g = records.series(Kind.TRAIN, "grad_norm")
+    finite = [(s, v) for s, v in zip(g_steps, g) if math.isfinite(v) and v > 0]
+    if finite:
+        ax.semilogy(*zip(*finite), lw=1)
+        ax.axhspan(0.1, 10, color="green", alpha=0.08, label="healthy band (0.1-10)")
+        ax.legend()
+    else:
+        empty(ax, "gradient norm")
+    ax.set(xlabel="step", ylabel="gradient norm (pre-clip)", title="Gradient norm")
+    save(fig, "grad_norm.png")
+
+    def lines(name: str, title: str, ylabel: str, curves: list[tuple[str, str, str]], missing: str) -> None:
+        """One plot of record fields against the step: (kind, key, legend label) per curve."""
+        fig, ax = plt.subplots(figsize=(8, 3))
+        drawn = [label for kind, key, label in curves if _plot_series(ax, records.series(kind, key), label)]
+        if any(drawn):  # named curves (memory's) get a legend
+            ax.legend()
+        if not drawn:
+            empty(ax, missing)
+        ax.set(xlabel="step", ylabel=ylabel, title=title)
+        save(fig, name)
+
+    lines("param_norm.png", "Parameter norm", "parameter norm", [(Kind.HEALTH, "param_norm", "")],
+          "parameter norm (monitor off?)")
+
+    fig, (ax_mean, ax_var) = plt.subplots(1, 2, figsize=(10, 3.5))
+    samples = [r for r in records.of(Kind.HEALTH) if r.get("activation_mean")]
+    if samples:
+        blocks = len(samples[0]["activation_mean"])
+        for b in range(blocks):
+            steps_b = [r["step"] for r in samples]
+            ax_mean.plot(steps_b, [number(r["activation_mean"][b]) for r in samples], label=f"block {b}")
+            ax_var.plot(steps_b, [number(r["activation_var"][b]) for r in samples], label=f"block {b}")
+        if blocks <= 12:
+            ax_var.legend(fontsize=7)
+    else:
+        empty(ax_mean, "activation samples")
+        empty(ax_var, "activation samples")
+    ax_mean.set(xlabel="step", ylabel="mean", title="Block output mean")
+    ax_var.set(xlabel="step", ylabel="variance", title="Block output variance")
+    save(fig, "activations.png")
+
+    lines("memory.png", "Memory", "MB", [(Kind.HEALTH, "rss_mb", "process RSS"), (Kind.HEALTH, "cuda_allocated_mb",
+          "GPU allocated"), (Kind.HEALTH, "cuda_peak_mb", "GPU peak")], "memory (monitor off?)")
+    lines("throughput.png", "Throughput", "tokens/s", [(Kind.TRAIN, "tokens_per_s", "")], "throughput")
+
+    fig, ax = plt.subplots(figsize=(8, 2.6))
+    timings = records.of(Kind.TIMING)
+    if timings:
+        left = 0.0
+        for phase in PHASE_NAMES:
+            value = statistics.median(number(t[f"{phase}_s"]) for t in timings) * 1000
+            ax.barh([0], [value], left=left, label=f"{phase} {value:,.1f} ms")
+            left += value
+        ax.set_yticks([])
+        ax.legend(ncol=5, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.35))
+    else:
+        empty(ax, "timed step")
+    ax.set(xlabel="ms per step (median of the timed steps)", title="Time per step")
+    save(fig, "step_time.png")
+    return written
+
+
+# ---------------------------------------------------------------------------------------------
+# the report
+# ---------------------------------------------------------------------------------------------
+
+
+def build_report(run_dir: Path, inference_check: bool = True) -> Report:
+    """Answer the six questions and draw the plots (into RUN_DIR/report/); `write_report` also
+    writes the two pages. Raises UserError for a folder that is not a run dir."""
+    run_dir = Path(run_dir)
+    if not (run_dir / METRICS).is_file():
+        raise UserError(f"'{run_dir}' has no metrics.jsonl: give a run dir that `llmtrain train` wrote "
+                        "(its banner prints it, e.g. outputs/<date>/<time>).")
+    records = read_records(run_dir)
+    cfg = _load_config(run_dir)
+    spike_z = cfg.monitor.spike_z if cfg is not None else 6.0
+    summary = summarize(run_dir, records)
+    verdicts = [smoothness(records, spike_z), overfitting(records)]
+    verdicts.append(inference(run_dir, cfg) if inference_check
+                    else Verdict("inference", "Does inference behave like training?", NA, "skipped (--no-inference)."))
+    verdicts += [memory(records), step_time(records), alarms(records)]
+    plots = _plots(records, run_dir / "report", verdicts[0].marks)
+    start = records.last(Kind.START) or {}
+    facts = [
+        ("run dir", str(run_dir)),
+        ("status", summary.status),
+        ("steps", f"{summary.steps:,}" + (f" of {summary.planned_steps:,}" if summary.planned_steps else "")),
+        ("tokens", tokens_text(records, run_dir, summary.steps)),
+        ("final train loss", f"{summary.final_train_loss:.4f}" if summary.final_train_loss is not None else "-"),
+        ("final val loss", f"{summary.final_val_loss:.4f}" if summary.final_val_loss is not None else "-"),
+        ("best val loss", f"{summary.best_val_loss:.4f} (step {summary.best_step})" if summary.best_val_loss is not None else "-"),
+        ("device", f"{start.get('device', '?')}, {start.get('precision', '?')}, world size {start.get('world_size', 1)}"),
+    ]
+    if cfg is not None:
+        m = cfg.model
+        facts.append(("model", f"{m.n_layer} layers x {m.n_embd} wide, {m.n_head} heads, context {m.block_size}"))
+    for verdict in verdicts:
+        verdict.plots = [p for p in verdict.plots if p in plots]
+    extra = [name for name in ("lr.png", "grad_norm.png", "param_norm.png", "activations.png") if name in plots]
+    verdicts.append(Verdict("curves", "The health quantities over the run", OK if extra else NA,
+                            "learning rate, gradient norm, parameter norm, block activations (the monitor's bands "
+                            "are in docs/monitoring.md).", plots=extra))
+    return Report(run_dir, f"Run report: {run_dir.name}", facts, verdicts, plots)
+
+
+def write_report(run_dir: Path, inference: bool = True) -> Report:
+    """Build the report and write report.md and report.html into the run dir."""
+    try:
+        report = build_report(run_dir, inference)
+        report.markdown = report.run_dir / REPORT_MD
+        report.html = report.run_dir / REPORT_HTML
+        _atomic_write(report.markdown, to_markdown(report))
+        _atomic_write(report.html, to_html(report))
+    except OSError as err:  # a read-only run dir, a full disk
+        raise UserError(f"the report for '{run_dir}' could not be written: {err}. Give a run dir you can write to, "
+                        "or copy it somewhere writable first.") from None
+    return report
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(path)
+
+
+def to_markdown(report: Report) -> str:
+    lines = [f"# {report.title}", "", "| | |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in report.facts]
+    lines += ["", "## Verdicts", "", "| question | verdict | finding |", "|---|---|---|"]
+    lines += [f"| {v.question} | **{v.status}** | {v.finding} |" for v in report.verdicts if v.key != "curves"]
+    for verdict in report.verdicts:
+        lines += ["", f"## {verdict.question}", "", f"**{verdict.status}**: {verdict.finding}", ""]
+        lines += [f"- {d}" for d in verdict.details]
+        lines += ["", *[f"![{p}](report/{p})" for p in verdict.plots]]
+    return "\n".join(lines) + "\n"
+
+
+def to_html(report: Report) -> str:
+    colours = {OK: "#1a7f37", WARN: "#b35900", NA: "#666"}
+    esc = html.escape
+
+    def badge(status: str) -> str:
+        return f'<span class="badge" style="background:{colours.get(status, "#666")}">{esc(status)}</span>'
+
+    def image(name: str) -> str:
+        data = base64.b64encode(report.plots[name].read_bytes()).decode()
+        return f'<img alt="{esc(name)}" src="data:image/png;base64,{data}">'
+
+    parts = [
+        "<!doctype html><html><head><meta charset='utf-8'>",
+        f"<title>{esc(report.title)}</title>",
+        "<style>body{font-family:system-ui,sans-serif;max-width:1000px;margin:2em auto;padding:0 1em;color:#222}"
+        "table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ddd;padding:4px 8px;text-align:left;"
+        "vertical-align:top}.badge{color:#fff;border-radius:4px;padding:1px 6px;font-size:90%}"
+        "img{max-width:100%;display:block;margin:0.5em 0}li{margin:0.2em 0}</style></head><body>",
+        f"<h1>{esc(report.title)}</h1><table>",
+        *[f"<tr><th>{esc(k)}</th><td>{esc(v)}</td></tr>" for k, v in report.facts],
+        "</table><h2>Verdicts</h2><table><tr><th>question</th><th>verdict</th><th>finding</th></tr>",
+        *[f"<tr><td><a href='#{v.key}'>{esc(v.question)}</a></td><td>{badge(v.status)}</td><td>{esc(v.finding)}</td></tr>"
+          for v in report.verdicts if v.key != "curves"],
+        "</table>",
+    ]
+    for verdict in report.verdicts:
+        parts.append(f"<h2 id='{verdict.key}'>{esc(verdict.question)} {badge(verdict.status)}</h2>")
+        parts.append(f"<p>{esc(verdict.finding)}</p>")
+        if verdict.details:
+            parts.append("<ul>" + "".join(f"<li>{esc(d)}</li>" for d in verdict.details) + "</ul>")
+        parts += [image(p) for p in verdict.plots]
+    parts.append("</body></html>")
+    return "\n".join(parts) + "\n"
+
+
+def tokens_text(records: Records, run_dir: Path, steps: int) -> str:
+    """The tokens trained on up to the run's last step, the figure a resume from that step prints.
+    The last train record is not it when log_interval left the last steps unlogged (a stop at step 49
+    logged at 40): the end record (it carries tokens) or that step's checkpoint says it; failing both,
+    the last logged figure, said to be that."""
+    for record in reversed(records.of(Kind.END)):
+        if record.get("tokens") is not None and int(record.get("step", -1)) == steps:
+            return f"{int(record['tokens']):,}"
+    from llmtrain.checkpoint.format import checkpoint_root, step_dir_name
+
+    try:
+        trainer = json.loads((checkpoint_root(run_dir) / step_dir_name(steps) / TRAINER_STATE).read_text())
+        return f"{int(trainer['state']['tokens']):,}"
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # no readable checkpoint of that step
+    last = records.last(Kind.TRAIN) or {}
+    tokens = int(last.get("tokens", 0))
+    if last and int(last["step"]) < steps:
+        return f"{tokens:,} by step {last['step']}, the last logged one"
+    return f"{tokens:,}"
+
+
+def render_summary(report: Report, console: Any) -> None:
+    """The verdicts as a short table in the terminal."""
+    style = {OK: "bold green", WARN: "bold yellow", NA: "dim"}
+    table = Table(title=f"post-run review: {report.run_dir}", title_justify="left", show_lines=False)
+    table.add_column("question")
+    table.add_column("verdict")
+    table.add_column("finding", overflow="fold")
+    for verdict in report.verdicts:
+        if verdict.key != "curves":
+            table.add_row(verdict.question, f"[{style[verdict.status]}]{verdict.status}[/]", escape(verdict.finding))
+    console.print(table)
+    if report.html is not None:
+        console.print(f"report: {report.html} (plots inside), {report.markdown}")

@@ -1,0 +1,85 @@
+"""The run's banner: what is about to be trained, how, on what."""
+
+from __future__ import annotations
+
+import torch
+
+from llmtrain.config.derived import SeqLenStage, describe_lr, micro_batch_size_derived, resolved_warmup_steps
+from llmtrain.config.schema import Config, ParallelMode, Precision, SeqLenKeep
+from llmtrain.model import param_count
+from llmtrain.training.run import Run
+
+
+def print_banner(run: Run) -> None:
+    """The banner on the console: model, batch, stages, accumulation, steps, optimizer, device,
+    data, checkpoints and the pre-flight verdicts, one row each."""
+    cfg, layout, device, data, check = run.cfg, run.layout, run.device, run.data, run.check
+    model, optimizer, seq_len = run.model.model, run.optim.optimizer, run.seq_len
+    accum, steps_total, peak_lr, tokens_per_step = run.accum, run.steps_total, run.peak_lr, run.tokens_per_step
+    scaled = "" if peak_lr == cfg.optim.lr else (
+        f" -> {peak_lr:g} ({cfg.schedule.lr_scaling.value} scaling from batch {cfg.schedule.reference_batch_size} "
+        f"to {cfg.global_batch_size})")
+    run.sink.banner(
+        f"llmtrain: {cfg.model.name} on {cfg.data.source.value} -> {run.run_dir}",
+        [
+            ("parameters", f"{param_count(model):,} ({param_count(model, exclude_positions=True):,} without positions)"),
+            ("batch", f"{cfg.global_batch_size} sequences x {seq_len} tokens = {tokens_per_step:,} tokens/step"),
+            *([("seq_len stages", describe_stages(run.stage_plan, accum * layout.world_size, cfg.data.seq_len_keep))]
+              if len(run.stage_plan) > 1 else []),
+            ("accumulation", f"{accum} micro-batch{'es' if accum > 1 else ''} of {cfg.micro_batch_size} per process "
+                             f"(world size {layout.world_size}{_engine(cfg, device) if layout.distributed else ''})"
+                             f"{' (derived: micro_batch_size not set)' if micro_batch_size_derived(cfg) else ''}"),
+            ("steps", f"{steps_total:,} (warmup {resolved_warmup_steps(cfg.schedule, steps_total)}, {cfg.schedule.name.value}), "
+                      f"{run.micro_total * cfg.micro_batch_size * seq_len * layout.world_size:,} tokens"),
+            ("optimizer", f"{cfg.optim.name.value} lr {describe_lr(cfg)}{scaled}, {type(optimizer).__name__}"
+                          f"{' (fused)' if optimizer.defaults.get('fused') else ''}"),
+            ("device", f"{device}, {run.runtime.precision.name.value}{' (auto)' if cfg.precision.name is Precision.auto else ''}, "
+                       f"{threads_text(run.runtime.threads, layout.world_size)}, seed {run.runtime.seed}"
+                       f"{' (drawn)' if cfg.seed is None else ''}{', deterministic' if cfg.deterministic else ''}"),
+            ("data", f"{data.meta['train_tokens']:,} train / {data.meta['val_tokens']:,} val tokens, "
+                     f"vocab {data.vocab_size}{_padded_vocab(cfg, run.vocab_size, data.vocab_size)}, "
+                     f"{cfg.data.tokenizer.value} tokens"),
+            ("baseline", f"unigram entropy {data.unigram_entropy:.4f} nats/token: the loss to beat"),
+            ("checkpoints", f"every {cfg.checkpoint.every_steps or '-'} steps / {cfg.checkpoint.every_minutes or '-'} min, "
+                            f"keep {cfg.checkpoint.keep_last}{' + best' if cfg.checkpoint.keep_best else ''}"
+                            f"{', sharded files (every rank its shards)' if run.optim.sharded_files else ''}; "
+                            f"non-finite: {cfg.checkpoint.on_nonfinite.value}"
+                            + (f"; resumed at step {run.state.step}" if run.resume_from else "")),
+            ("check", f"{len(check.rows) - len(check.warnings) - len(check.failures)} of {len(check.rows)} pre-flight "
+                      f"items pass" + ("" if check.warnings or check.failures else " (llmtrain check)")),
+            *[(f"  {row.status.value.lower()}", f"{row.item}: {row.seen}" + (f" -> {row.fix}" if row.fix else ""))
+              for row in check.failures + check.warnings],
+        ],
+    )
+
+
+def threads_text(threads: int, world_size: int) -> str:
+    """The banner's CPU threads: "1 thread", "4 threads"; "... per process" when several processes
+    each set their own."""
+    text = f"{threads} thread{'s' if threads != 1 else ''}"
+    return text + " per process" if world_size > 1 else text
+
+
+def _padded_vocab(cfg: Config, model_vocab: int, data_vocab: int) -> str:
+    """' (model 50304, padded to a multiple of 64)' when the model has ids the data never uses."""
+    if model_vocab == data_vocab:
+        return ""
+    why = (f"padded to a multiple of {cfg.model.vocab_multiple}" if cfg.model.vocab_size is None
+           else "model.vocab_size")
+    return f" (model {model_vocab:,}, {why})"
+
+
+def _engine(cfg: Config, device: torch.device) -> str:
+    name = {ParallelMode.ddp: "DDP", ParallelMode.zero1: "DDP + ZeRO-1 optimizer shards",
+            ParallelMode.fsdp: "FSDP2 (parameters, gradients and optimizer state sharded)"}[cfg.parallel.mode]
+    return f", {name} over {'NCCL' if device.type == 'cuda' else 'gloo'}"
+
+
+def describe_stages(stages: list[SeqLenStage], accum: int, keep: SeqLenKeep) -> str:
+    """E.g. '256 x 32 from step 0 -> 512 x 16 from 1000; 8,192 tokens/step throughout'."""
+    shown = " -> ".join(f"{s.seq_len} x {s.micro_batch_size}{' from step' if i == 0 else ' from'} {s.start_step}"
+                        for i, s in enumerate(stages))
+    per_step = [s.seq_len * s.micro_batch_size * accum for s in stages]
+    if keep is SeqLenKeep.tokens:
+        return f"{shown} (length x micro-batch); {per_step[-1]:,} tokens/step throughout"
+    return f"{shown} (length x micro-batch); tokens/step {' -> '.join(f'{n:,}' for n in per_step)}"

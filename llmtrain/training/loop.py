@@ -1,0 +1,212 @@
+"""The step loop. `train(cfg)` sets the run up (`setup.build_run`) and calls `fit(run)`, which reads
+top to bottom:
+
+    for each optimizer step:
+        stage     the sequence-length stage of the step (reshape the sampler, announce a new one)
+        batch     the accumulation window's micro-batches; their real tokens, summed over the ranks
+        lr        from the schedule, times the run's LR scale (cut by rollbacks and alarms)
+        forward/backward per micro-batch: masked loss SUM / tokens in the window
+        judge     unscale (fp16) -> clip -> finite? -> on a check step, the monitor's alarms
+        apply or recover: the optimizer step; or the update is never applied and the run skips,
+                  rolls back or stops (checkpoint.on_nonfinite, monitor.actions)
+        log       every log_interval a `train` record and the console (progress.py)
+        eval      every eval_interval, at the end and before a save (evaluator.py)
+        save      when due, at the end, or when SIGTERM / Ctrl-C asked to stop (then exit 75)
+    then the final checkpoint (if its save failed in the loop, or a resumed run had no step left),
+    the `end` record (also on a stop or failure), and the final weights on their own (then the
+    `end` record once more, with the peaks of that save)
+
+Each side concern is one call on the component that owns its cadence: the health watch (a
+NullWatch when the monitor is off), the checkpoint saver, the evaluator, the stages, the progress
+log; recovery.py decides what becomes of a step that must not be applied (one Outcome).
+
+One host sync per step (the finiteness check) guarantees no NaN reaches the weights; everything
+else that needs the host (loss values, grad norm) waits for the log interval.
+
+Dividing each micro-batch's loss sum by the token count of the whole window makes the accumulated
+gradient exactly the gradient of one big batch, whatever the micro-batch size, and lets a final
+window with fewer micro-batches still step with the right scale.
+
+Several processes (parallel=ddp|zero1|fsdp) run this same loop, each on its slice of every window:
+the token count is summed over the ranks, gradients are averaged once per window, and every
+decision that ends in a collective (stop, save, health action, skip) is taken together; rank 0
+alone prints and writes. The single-process path is unchanged (no communication at all).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from llmtrain.checkpoint.format import save_final_weights
+from llmtrain.config.schema import Config
+from llmtrain.distributed.layout import all_reduce_sum, barrier, broadcast_from_main, end_process_group, layout_from_env
+from llmtrain.errors import Interrupted, RunStopped
+from llmtrain.health.probes import cuda_memory_mb, peak_rss_mb
+from llmtrain.runs import files
+from llmtrain.runs.files import Kind
+from llmtrain.sinks import ConsoleSink
+from llmtrain.training.interrupts import StopRequest
+from llmtrain.training.recovery import Outcome, Verdict, act_on_alarms, handle_nonfinite
+from llmtrain.training.run import Run
+from llmtrain.training.schedule import lr_at
+from llmtrain.training.setup import build_run
+from llmtrain.training.state import TrainResult, TrainState
+from llmtrain.training.step import Batch, accumulate_gradients, apply_update, count_tokens, is_finite, unscale_and_clip
+
+
+def train(cfg: Config, console: ConsoleSink | None = None,
+          on_accept: Callable[[Path], None] | None = None) -> TrainResult:
+    """Train as this process's part of the run: the whole run for one process; under torchrun or
+    parallel.nproc, one rank of a ddp/zero1/fsdp run (rank 0 prints and writes). `on_accept(run_dir)`
+    runs on rank 0 once the run is accepted (any resume fits), beside the writing of config.yaml:
+    the CLI writes Hydra's record of the run there, so a refused run writes none."""
+    layout = layout_from_env()
+    try:
+        # Signals from here on: a SIGTERM while setting up stops at once (StoppedBeforeStart); the
+        # loop's StopRequest.looping() takes over (the same handlers, also the CLI's).
+        with StopRequest.shared().setting_up():
+            result = fit(build_run(cfg, console, layout, on_accept))
+        barrier(layout)  # no rank tears the group down while another still talks to it (FSDP2 aborts)
+        return result
+    except RunStopped:
+        barrier(layout)  # a stop (signal, non-finite, health) is decided on every rank at the same step
+        raise
+    finally:
+        end_process_group()
+
+
+def fit(run: Run) -> TrainResult:
+    """Train `run` from its state's step to the last one; then the final checkpoint and weights."""
+    cfg, layout, watch, saver, progress = run.cfg, run.layout, run.watch, run.saver, run.progress
+    optimizer, scaler, timer, state = run.optim.optimizer, run.scaler, run.progress.timer, run.state
+    progress.begin(state)
+    try:
+        with StopRequest.shared().looping() as stop:
+            while state.step < run.steps_total:
+                step = state.step
+                run.faults.maybe_crash(layout.rank, step + 1)
+                run.stages.begin_step(step)
+                timer.start(step + 1)  # every timing_interval-th step: where its time goes, for the report
+                fetch_start = time.perf_counter()
+                window, window_tokens = next_window(run, step)
+                lr_schedule = lr_at(step, run.peak_lr, run.steps_total, cfg.schedule)
+                lr = lr_schedule * state.lr_scale
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                watch.waited_for_data(time.perf_counter() - fetch_start)
+                watch.before_forward(step + 1)
+                timer.lap("other")
+
+                loss = forward_backward(run, window, window_tokens)
+                watch.after_forward()
+                grad_norm = unscale_and_clip(optimizer, scaler, run.params, cfg.optim)
+                loss, grad_norm = run.faults.poison(step + 1, loss, grad_norm)
+                finite = is_finite(loss, grad_norm, scaler)  # the step's one host sync
+                outcome = health_verdict(run, state, step + 1, finite, loss, grad_norm, lr_schedule, window_tokens)
+                timer.lap("other")
+                applied = finite and outcome.verdict is Verdict.APPLY
+                if applied:
+                    apply_update(optimizer, scaler)
+                    outcome.state.consecutive_skips = 0
+                watch.after_step(applied=applied)
+                optimizer.zero_grad(set_to_none=True)
+                timer.lap("optimizer")
+                if outcome.verdict is not Verdict.ROLLED_BACK:  # the step counts: its data was consumed
+                    outcome.state.step += 1
+                    outcome.state.tokens += window_tokens
+                if not finite:  # the update was not applied: skip, roll back or stop
+                    outcome = handle_nonfinite(cfg, outcome.state, loss, grad_norm, saver, run.metrics, run.warn,
+                                               run.optim.model_state, run.optim.optimizer_state, scaler)
+                run.state = state = outcome.state
+                if outcome.verdict is Verdict.ROLLED_BACK:  # the run goes on from the checkpoint's step
+                    watch.restart_interval(state.tokens)
+                    progress.moved_to(state)  # the bar, and tokens/s counting from the checkpoint's tokens
+                    continue
+
+                last_step = state.step == run.steps_total
+                progress.step_done(state, loss, grad_norm, lr, applied, last_step)
+                stop.step_finished()  # its duration: the first signal's message says how long a step takes
+                # signals and the clock differ per rank: every rank stops and saves together
+                stopping, saving = saver.decide(state.step, stop.requested(state.step), last_step)
+                if run.evaluator.maybe_run(state.step, forced=last_step or saving):
+                    progress.restart_clock(state.tokens)  # tokens/s measures training, not evaluation
+                if saving:
+                    path = saver.save(state)
+                    progress.restart_clock()  # tokens/s measures training, not saving
+                    if stopping:
+                        raise interrupted(stop, state.step, path, run.run_dir)
+        # Before the sinks close (a save records its outcome in metrics.jsonl): the final save
+        # failed in the loop, or a resumed run had no step left to take.
+        saver.save_final(state)
+    finally:
+        # The run's peaks, also when it stops or fails: the report's memory verdict reads them.
+        run.metrics.write(end_record(run.state, run.device))
+        run.sink.stop()
+        watch.close()
+        run.metrics.close()
+    return finish(run)
+
+
+def next_window(run: Run, step: int) -> tuple[list[Batch], int]:
+    """The micro-batches of step `step` (a final window may have fewer), and their real target
+    tokens over all ranks (instruction padding and prompts do not count)."""
+    window = [run.train_batches.next_batch() for _ in range(min(run.accum, run.micro_total - step * run.accum))]
+    run.progress.timer.lap("data")
+    return window, int(all_reduce_sum([count_tokens(window)], run.layout)[0])
+
+
+def forward_backward(run: Run, window: list[Batch], window_tokens: int) -> torch.Tensor:
+    """The window's gradients accumulated; its mean loss per token, the same on every rank."""
+    layout = run.layout
+    loss = accumulate_gradients(run.model.train_model, window, run.device, run.autocast, run.scaler,
+                                run.cfg.optim.label_smoothing, n_tokens=window_tokens, world_size=layout.world_size,
+                                timer=run.progress.timer)
+    if layout.distributed:  # each rank's share -> the window's loss, the same on every rank
+        torch.distributed.all_reduce(loss)
+        loss /= layout.world_size
+    return loss
+
+
+def health_verdict(run: Run, state: TrainState, step: int, finite: bool, loss: torch.Tensor,
+                   grad_norm: torch.Tensor, lr_schedule: float, window_tokens: int) -> Outcome:
+    """On a check step with a finite loss and gradient: the monitor's alarms, acted on alike by
+    every rank (rank 0's verdicts). APPLY on any other step: the monitor has nothing against it."""
+    watch, scaler = run.watch, run.scaler
+    if not (finite and watch.is_check(step)):
+        watch.skip_check()
+        return Outcome(Verdict.APPLY, state)
+    alarms = watch.check(step, loss, grad_norm, run.optim.optimizer.param_groups[0]["lr"], lr_schedule,
+                         state.tokens + window_tokens, scaler.get_scale() if scaler is not None else None)
+    alarms = broadcast_from_main(alarms, run.layout)  # every rank acts on rank 0's verdicts
+    return act_on_alarms(alarms, run.cfg, state, watch, run.saver, run.warn, run.metrics, run.optim.model_state,
+                         run.optim.optimizer_state, scaler)
+
+
+def interrupted(stop: StopRequest, step: int, path: Path | None, run_dir: Path) -> Interrupted:
+    saved = f"checkpoint saved to {path}" if path else "its checkpoint could NOT be saved (see above)"
+    return Interrupted(f"stopped by {stop.signal_name or 'a signal to another rank'} after step {step}; {saved}",
+                       checkpoint=path, run_dir=run_dir)
+
+
+def end_record(state: TrainState, device: torch.device) -> dict:
+    """The `end` record: where the run ended, and its memory peaks."""
+    return {"kind": Kind.END, "step": state.step, "tokens": state.tokens, "peak_rss_mb": peak_rss_mb(),
+            **cuda_memory_mb(device)}
+
+
+def finish(run: Run) -> TrainResult:
+    """The final weights on their own (for `sample` and `export`), the peaks once more, the summary."""
+    weights = run.optim.model_state.state_dict()  # every rank: under FSDP2 this gathers the shards on rank 0
+    if run.layout.is_main:
+        save_final_weights(weights, run.run_dir, run.state.step)
+        # The peaks again, now that the final save and (FSDP2) the gather of the weights are done.
+        # The sinks are closed: MetricsSink appends this record to metrics.jsonl alone (TensorBoard
+        # and W&B are finished), through a handle of its own.
+        run.metrics.write(end_record(run.state, run.device))
+    summary = run.progress.summary(run.state, run.data.unigram_entropy)
+    run.sink.print(f"{summary}. Weights: {run.run_dir / files.FINAL_WEIGHTS}")
+    return run.result

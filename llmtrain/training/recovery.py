@@ -1,0 +1,179 @@
+"""What happens when a step must not be applied: non-finite loss or gradient, alarm actions,
+rollback to a checkpoint.
+
+One convention: each decision returns an `Outcome`, the verdict on the step's update and the
+TrainState to go on from (the same one, or the checkpoint's after a rollback). A stop is raised
+(NonFiniteStop, HealthStop) after saving the last good weights.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from llmtrain.checkpoint.format import (
+    find_good_checkpoint,
+    load_checkpoint,
+    restore_rng,
+)
+from llmtrain.checkpoint.policy import CheckpointPolicy
+from llmtrain.config.schema import Config, MonitorAction, NonFinitePolicy
+from llmtrain.errors import (
+    HealthStop,
+    NonFiniteStop,
+)
+from llmtrain.health.detectors import Alarm
+from llmtrain.health.watch import HealthWatch, NullWatch
+from llmtrain.runs.files import Kind
+from llmtrain.sinks import MetricsSink
+from llmtrain.training.state import TrainState
+
+
+class Verdict(enum.Enum):
+    APPLY = "apply"  # the update goes ahead
+    SKIP = "skip"  # this step's update is dropped; the step still counts (its data was consumed)
+    ROLLED_BACK = "rolled_back"  # the run goes on from a checkpoint's step
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What became of a step: the verdict, and the state the loop goes on from."""
+
+    verdict: Verdict
+    state: TrainState
+
+
+@dataclass(frozen=True)
+class Restored:
+    """What a rollback loaded: the checkpoint's TrainState (with the run's counters carried over)
+    and its monitor state (None when it has none)."""
+
+    state: TrainState
+    monitor: dict | None
+
+
+def handle_nonfinite(
+    cfg: Config, state: TrainState, loss: torch.Tensor, grad_norm: torch.Tensor, saver: CheckpointPolicy,
+    metrics: MetricsSink, warn: Callable[[str], None], model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler | None,
+) -> Outcome:
+    """The update of this step was not applied. Skip it, roll back, or stop, as configured."""
+    policy = cfg.checkpoint
+    state.skipped_steps += 1
+    state.consecutive_skips += 1
+    action, why = policy.on_nonfinite, ""
+    if action is NonFinitePolicy.skip and state.consecutive_skips >= policy.max_consecutive_skips:
+        action, why = NonFinitePolicy.rollback, f"{state.consecutive_skips} non-finite steps in a row"
+    target = None
+    if action is NonFinitePolicy.rollback:
+        if state.rollbacks >= policy.max_rollbacks:
+            action, why = NonFinitePolicy.stop, f"it recurred after {state.rollbacks} rollback(s) (checkpoint.max_rollbacks)"
+        else:
+            target = agreed_good_checkpoint(saver, warn)
+            if target is None:
+                action, why = NonFinitePolicy.stop, "there is no checkpoint to roll back to yet"
+    record = {"kind": Kind.NONFINITE, "step": state.step, "loss": loss.item(), "grad_norm": grad_norm.item(),
+              "action": action.value, "consecutive": state.consecutive_skips, "skipped_total": state.skipped_steps}
+    metrics.write(record)
+    warn(f"non-finite loss/gradient at step {state.step} (loss {record['loss']}, grad norm {record['grad_norm']}): "
+         f"the update was not applied; action: {action.value}{f' ({why})' if why else ''}")
+    if action is NonFinitePolicy.stop:
+        path = saver.save(state)  # the weights are still the last good ones
+        saved = f"checkpoint: {path}" if path else "its checkpoint could NOT be saved (see above)"
+        raise NonFiniteStop(
+            f"non-finite loss or gradient at step {state.step}{f': {why}' if why else ''}. Nothing non-finite reached "
+            f"the weights; {saved}. Likely causes: LR too high (optim.lr={cfg.optim.lr:g}), missing warmup, "
+            "no gradient clipping, fp16 without loss scaling, or bad data. Check the grad_norm history in metrics.jsonl.",
+            checkpoint=path, run_dir=saver.run_dir,
+        )
+    if action is NonFinitePolicy.rollback:
+        restored = roll_back(target, state, policy.rollback_lr_factor, model, optimizer, scaler, metrics)
+        return Outcome(Verdict.ROLLED_BACK, restored.state)
+    return Outcome(Verdict.SKIP, state)
+
+
+def agreed_good_checkpoint(saver: CheckpointPolicy, warn: Callable[[str], None]) -> Path | None:
+    """The newest checkpoint that verifies and reads, as rank 0 finds it, on every rank: one rank
+    hashes the files, and all ranks roll back to the same step even if a file looks different from
+    another node. Read, not just hashed: roll_back must not meet a file it cannot load."""
+    return saver.agree(find_good_checkpoint(saver.run_dir, warn, readable=True) if saver.writer else None)
+
+
+def roll_back(
+    target: Path, state: TrainState, lr_factor: float, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler | None, metrics: MetricsSink | Any,
+) -> Restored:
+    """Reload weights, optimizer, scaler and RNG from a checkpoint; the data sampler is NOT rewound,
+    so the windows since the checkpoint (the bad one included) are skipped."""
+    checkpoint = load_checkpoint(target, next(model.parameters()).device, verify_files=False)  # verified: agreed_good_checkpoint
+    checkpoint.load_into(model, optimizer)
+    if scaler is not None and checkpoint.scaler is not None:
+        scaler.load_state_dict(checkpoint.scaler)
+    restore_rng(checkpoint.rng, checkpoint.trainer["rng"])
+    restored = checkpoint.state
+    restored.rollbacks = state.rollbacks + 1
+    restored.lr_scale = state.lr_scale * lr_factor
+    restored.skipped_steps = state.skipped_steps
+    restored.alarm_skipped_steps = state.alarm_skipped_steps
+    restored.consecutive_skips = 0
+    metrics.write({"kind": Kind.ROLLBACK, "step": state.step, "to_step": restored.step, "path": str(target),
+                   "lr_scale": restored.lr_scale, "rollbacks": restored.rollbacks})
+    return Restored(restored, checkpoint.trainer.get("monitor"))
+
+
+def act_on_alarm(
+    alarm: Alarm, cfg: Config, state: TrainState, watch: HealthWatch | NullWatch, saver: CheckpointPolicy,
+    warn: Callable[[str], None], metrics: MetricsSink | Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler | None,
+) -> Outcome:
+    """Carry out an alarm's configured action: APPLY (the update goes ahead, maybe with a cut LR
+    scale), SKIP (this step's update is dropped) or ROLLED_BACK (to the checkpoint's step and
+    counters, the monitor included); a stop saves and raises HealthStop."""
+    action = MonitorAction(alarm.action)
+    if action is MonitorAction.reduce_lr:
+        state.lr_scale *= cfg.monitor.reduce_lr_factor
+        watch.action_taken(alarm, f"LR scale now {state.lr_scale:g} (x{cfg.monitor.reduce_lr_factor:g})")
+    elif action is MonitorAction.skip_step:
+        state.alarm_skipped_steps += 1
+        watch.action_taken(alarm, "this step's update was not applied")
+        return Outcome(Verdict.SKIP, state)
+    elif action is MonitorAction.rollback:
+        target = agreed_good_checkpoint(saver, warn)
+        if target is None or state.rollbacks >= cfg.checkpoint.max_rollbacks:
+            why = "no checkpoint to roll back to" if target is None else "checkpoint.max_rollbacks reached"
+            action, alarm.action = MonitorAction.stop, f"stop ({why})"
+        else:
+            restored = roll_back(target, state, cfg.checkpoint.rollback_lr_factor, model, optimizer, scaler, metrics)
+            watch.restore(restored.monitor)  # the monitor goes back too: a recurring pattern is raised again
+            watch.action_taken(alarm, f"rolled back to step {restored.state.step} ({target})")
+            return Outcome(Verdict.ROLLED_BACK, restored.state)
+    if action is MonitorAction.stop:
+        watch.after_step(applied=False)  # the check step's health record, before the run ends
+        watch.forget_alarm(alarm.name)
+        path = saver.save(state)
+        watch.action_taken(alarm, f"stopped; checkpoint {path}")
+        raise HealthStop(f"health alarm: {alarm.explain()}\nCheckpoint: {path}", checkpoint=path, run_dir=saver.run_dir)
+    return Outcome(Verdict.APPLY, state)
+
+
+def act_on_alarms(
+    alarms: list[Alarm], cfg: Config, state: TrainState, watch: HealthWatch | NullWatch, saver: CheckpointPolicy,
+    warn: Callable[[str], None], metrics: MetricsSink | Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler | None,
+) -> Outcome:
+    """Every alarm's action, in order, each on the state the previous one left: a rollback wins
+    over a skip, a skip over applying."""
+    verdicts = []
+    for alarm in alarms:
+        outcome = act_on_alarm(alarm, cfg, state, watch, saver, warn, metrics, model, optimizer, scaler)
+        verdicts.append(outcome.verdict)
+        state = outcome.state
+    for verdict in (Verdict.ROLLED_BACK, Verdict.SKIP):
+        if verdict in verdicts:
+            return Outcome(verdict, state)
+    return Outcome(Verdict.APPLY, state)

@@ -1,0 +1,107 @@
+"""What a run is made of: the objects `setup.build_run` builds and `loop.fit` trains with."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager as ContextManager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from llmtrain.checkpoint.policy import CheckpointPolicy
+from llmtrain.config.derived import SeqLenStage
+from llmtrain.config.schema import Config, PrecisionConfig
+from llmtrain.data import EpochSampler, InstructionSampler, RandomWindowSampler
+from llmtrain.data.prepare import PreparedData
+from llmtrain.distributed.layout import Layout
+from llmtrain.health.watch import HealthWatch, NullWatch
+from llmtrain.preflight.check import CheckReport
+from llmtrain.sinks import ConsoleSink, MetricsSink, NullSink
+from llmtrain.training.evaluator import Evaluator
+from llmtrain.training.faults import Faults
+from llmtrain.training.progress import Progress
+from llmtrain.training.stages import SeqLenStages
+from llmtrain.training.state import TrainResult, TrainState
+from llmtrain.training.step import Batch
+
+TrainSampler = RandomWindowSampler | EpochSampler | InstructionSampler
+
+
+@dataclass
+class Runtime:
+    """Where and how this process computes."""
+
+    device: torch.device
+    seed: int  # the run's seed: cfg.seed, or one drawn (by rank 0, for all)
+    threads: int
+    precision: PrecisionConfig  # with the name resolved (auto -> what the device does)
+
+
+@dataclass
+class Model:
+    """The model three ways: `model` the plain module (state dicts, evaluation, the monitor's
+    hooks), `train_model` what the forward/backward goes through (DDP, or the model itself),
+    and whether FSDP2 shards its parameters."""
+
+    model: torch.nn.Module
+    train_model: torch.nn.Module
+    sharded: bool
+
+
+@dataclass
+class Optimization:
+    """The optimizer, and how checkpoints read and write the full state: plainly, gathered from
+    the ranks' shards, or (sharded files) each rank writing and reading its own shards."""
+
+    optimizer: torch.optim.Optimizer
+    model_state: Any
+    optimizer_state: Any
+    sharded_files: bool
+
+
+@dataclass
+class Run:
+    """Everything the step loop needs, built by `build_run`."""
+
+    cfg: Config
+    layout: Layout
+    run_dir: Path
+    sink: ConsoleSink
+    warn: Callable[[str], None]  # a warning on the console
+    runtime: Runtime
+    data: PreparedData
+    vocab_size: int
+    check: CheckReport
+    config_dict: dict
+    resume_from: Path | None  # the checkpoint resumed from
+    model: Model
+    optim: Optimization
+    autocast: Callable[[], ContextManager]
+    scaler: torch.amp.GradScaler | None
+    params: list[torch.nn.Parameter]  # the trainable ones: clipping
+    train_batches: TrainSampler
+    val_batches: list[Batch]
+    state: TrainState  # rebound by the loop after a rollback
+    steps_total: int
+    micro_total: int  # micro-batches of the whole run, per process
+    accum: int
+    seq_len: int
+    stage_plan: list[SeqLenStage]
+    tokens_per_step: int
+    peak_lr: float
+    faults: Faults
+    # The loop's parts, built after the banner (the sinks open files, and W&B prints):
+    metrics: MetricsSink | NullSink = field(init=False)
+    flops_per_token: float = field(init=False)
+    result: TrainResult = field(init=False)
+    watch: HealthWatch | NullWatch = field(init=False)
+    saver: CheckpointPolicy = field(init=False)
+    evaluator: Evaluator = field(init=False)
+    stages: SeqLenStages = field(init=False)
+    progress: Progress = field(init=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.runtime.device

@@ -1,0 +1,119 @@
+"""One optimizer step's maths: the masked loss sum, gradient accumulation over a window of
+micro-batches, clipping, the finiteness check, the update, and evaluation on fixed batches."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager as ContextManager
+
+import torch
+import torch.nn.functional as F
+
+from llmtrain.config.schema import OptimConfig
+from llmtrain.data.sampler import IGNORE_INDEX
+from llmtrain.training.optim import clip_gradients
+from llmtrain.training.timing import StepTimer
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def loss_sum(logits: torch.Tensor, targets: torch.Tensor, label_smoothing: float = 0.0) -> torch.Tensor:
+    """Summed cross-entropy over real tokens; targets equal to IGNORE_INDEX (prompt tokens,
+    padding) count for nothing."""
+    return F.cross_entropy(
+        logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum",
+        label_smoothing=label_smoothing,
+    )
+
+
+def count_tokens(batches: Iterable[Batch]) -> int:
+    """Real (non-ignored) target tokens in a window, counted on the host before the batches move."""
+    return int(sum(int((y != IGNORE_INDEX).sum()) for _, y in batches))
+
+
+@contextlib.contextmanager
+def deferred_gradient_sync(model: torch.nn.Module) -> Iterator[None]:
+    """No gradient communication inside (DDP's no_sync; FSDP2 holds its reduce-scatter)."""
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        with model.no_sync():
+            yield
+
+
+def accumulate_gradients(
+    model: torch.nn.Module,
+    batches: list[Batch],
+    device: torch.device,
+    autocast: Callable[[], ContextManager],
+    scaler: torch.amp.GradScaler | None = None,
+    label_smoothing: float = 0.0,
+    n_tokens: int | None = None,
+    world_size: int = 1,
+    timer: StepTimer | None = None,
+) -> torch.Tensor:
+    """Forward/backward over one accumulation window; returns the window's mean loss (a tensor).
+
+    The loss is summed over real tokens and divided by `n_tokens`, the window's tokens over all
+    ranks (default: this window's). Under DDP, which averages the ranks' gradients, each rank's
+    loss is also multiplied by `world_size`, and gradients are synchronized once, on the window's
+    last micro-batch (no_sync before): the result is the gradient one process would compute.
+    `timer` (on sampled steps) times the copies to the device, each forward and each backward."""
+    n_tokens = max(1, n_tokens if n_tokens is not None else count_tokens(batches))
+    lap = timer.lap if timer is not None else lambda phase: None
+    window_loss = torch.zeros((), device=device)
+    for i, (x, y) in enumerate(batches):
+        if device.type == "cuda":  # page-locked: the copy runs asynchronously (nanoGPT does the same)
+            x, y = x.pin_memory(), y.pin_memory()
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        lap("data")
+        defer_sync = world_size > 1 and i < len(batches) - 1
+        with deferred_gradient_sync(model) if defer_sync else contextlib.nullcontext():
+            with autocast():
+                loss = loss_sum(model(x), y, label_smoothing) / n_tokens
+                if world_size > 1:
+                    loss = loss * world_size
+            lap("forward")
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+        lap("backward")
+        window_loss += loss.detach()
+    return window_loss
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, batches: list[Batch], device: torch.device, autocast: Callable[[], ContextManager]) -> float:
+    """Mean loss per real token over fixed batches, in eval mode (dropout off); restores train mode."""
+    model.eval()
+    total = torch.zeros((), device=device, dtype=torch.float32 if device.type == "mps" else torch.float64)
+    for x, y in batches:
+        with autocast():
+            total += loss_sum(model(x.to(device)), y.to(device)).to(total.dtype)
+    model.train()
+    return total.item() / max(1, count_tokens(batches))
+
+
+def unscale_and_clip(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None,
+                     params: list[torch.nn.Parameter], cfg: OptimConfig) -> torch.Tensor:
+    """The window's gradient norm, clipped as configured (a tensor: no host sync)."""
+    if scaler is not None:
+        scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
+    return clip_gradients(params, cfg)
+
+
+def is_finite(loss: torch.Tensor, grad_norm: torch.Tensor, scaler: torch.amp.GradScaler | None) -> bool:
+    """The step's one host sync: a NaN/Inf loss or gradient must never reach the weights.
+    (Under fp16 an inf gradient is the loss scaler's business: it skips and rescales.)"""
+    return bool(torch.isfinite(loss) if scaler is not None else torch.isfinite(loss) & torch.isfinite(grad_norm))
+
+
+def apply_update(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None) -> None:
+    if scaler is not None:
+        scaler.step(optimizer)  # skips the step if the gradients overflowed
+        scaler.update()
+    else:
+        optimizer.step()

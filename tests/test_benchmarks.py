@@ -1,0 +1,28 @@
+"""The step benchmark still runs against the current config and loop (a config default that
+changed, optim.lr=null, once broke its bare loop unnoticed). It measures nothing here: speed is
+read from its own output on a quiet machine (docs/performance.md), never asserted in a test."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_bench_step_runs_both_loops(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_step.py"), "--steps", "4", "--warmup", "2", "--reps", "1",
+         "--json", str(out)],
+        capture_output=True, text=True, cwd=tmp_path, timeout=600,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    figures = json.loads(out.read_text())
+    assert len(figures["bare_s"]) == len(figures["llmtrain_s"]) == 1
+    assert figures["bare_s"][0] > 0 and figures["llmtrain_s"][0] > 0 and figures["ratio"] > 0
