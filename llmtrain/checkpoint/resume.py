@@ -77,7 +77,7 @@ def resume_checkpoint(
     """The checkpoint `resume=` asks for, loaded: auto (this run dir's newest good one), never, or a path.
     A run dir whose checkpoints are all damaged is refused (auto), or moved aside first (never)."""
     if resume == "never":
-        return _start_over(run_dir, warn)
+        return _start_over(run_dir)
     if resume == "auto":
         return _newest_or_refuse(run_dir, warn, device, "Cannot resume (resume=auto)")
     path = Path(resume).expanduser()
@@ -112,7 +112,7 @@ def _newest_or_refuse(run_dir: Path, warn: Callable[[str], None], device: torch.
     return found
 
 
-def _start_over(run_dir: Path, warn: Callable[[str], None]) -> None:
+def _start_over(run_dir: Path) -> None:
     """resume=never: refused while a good checkpoint would be overwritten. Damaged ones only are
     left where they are here: the run moves them aside once it is accepted (`set_damaged_aside`),
     so a command refused later still leaves the run dir as it was."""
@@ -121,7 +121,6 @@ def _start_over(run_dir: Path, warn: Callable[[str], None]) -> None:
             f"resume=never, but {checkpoint_root(run_dir)} already holds checkpoints that a fresh run would "
             "overwrite; use resume=auto to continue it, or another run dir (hydra.run.dir=...)."
         )
-    return None
 
 
 def set_damaged_aside(run_dir: Path, warn: Callable[[str], None]) -> None:

@@ -43,7 +43,7 @@ class HealthWatch:
         self.flops_per_token = flops_per_token
         self.world_size = world_size  # tokens/s counts all ranks; the peak is one device's
         self.peak_flops: float | None = None  # measured at the first check, for MFU
-        self.cfg, self.model, self.sink, self.metrics = cfg, model, sink, metrics
+        self.cfg, self.sink, self.metrics = cfg, sink, metrics
         self.fp16_without_scaler = fp16_without_scaler
         # Test-only hook (faults.py): keep this many MB alive per step, a leak the monitor must see.
         self.leak_mb = faults.leak_mb_per_step()
