@@ -478,3 +478,14 @@ def test_values_torch_or_numpy_would_reject_fail_validation_first(key: str, valu
     setattr(target, leaf, value)
     with pytest.raises(ConfigError, match=re.escape(piece)):
         validate(cfg)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["data.seq_len=0", "max_tokens=10000"], "'data.seq_len' is 0; it must be >= 1."),
+    (["data.seq_len_schedule=[[0,16],[10,0]]", "max_tokens=10000"], "every length must be in 1..model.block_size"),
+])
+def test_a_zero_length_with_a_token_budget_is_refused_not_divided_by(overrides: list[str], message: str) -> None:
+    """A token budget is turned into steps by dividing by the sequence length: a zero length once
+    ended in ZeroDivisionError instead of this message."""
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        to_config(compose_config(overrides))

@@ -59,6 +59,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _validate_model(cfg.model)
     _validate_optim(cfg)
     _validate_schedule(cfg.schedule, cfg.global_batch_size)
+    _validate_seq_len_values(cfg)  # before the run length: a token budget divides by the length
     _validate_run_length(cfg, world_size)
     total = total_steps(cfg, world_size)
     _validate_seq_len(cfg, total)
@@ -196,11 +197,17 @@ def _validate_run_length(cfg: Config, world_size: int) -> None:
     )
 
 
+def _validate_seq_len_values(cfg: Config) -> None:
+    """The lengths themselves (the schedule's pairs, or data.seq_len) are usable numbers."""
+    _validate_schedule_values(cfg)
+    seq_len = seq_len_of(cfg)
+    _require(seq_len >= 1, f"'data.seq_len' is {seq_len}; it must be >= 1.")
+
+
 def _validate_seq_len(cfg: Config, total: int) -> None:
     """The sequence length (the schedule's stages, then the length they end at) fits the model."""
     _validate_seq_len_schedule(cfg, total)
     seq_len = seq_len_of(cfg)
-    _require(seq_len >= 1, f"'data.seq_len' is {seq_len}; it must be >= 1.")
     _require(
         seq_len <= cfg.model.block_size,
         f"'data.seq_len' ({seq_len}) is longer than the model's context 'model.block_size' ({cfg.model.block_size}); "
@@ -208,11 +215,16 @@ def _validate_seq_len(cfg: Config, total: int) -> None:
     )
 
 
-def _validate_seq_len_schedule(cfg: Config, total: int) -> None:
+def _schedule_text(cfg: Config) -> str:
+    return f"'data.seq_len_schedule' is {[list(p) for p in cfg.data.seq_len_schedule]}"
+
+
+def _validate_schedule_values(cfg: Config) -> None:
+    """[step, length] pairs, one stage per step, one at step 0, every length in 1..block_size."""
     d = cfg.data
     if not d.seq_len_schedule:
         return
-    where = f"'data.seq_len_schedule' is {[list(p) for p in d.seq_len_schedule]}"
+    where = _schedule_text(cfg)
     _require(all(len(pair) == 2 for pair in d.seq_len_schedule),
              f"{where}; give [step, seq_len] pairs, e.g. [[0,256],[1000,512],[3000,1024]].")
     schedule = seq_len_schedule(cfg)
@@ -222,6 +234,14 @@ def _validate_seq_len_schedule(cfg: Config, total: int) -> None:
     for length in schedule.values():
         _require(1 <= length <= cfg.model.block_size,
                  f"{where}; every length must be in 1..model.block_size ({cfg.model.block_size}), not {length}.")
+
+
+def _validate_seq_len_schedule(cfg: Config, total: int) -> None:
+    """The schedule fits the run: data.seq_len agrees, every stage starts, the sampling allows it."""
+    d = cfg.data
+    if not d.seq_len_schedule:
+        return
+    where, schedule = _schedule_text(cfg), seq_len_schedule(cfg)
     final = seq_len_of(cfg)
     _require(d.seq_len is None or d.seq_len == final,
              f"{where}, whose last length is {final}, but 'data.seq_len' is {d.seq_len}; drop data.seq_len (the "
