@@ -351,18 +351,19 @@ class ConsoleSink:
 
 
 ALARMS_BY_METRIC = {
-    "gradient norm": ("grad_norm_high", "grad_norm_low", "grad_norm_low_early_layers"),
-    "parameter norm": ("param_norm_jump", "param_norm_decrease"),
-    "learning rate": ("lr_zero", "lr_exploding"),
+    "gradient norm": ("grad_norm_high", "grad_norm_surge", "grad_norm_low", "grad_norm_low_early_layers"),
+    "parameter norm": ("param_norm_jump", "param_norm_decrease", "update_ratio_high", "update_ratio_low",
+                       "weight_decay_dominant"),
+    "learning rate": ("lr_zero", "lr_exploding", "schedule_ended"),
     "activation mean": ("activation_mean_drift",),
-    "activation variance": ("activation_variance_growing", "activation_variance_shrinking"),
+    "activation variance": ("activation_variance_high", "activation_variance_growing", "activation_variance_shrinking"),
     "memory": ("memory_leak",),
-    "loss": ("loss_spike",),
+    "loss": ("loss_spike", "loss_above_chance", "loss_rising", "loss_not_decreasing", "loss_oscillating"),
 }
 
 
 def health_rows(record: dict[str, Any], active: list[str]) -> list[tuple[str, str, str]]:
-    """(metric, value, ok|watch|alarm) per 8.2 row of the latest check."""
+    """(metric, value, ok|watch|alarm) per row of the health table, at the latest check."""
     grad = record["grad_norm"]
     values = {
         "gradient norm": f"{grad:.3g}",

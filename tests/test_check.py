@@ -13,7 +13,7 @@ import pytest
 
 import llmtrain.preflight.check as check
 from llmtrain.cli.compose import compose_config
-from llmtrain.config.schema import NormPosition, OptimizerName, Precision, ResidualInit
+from llmtrain.config.schema import NormPosition, OptimizerName, Precision, ResidualInit, ScheduleName
 from llmtrain.preflight.check import Status, run_check
 
 from .conftest import TINY_CORPUS, tiny_config
@@ -264,3 +264,28 @@ def test_check_refuses_a_model_vocabulary_smaller_than_the_data(tmp_path: Path) 
     prepare_data(cfg.data, log=lambda message: None)
     with pytest.raises(ConfigError, match="smaller than the data's vocabulary"):
         run_check(cfg, measure_compute=False)
+
+
+def test_a_schedule_that_ends_before_the_run_warns_right_after_the_warmup_row(tmp_path: Path) -> None:
+    report = run_check(base(tmp_path, **{"schedule.total_steps": 60}), measure_compute=False)
+    items = [r.item for r in report.rows]
+    assert items[items.index("warmup") + 1] == "schedule length"
+    row = report.row("schedule length")
+    assert row.status is Status.WARN
+    assert row.seen == "ends at step 60 of 100: the last 40 steps at the floor LR 0.0003"  # 0.1 x lr 3e-3
+    assert row.fix == "schedule.total_steps=null"
+    assert report.row("warmup").seen == "5 of the schedule's 60 steps (8.3%)"
+    zero = run_check(base(tmp_path, **{"schedule.total_steps": 60, "schedule.min_lr_ratio": 0.0}), measure_compute=False)
+    assert zero.row("schedule length").seen == "ends at step 60 of 100: the last 40 steps at LR 0"
+
+
+@pytest.mark.parametrize("overrides", [
+    {"schedule.total_steps": None},
+    {"schedule.total_steps": 100},  # exactly the run
+    {"schedule.total_steps": 400},  # longer: the run ends mid-decay, by choice
+    {"schedule.total_steps": 60, "schedule.name": ScheduleName.constant},  # holds the peak: nothing lost
+])
+def test_a_schedule_that_covers_the_run_adds_no_row(tmp_path: Path, overrides: dict) -> None:
+    report = run_check(base(tmp_path, **overrides), measure_compute=False)
+    assert "schedule length" not in [r.item for r in report.rows]
+    assert report.exit_code == 0

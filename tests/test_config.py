@@ -489,3 +489,36 @@ def test_a_zero_length_with_a_token_budget_is_refused_not_divided_by(overrides: 
     ended in ZeroDivisionError instead of this message."""
     with pytest.raises(ConfigError, match=re.escape(message)):
         to_config(compose_config(overrides))
+
+
+# ---------------------------------------------------------------------------------------------
+# schedule.total_steps: the LR schedule's own length
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("option", sorted(p.stem for p in (CONF / "schedule").glob("*.yaml")))
+def test_every_schedule_option_defaults_to_the_runs_length(option: str) -> None:
+    raw = yaml.safe_load((CONF / "schedule" / f"{option}.yaml").read_text())
+    assert "total_steps" in raw and raw["total_steps"] is None
+
+
+@pytest.mark.parametrize("value", [0, -3])
+def test_schedule_total_steps_must_be_positive_or_null(value: int) -> None:
+    cfg = make(max_steps=100)
+    cfg.schedule.total_steps = value
+    with pytest.raises(ConfigError, match=rf"^'schedule.total_steps' is {value}; use the schedule's length in "
+                                          r"optimizer steps \(>= 1\), or null for the run's length\.$"):
+        validate(cfg)
+
+
+def test_a_schedule_longer_than_the_run_is_allowed_and_warmup_is_checked_against_it() -> None:
+    cfg = make(max_steps=100)
+    cfg.schedule = ScheduleConfig(total_steps=400, warmup_steps=150)  # a run cut into pieces: warmup spans two
+    validate(cfg)
+    cfg.schedule = ScheduleConfig(total_steps=50, warmup_steps=50)
+    with pytest.raises(ConfigError, match=r"^Warmup \(50 steps, from schedule.warmup_steps=50\) is not shorter than "
+                                          r"the schedule \(schedule.total_steps=50\); use schedule.warmup_steps<50, .*"
+                                          r"or a longer schedule.total_steps\.$"):
+        validate(cfg)
+    cfg.schedule = ScheduleConfig(total_steps=50, warmup_steps=49)
+    validate(cfg)

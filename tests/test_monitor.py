@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import random
 
 import pytest
 
 from llmtrain.config.schema import ALARM_NAMES, MonitorAction, MonitorConfig
 from llmtrain.health.catalog import CATALOG, explain
-from llmtrain.health.detectors import HealthMonitor, Sample, robust_z, theil_sen_slope
+from llmtrain.health.detectors import Alarm, HealthMonitor, Sample, robust_z, theil_sen_slope
+from llmtrain.health.diagnosis import RunFacts
 
 
 def sample(step: int, **kw: object) -> Sample:
@@ -168,10 +171,186 @@ def test_state_round_trip_keeps_windows_and_active_alarms() -> None:
         a.check(s)
     b = HealthMonitor(MonitorConfig())
     b.load_state_dict(a.state_dict())
-    assert b.active == a.active == {"grad_norm_high"} and b.checks == 20
+    assert b.active == a.active == {"grad_norm_high", "grad_norm_surge"} and b.checks == 20
     assert [x.name for s in stream[20:] for x in b.check(s)] == [], "an active alarm is not raised again after resume"
 
 
 def test_helpers() -> None:
     assert theil_sen_slope([1, 2, 3, 100, 5, 6]) == pytest.approx(1.0)
     assert robust_z(10.0, [1.0, 1.1, 0.9, 1.0, 1.05]) > 50
+
+
+# ---- learning progress and the new bands (with the run's facts: baseline and chance) ---------------
+FACTS = RunFacts(lr=3e-3, lr_low=1e-4, lr_high=9e-3, n_embd=128, n_layer=3, warmup_steps=50, steps_total=10_000,
+                 schedule_steps=10_000, init_gain=0.05, init_std=0.02, baseline=3.25, chance=5.55)
+
+
+def run_with(stream: list[Sample], facts: RunFacts = FACTS, cfg: MonitorConfig | None = None) -> dict[str, Alarm]:
+    """Feed a stream to a monitor that knows the run's facts; {alarm name: the first alarm}."""
+    monitor = HealthMonitor(cfg or MonitorConfig(), facts)
+    first: dict[str, Alarm] = {}
+    for s in stream:
+        for alarm in monitor.check(s):
+            first.setdefault(alarm.name, alarm)
+    return first
+
+
+def checks_every(n: int, interval: int = 10, seed: int = 0, **kw: object) -> list[Sample]:
+    """A healthy run sampled every `interval` steps: steps 10, 20, ...; the loss falls below the baseline."""
+    stream = noisy(n, seed, **kw)
+    for i, s in enumerate(stream):
+        s.step = (i + 1) * interval
+        s.loss = s.interval_loss = 2.9 - 0.002 * i + random.Random(seed + i).gauss(0, 0.05)
+    return stream
+
+
+def test_healthy_runs_raise_nothing_with_the_facts() -> None:
+    for seed in range(5):
+        assert run_with(checks_every(200, seed=seed)) == {}, f"seed {seed}"
+
+
+def test_a_loss_far_above_chance_is_critical_at_the_first_check() -> None:
+    stream = checks_every(5)
+    stream[0].loss = stream[0].interval_loss = 18.7
+    alarm = run_with(stream)["loss_above_chance"]
+    assert (alarm.step, alarm.severity) == (10, "critical")
+
+
+def test_a_loss_that_never_leaves_chance_is_not_learning() -> None:
+    flat = checks_every(30)
+    for s in flat:
+        s.loss = s.interval_loss = 5.39 + random.Random(s.step).gauss(0, 1e-4)
+    raised = run_with(flat)
+    assert raised["loss_not_decreasing"].step == 100  # judged from monitor.progress_after
+    assert "loss_spike" not in raised, "a flat curve is not a spike"
+
+
+def test_a_loss_stuck_at_the_unigram_baseline_is_not_learning_but_one_still_falling_is() -> None:
+    stuck = checks_every(30)
+    for s in stuck:
+        s.loss = s.interval_loss = 3.25 + random.Random(s.step).gauss(0, 0.03)
+    assert "loss_not_decreasing" in run_with(stuck)
+    falling = checks_every(30)
+    for i, s in enumerate(falling):  # a harder corpus: above the baseline for a while, but clearly learning
+        s.loss = s.interval_loss = 4.2 - 0.03 * i
+    assert "loss_not_decreasing" not in run_with(falling)
+
+
+def test_a_rising_loss_is_divergence_not_a_spike() -> None:
+    stream = checks_every(20)
+    for i, s in enumerate(stream[8:]):
+        s.loss = s.interval_loss = 2.9 + 0.08 * (i + 1)
+    raised = run_with(stream)
+    assert raised["loss_rising"].step <= 140
+    one = checks_every(20)
+    one[10].loss = one[10].interval_loss = 3.6  # one bad interval: no trend
+    assert "loss_rising" not in run_with(one)
+
+
+def test_update_ratio_bands_need_persistence() -> None:
+    low = checks_every(10, update_ratio=2e-6)
+    assert run_with(low)["update_ratio_low"].step == 30
+    high = checks_every(10)
+    high[4].update_ratio = 0.5
+    assert "update_ratio_high" not in run_with(high)
+
+
+def test_a_sudden_rise_of_the_gradient_norm_and_a_persistently_high_one() -> None:
+    surge = checks_every(12)
+    surge[8].grad_norm = 40.0
+    assert run_with(surge)["grad_norm_surge"].step == 90
+    sick = checks_every(6)
+    for s, g in zip(sick[:3], (190.0, 44.0, 35.0)):  # init std 1.0: all above 10, one above 100
+        s.grad_norm = g
+    assert run_with(sick)["grad_norm_high"].step == 30
+
+
+def test_frozen_blocks_are_named_and_critical() -> None:
+    stream = checks_every(5)
+    for s in stream:
+        s.block_grad_norms = [0.0, 1e-7, 0.4]
+    alarm = run_with(stream)["grad_norm_low_early_layers"]
+    assert alarm.blocks == [0, 1] and alarm.severity == "critical"
+
+
+def test_the_schedule_ending_before_the_run() -> None:
+    facts = dataclasses.replace(FACTS, schedule_steps=100, steps_total=300, schedule_floor=0.0)
+    alarm = run_with(checks_every(20), facts)["schedule_ended"]
+    assert alarm.step == 110 and alarm.causes[0].cause == "schedule_ended"
+
+
+def test_activation_variance_far_above_its_level() -> None:
+    stream = checks_every(100, interval=1)
+    for s in stream:
+        if s.activation_var is not None:
+            s.activation_var = [1.0, 1.0, 2e5]
+    alarm = run_with(stream)["activation_variance_high"]
+    assert alarm.blocks == [2]
+
+
+def test_param_norm_decrease_not_once_the_norm_turned_back_up() -> None:
+    turned = noisy(20)
+    for i, s in enumerate(turned):  # fell for 14 checks, rising again over the last 6 (LR 0.1: 207.6 ... 227)
+        s.param_norm = 300 - 5 * i if i < 14 else 235 + 4 * (i - 13)
+    assert "param_norm_decrease" not in run(turned)
+    for i, s in enumerate(turned):
+        s.param_norm = 300 - 5 * i  # still falling at the end
+    assert "param_norm_decrease" in run(turned)
+
+
+def test_alarms_carry_their_ranked_causes_in_the_record() -> None:
+    stream = checks_every(5)
+    stream[0].loss = stream[0].interval_loss = 18.7
+    facts = dataclasses.replace(FACTS, init_std=1.0, init_gain=128.0, fixes={"init variance": "model.init_std=0.09"})
+    record = run_with(stream, facts)["loss_above_chance"].to_record()
+    assert record["causes"][0]["cause"] == "init_too_large" and record["causes"][0]["fix"] == "model.init_std=0.09"
+    text = run_with(stream, facts)["loss_above_chance"].explain()
+    assert "1. Initialization too large (init std 1" in text and "-> model.init_std=0.09" in text
+
+
+def test_state_round_trip_keeps_the_best_loss() -> None:
+    a = HealthMonitor(MonitorConfig(), FACTS)
+    for s in checks_every(20):
+        a.check(s)
+    b = HealthMonitor(MonitorConfig(), FACTS)
+    b.load_state_dict(a.state_dict())
+    assert (b.best_loss, b.best_check, b.update_ratio) == (a.best_loss, a.best_check, a.update_ratio)
+    older = a.state_dict()
+    for key in ("best_loss", "best_check", "update_ratio"):
+        del older[key]
+    b.load_state_dict(older)  # a checkpoint from before these windows existed
+    assert b.best_loss == float("inf")
+
+
+def test_every_alarm_but_the_configuration_one_has_a_dashboard_row() -> None:
+    from llmtrain.sinks import ALARMS_BY_METRIC
+
+    shown = [name for names in ALARMS_BY_METRIC.values() for name in names]
+    assert sorted(shown) == sorted(set(ALARM_NAMES) - {"fp16_no_scaler"})
+
+
+def test_loss_swinging_beyond_its_steps_noise_means_correlated_batches() -> None:
+    def stream(swing: float) -> list[Sample]:
+        out = checks_every(30)
+        for i, s in enumerate(out):  # steps' noise 0.15 -> the mean of 10 steps varies by 0.05
+            s.interval_loss_var, s.interval_steps = 0.15**2, 10
+            s.loss = s.interval_loss = 2.9 + (swing if i % 2 else -swing) + random.Random(i).gauss(0, 0.05)
+        return out
+    assert run_with(stream(0.4))["loss_oscillating"].step == 120  # judged from step 100, for `patience` checks
+    assert "loss_oscillating" not in run_with(stream(0.0)), "shuffled batches vary by their noise"
+    for seed in range(10):  # fast early learning with little step noise (a large batch) is a curve, not swings
+        rng = random.Random(seed)
+        smooth = checks_every(30)
+        for s in smooth:
+            s.interval_loss_var, s.interval_steps = 0.0025, 10
+            s.loss = s.interval_loss = 2 + 3 * math.exp(-s.step / 40) + rng.gauss(0, (0.0025 / 10) ** 0.5)
+        assert "loss_oscillating" not in run_with(smooth), seed
+
+
+def test_weight_decay_that_makes_the_update() -> None:
+    strong = dataclasses.replace(FACTS, weight_decay=10.0)
+    stream = checks_every(6, lr_applied=3e-3, update_ratio=0.02)  # lr x wd = 0.03 against an update of 0.02
+    alarm = run_with(stream, strong)["weight_decay_dominant"]
+    assert alarm.step == 30 and alarm.causes[0].cause == "weight_decay_too_high"
+    usual = dataclasses.replace(FACTS, weight_decay=0.1)  # 3e-4 against 0.015: a 2% share
+    assert "weight_decay_dominant" not in run_with(checks_every(6, lr_applied=3e-3, update_ratio=0.015), usual)

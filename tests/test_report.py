@@ -27,7 +27,7 @@ RUN = [
     "max_steps=40", "schedule.warmup_steps=4", "eval_interval=10", "log_interval=5", "timing_interval=5",
     "monitor.interval=5", "monitor.activation_interval=10", "checkpoint.every_steps=10", "threads=1",
 ]
-QUESTIONS = ["Is the loss curve smooth?", "Does validation track training?", "Does inference behave like training?",
+QUESTIONS = ["Did the model learn?", "Is the loss curve smooth?", "Does validation track training?", "Does inference behave like training?",
              "Peak memory and headroom?", "Where does a step's time go?", "Which alarms were raised, and what was done?"]
 
 
@@ -82,6 +82,10 @@ def test_the_verdicts_of_a_healthy_run_hold_sane_numbers(finished: tuple[Path, s
     assert 97 <= sum(shares) <= 103, timing.finding
     assert "7 timed step(s)" in timing.details[0]  # steps 6, 11, ..., 36
     assert verdict["alarms"].status == OK
+    # No false alarm: 40 steps are too short to call it not learning, and no alarm fired.
+    assert verdict["learning"].status in (OK, NA), verdict["learning"].finding
+    assert verdict["curves"].status == OK and "every health check stayed in its band" in verdict["curves"].finding
+    assert "unigram baseline" in dict(report.facts)
 
 
 def test_an_interrupted_run_gets_its_report_from_its_checkpoint(tmp_path: Path) -> None:

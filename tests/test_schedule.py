@@ -100,3 +100,114 @@ def test_train_uses_the_scaled_lr(tmp_path: Path) -> None:
     lrs = [json.loads(line)["lr"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
            if json.loads(line)["kind"] == "train"]
     assert lrs[-1] == pytest.approx(2 * cfg.optim.lr)
+
+
+# ---------------------------------------------------------------------------------------------
+# schedule.total_steps: a schedule shorter or longer than the run
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(ScheduleName))
+@pytest.mark.parametrize("min_lr_ratio", [0.1, 0.0])
+def test_past_its_end_every_schedule_holds_its_final_lr(name: ScheduleName, min_lr_ratio: float) -> None:
+    from llmtrain.training.schedule import final_lr
+
+    cfg = ScheduleConfig(name=name, warmup_steps=5, min_lr_ratio=min_lr_ratio)
+    expected = 2.0 if name is ScheduleName.constant else 2.0 * min_lr_ratio
+    assert lr_at(49, 2.0, 50, cfg) == pytest.approx(expected)  # the schedule's last step reaches it
+    assert [lr_at(step, 2.0, 50, cfg) for step in (50, 51, 80, 10_000)] == pytest.approx([expected] * 4)
+    assert final_lr(2.0, 50, cfg) == pytest.approx(expected)
+
+
+def test_held_lr_text_names_zero_the_floor_and_the_peak() -> None:
+    from llmtrain.training.schedule import held_lr_text
+
+    assert held_lr_text(0.0, 3e-3) == "LR 0"
+    assert held_lr_text(3e-3 * 0.1, 3e-3) == "the floor LR 0.0003"
+    assert held_lr_text(3e-3, 3e-3) == "the peak LR 0.003"
+
+
+def _run_config(**schedule: object):
+    from llmtrain.config.schema import Config
+    from llmtrain.config.validate import validate
+
+    cfg = Config(max_steps=300)
+    for key, value in schedule.items():
+        setattr(cfg.schedule, key, value)
+    validate(cfg)
+    return cfg
+
+
+def test_schedule_steps_is_the_set_length_else_the_runs() -> None:
+    from llmtrain.config.derived import schedule_steps, total_steps
+
+    assert schedule_steps(_run_config()) == total_steps(_run_config()) == 300
+    assert schedule_steps(_run_config(total_steps=200)) == 200
+    assert schedule_steps(_run_config(total_steps=500)) == 500  # longer than the run: allowed
+    assert total_steps(_run_config(total_steps=200)) == 300  # the run keeps its length
+
+
+def test_warmup_and_decay_fractions_are_fractions_of_the_schedule() -> None:
+    from llmtrain.config.derived import resolved_warmup_steps, schedule_steps
+
+    cfg = _run_config(total_steps=200, warmup_fraction=0.05)
+    assert resolved_warmup_steps(cfg.schedule, schedule_steps(cfg)) == 10  # 5% of 200, not of the run's 300
+    assert lr_at(9, 1.0, 200, cfg.schedule) == pytest.approx(1.0)
+    wsd = ScheduleConfig(name=ScheduleName.wsd, warmup_steps=5, decay_fraction=0.2, min_lr_ratio=0.1)
+    # 20% of a 200-step schedule: the decay runs over steps 160..199, whatever the run's length
+    assert lr_at(159, 1.0, 200, wsd) == pytest.approx(1.0)
+    assert lr_at(160, 1.0, 200, wsd) == pytest.approx(1.0)  # the decay's first step, progress 0
+    assert lr_at(161, 1.0, 200, wsd) < 1.0
+    assert lr_at(199, 1.0, 200, wsd) == pytest.approx(0.1)
+
+
+def test_a_changed_schedule_length_on_resume_is_shown_not_refused() -> None:
+    from types import SimpleNamespace
+
+    from llmtrain.checkpoint.resume import check_resumable, config_changes
+    from llmtrain.config.schema import Config, config_to_dict
+
+    saved, current = config_to_dict(Config()), config_to_dict(Config())
+    current["schedule"]["total_steps"] = 200
+    # like max_steps: listed among the changes the resume prints, and not refused
+    assert config_changes(saved, current) == [("schedule.total_steps", None, 200)]
+    check_resumable(SimpleNamespace(path=Path("step_4"), trainer={"config": saved}), current)
+    # a checkpoint written before the key existed reads as null: no change
+    del saved["schedule"]["total_steps"]
+    assert config_changes(saved, config_to_dict(Config())) == []
+
+
+def test_a_run_past_its_schedule_trains_at_the_floor(tmp_path: Path) -> None:
+    import io
+    import json
+
+    from rich.console import Console
+
+    from llmtrain.sinks import ConsoleSink
+    from llmtrain.training.loop import train
+
+    from .conftest import tiny_config
+
+    cfg = tiny_config(tmp_path / "run", max_steps=12, micro_batch_size=2, global_batch_size=2,
+                      **{"schedule.total_steps": 6})
+    output = io.StringIO()
+    train(cfg, console=ConsoleSink(12, Console(file=output, width=300)))
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    lrs = {r["step"]: r["lr"] for r in records if r["kind"] == "train"}
+    floor = cfg.optim.lr * cfg.schedule.min_lr_ratio
+    assert sorted(lrs) == list(range(1, 13))
+    assert lrs[3] > floor * 1.5  # still decaying inside the schedule
+    assert [lrs[step] for step in range(6, 13)] == pytest.approx([floor] * 7)  # its last step, then held
+    assert "cosine over 6 of 12 steps: the last 6 at the floor LR 0.0003" in output.getvalue()
+
+
+def test_the_banner_says_where_the_schedule_and_the_run_part() -> None:
+    from llmtrain.config.schema import Config
+    from llmtrain.training.banner import describe_schedule
+
+    cfg = Config()  # cosine to 0.1 x peak
+    assert describe_schedule(cfg, 300, 300, 3e-3) == "cosine"
+    assert describe_schedule(cfg, 300, 200, 3e-3) == "cosine over 200 of 300 steps: the last 100 at the floor LR 0.0003"
+    cut = describe_schedule(cfg, 300, 600, 3e-3)
+    assert cut == f"cosine over 600 steps: the run ends at step 300, at LR {lr_at(299, 3e-3, 600, cfg.schedule):.3g}"
+    assert 3e-4 < lr_at(299, 3e-3, 600, cfg.schedule) < 3e-3  # mid-decay

@@ -1,6 +1,6 @@
 """Quantities derived from a typed `Config` rather than set in it: the world size, the
 micro-batch size and the learning rate a null leaves to derive (`resolve_*`, filled in by
-`validate`), accumulation and total steps, the sequence-length stages, the LR's sane range and its
+`validate`), accumulation, total steps and the LR schedule's length, the sequence-length stages, the LR's sane range and its
 batch-scaled value, warmup in steps, the model's vocabulary size. One function each, so every
 module (the loop, `check`, `estimate`, the banner, the doctor) derives them the same way."""
 
@@ -12,6 +12,7 @@ from llmtrain.config.schema import (
     Config,
     DataConfig,
     LRScaling,
+    ModelConfig,
     OptimizerName,
     ParallelMode,
     ScheduleConfig,
@@ -137,6 +138,15 @@ def total_steps(cfg: Config, world_size: int | None = None) -> int:
     return -(-total_micro_batches(cfg, world_size) // accum) if accum else 0
 
 
+def schedule_steps(cfg: Config, world_size: int | None = None) -> int:
+    """The LR schedule's length in optimizer steps: schedule.total_steps, else the run's length.
+    Warmup and decay fractions are fractions of it; past its end `lr_at` holds the final LR (the
+    floor), so a schedule shorter than the run leaves the last steps at the floor (or at 0)."""
+    if cfg.schedule.total_steps is not None:
+        return cfg.schedule.total_steps
+    return total_steps(cfg, world_size)
+
+
 # Adam-family peak LR at width 128: tuned on the default data with gpt_tiny (1e-3 learns ~15% slower).
 # Wider models take it times 128 / n_embd (muP's rule for Adam on hidden matrices): 5e-4 at 768,
 # next to GPT-2 small's 6e-4. SGD and Adafactor have no width rule here: one value each.
@@ -158,6 +168,15 @@ def default_lr(name: OptimizerName, n_embd: int) -> float:
     # Exactly 3e-3 at 128 (the default run is unchanged), 1/width above it (5e-4 at 768). Narrower
     # models keep 3e-3: it was measured at 128, and a larger LR for toy widths was not.
     return ADAM_LR_AT_WIDTH_128 * min(1.0, 128 / n_embd)
+
+
+def init_gain(m: ModelConfig) -> float:
+    """Fan-in x weight variance of the init: a layer's output variance on unit-variance inputs
+    (far above 1 explodes layer by layer, far below vanishes). The pre-flight check and the health
+    monitor's diagnosis judge the init by it."""
+    if m.init == "normal_0.02":
+        return m.n_embd * m.init_std**2
+    return 2.0 if m.init == "kaiming" else 2 * m.n_embd / (m.n_embd + 4 * m.n_embd)
 
 
 def sane_lr_range(name: OptimizerName, n_embd: int) -> tuple[float, float]:
@@ -242,7 +261,8 @@ def effective_lr(cfg: Config) -> float:
 
 
 def resolved_warmup_steps(schedule: ScheduleConfig, total: int) -> int:
-    """Warmup in steps: schedule.warmup_steps, else warmup_fraction of a run of `total` steps."""
+    """Warmup in steps: schedule.warmup_steps, else warmup_fraction of a schedule of `total` steps
+    (`schedule_steps`: the run's length unless schedule.total_steps sets another)."""
     if schedule.warmup_steps is not None:
         return schedule.warmup_steps
     return int(round(schedule.warmup_fraction * total))

@@ -148,6 +148,8 @@ ALARM_NAMES = (
     "grad_norm_high", "grad_norm_low", "grad_norm_low_early_layers", "param_norm_jump", "param_norm_decrease",
     "lr_zero", "lr_exploding", "activation_mean_drift", "activation_variance_growing",
     "activation_variance_shrinking", "memory_leak", "loss_spike", "fp16_no_scaler",
+    "grad_norm_surge", "update_ratio_high", "update_ratio_low", "loss_above_chance", "loss_rising",
+    "loss_not_decreasing", "schedule_ended", "activation_variance_high", "loss_oscillating", "weight_decay_dominant",
 )
 
 
@@ -216,10 +218,13 @@ class OptimConfig:
 @dataclass
 class ScheduleConfig:
     name: ScheduleName = _f(ScheduleName.cosine, "cosine, linear, constant or wsd (warmup-stable-decay).")
+    total_steps: int | None = _f(
+        None, "The schedule's length in optimizer steps; null: the run's length. A shorter schedule holds its final "
+        "LR (the floor) for the rest of the run; a longer one is cut off mid-decay when the run ends.")
     warmup_steps: int | None = _f(None, "Linear warmup length in steps; overrides warmup_fraction.")
-    warmup_fraction: float = _f(0.05, "Warmup length as a fraction of the run (used when warmup_steps is null).")
+    warmup_fraction: float = _f(0.05, "Warmup length as a fraction of the schedule (used when warmup_steps is null).")
     min_lr_ratio: float = _f(0.1, "Floor of the decay as a fraction of the peak LR.")
-    decay_fraction: float = _f(0.2, "wsd only: fraction of the run spent in the final decay.")
+    decay_fraction: float = _f(0.2, "wsd only: fraction of the schedule spent in the final decay.")
     lr_scaling: LRScaling = _f(
         LRScaling.none, "Scale optim.lr with the global batch: none, linear (batch xk -> lr xk) or sqrt (lr x sqrt k)."
     )
@@ -319,27 +324,39 @@ class CheckpointConfig:
 class MonitorConfig:
     enabled: bool = _f(True, "Watch the run's health (the health bands of docs/monitoring.md) and raise alarms.")
     interval: int = _f(10, "Check every this many optimizer steps (a few host syncs per check).")
-    activation_interval: int = _f(100, "Sample block-output activations every this many steps (hooks only then).")
+    activation_interval: int = _f(20, "Sample block-output activations every this many steps (hooks only then).")
     warmup_checks: int = _f(5, "Checks before the memory-leak trend is watched (allocator warm-up).")
     patience: int = _f(3, "Consecutive checks outside a band before an alarm (grad norm, LR).")
     grad_norm_high: float = _f(100.0, "Alarm when the gradient norm stays above this.")
     grad_norm_low: float = _f(1e-3, "Alarm when the gradient norm stays below this.")
-    early_layer_ratio: float = _f(1e-3, "Alarm when the first block's grad norm / the largest block's stays below this.")
+    early_layer_ratio: float = _f(1e-3, "Alarm when a block's grad norm / the largest block's stays below this (frozen blocks).")
     param_jump: float = _f(0.5, "Alarm when the parameter norm changes by more than this fraction between checks.")
     param_decrease: float = _f(0.05, "Alarm when the parameter norm falls by more than this fraction over a trend window.")
     trend_window: int = _f(20, "Checks in a trend window (parameter norm, memory).")
     lr_explode_factor: float = _f(10.0, "Alarm when the applied LR exceeds the schedule's by this factor.")
     activation_mean_max: float = _f(1.0, "Alarm when a block's output mean stays beyond +-this.")
+    activation_mean_share: float = _f(0.25, "... and beyond this share of the block output's standard deviation.")
+    activation_var_max: float = _f(1000.0, "Alarm when a block's output variance stays above this.")
     activation_var_factor: float = _f(10.0, "Alarm when a block's output variance grows or shrinks by this factor.")
     activation_window: int = _f(5, "Activation samples in the variance trend window.")
     activation_patience: int = _f(2, "Consecutive activation samples with a drifting mean before an alarm.")
     memory_leak_mb: float = _f(256.0, "Alarm when memory rises by more than this (MB) over a trend window.")
     spike_z: float = _f(6.0, "Alarm when the loss's robust z-score over the spike window exceeds this.")
     spike_window: int = _f(50, "Checks in the loss-spike window.")
+    grad_surge_factor: float = _f(10.0, "Alarm when the gradient norm jumps above this many times its recent median.")
+    update_ratio_high: float = _f(0.1, "Alarm when the update / weight norm ratio of a step stays above this.")
+    update_ratio_low: float = _f(1e-5, "Alarm when the update / weight norm ratio of a step stays below this.")
+    loss_chance_factor: float = _f(1.5, "Alarm when the loss exceeds this many times a uniform guess (ln vocabulary).")
+    loss_rise: float = _f(0.05, "Alarm when the loss stays this fraction above its best so far (and loss_rise_min).")
+    loss_rise_min: float = _f(0.15, "The smallest rise above the best loss (nats) that counts as rising.")
+    progress_after: int = _f(100, "Steps before learning progress (against chance and the unigram baseline) is judged.")
+    baseline_margin: float = _f(0.02, "Not learning: the loss stays within this fraction of the unigram baseline.")
+    loss_swing_factor: float = _f(10.0, "Alarm when the loss swings between checks this many times more than its steps' noise explains.")
+    decay_share_max: float = _f(0.5, "Alarm when weight decay (lr x weight_decay) makes more than this share of each update.")
     reduce_lr_factor: float = _f(0.5, "reduce_lr: multiply the LR by this.")
     cooldown_checks: int = _f(10, "reduce_lr: checks before another reduction.")
     actions: dict[str, MonitorAction] = _f(
-        {"grad_norm_high": MonitorAction.reduce_lr}, "Action per alarm (warn, reduce_lr, skip_step, rollback, stop); unlisted: warn."
+        {"grad_norm_high": MonitorAction.reduce_lr, "grad_norm_surge": MonitorAction.reduce_lr}, "Action per alarm (warn, reduce_lr, skip_step, rollback, stop); unlisted: warn."
     )
 
 

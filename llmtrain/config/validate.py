@@ -14,6 +14,7 @@ from llmtrain.config.derived import (
     resolve_lr,
     resolve_micro_batch_size,
     resolved_warmup_steps,
+    schedule_steps,
     seq_len_of,
     seq_len_schedule,
     total_steps,
@@ -68,7 +69,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     # change which mistake a config with several is told about first.
     _validate_label_smoothing(cfg.optim)
     _validate_data_source(cfg.data)
-    _validate_warmup(cfg.schedule, total)
+    _validate_warmup(cfg.schedule, schedule_steps(cfg, world_size))
     _validate_device_and_seeds(cfg)
     _validate_precision(cfg.precision)
     _validate_checkpoint(cfg.checkpoint)
@@ -178,6 +179,10 @@ def _validate_schedule(s: ScheduleConfig, global_batch_size: int) -> None:
             f"(in sequences) optim.lr was tuned for, e.g. schedule.reference_batch_size={global_batch_size}.",
         )
     _require(s.warmup_steps is None or s.warmup_steps >= 0, f"'schedule.warmup_steps' is {s.warmup_steps}; it must be >= 0.")
+    # Longer than the run is allowed: a run cut into pieces ends mid-decay on purpose.
+    _require(s.total_steps is None or s.total_steps >= 1,
+             f"'schedule.total_steps' is {s.total_steps}; use the schedule's length in optimizer steps (>= 1), or "
+             "null for the run's length.")
 
 
 def _validate_run_length(cfg: Config, world_size: int) -> None:
@@ -288,16 +293,19 @@ def _validate_data_source(d: DataConfig) -> None:
 
 
 def _validate_warmup(s: ScheduleConfig, total: int) -> None:
-    """Warmup shorter than the run; checked once the run's length in steps is known."""
+    """Warmup shorter than the schedule (`total` steps: schedule.total_steps, else the run's length);
+    checked once the run's length in steps is known."""
     warmup = resolved_warmup_steps(s, total)
     source = (
         f"schedule.warmup_steps={s.warmup_steps}" if s.warmup_steps is not None
         else f"schedule.warmup_fraction={s.warmup_fraction} of {total} steps"
     )
+    length, of, longer = (f"the run ({total} steps)", "the run", "") if s.total_steps is None else (
+        f"the schedule (schedule.total_steps={total})", "the schedule", ", or a longer schedule.total_steps")
     _require(
         warmup < total or total == 1 and warmup <= 1,
-        f"Warmup ({warmup} steps, from {source}) is not shorter than the run ({total} steps); "
-        f"use schedule.warmup_steps<{total}, typically 1-10% of the run (e.g. schedule.warmup_steps={max(1, total // 20)}).",
+        f"Warmup ({warmup} steps, from {source}) is not shorter than {length}; use schedule.warmup_steps<{total}, "
+        f"typically 1-10% of {of} (e.g. schedule.warmup_steps={max(1, total // 20)}){longer}.",
     )
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["AlarmKind", "CATALOG", "explain"]
+__all__ = ["AlarmKind", "CATALOG", "explain", "explain_ranked"]
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ _KINDS = (
     AlarmKind(
         name="grad_norm_low_early_layers",
         metric="grad_norm_per_layer",
-        title="First blocks get gradients orders of magnitude smaller than the last ones",
+        title="Some blocks frozen: gradients orders of magnitude smaller than the largest block's",
         healthy="per-block gradient norms of similar size (no two-orders-of-magnitude gap)",
         causes=(
             "Residual-branch projections initialized with too small a variance, so the gradient does not get back",
@@ -209,6 +209,23 @@ _KINDS = (
         seed_ref="8.2; 5.1; 5.2; 7.2; 2.3",
     ),
     AlarmKind(
+        name="activation_variance_high",
+        metric="activation_var",
+        title="Block-output variance far above its healthy level",
+        healthy="near 1 for a normalized signal; tens in a healthy pre-LN residual stream",
+        causes=(
+            "Learning rate too high, or no warmup: the weights grew fast and the residual stream with them",
+            "Initialization too large",
+            "Residual branches adding up without being scaled down",
+        ),
+        checks=(
+            "Lower optim.lr=... and warm up: schedule.warmup_fraction=0.05",
+            "Standard init: model.init_std=0.02 model.residual_init=scaled",
+            "Check the norm layers and their position: model.norm_position=pre",
+        ),
+        seed_ref="8.2; 5.1; 5.2",
+    ),
+    AlarmKind(
         name="activation_variance_shrinking",
         metric="activation_var",
         title="Activation variance trending down",
@@ -268,6 +285,155 @@ _KINDS = (
         seed_ref="8.3; 5.1; 2.4; 7.4; 6.1",
     ),
     AlarmKind(
+        name="grad_norm_surge",
+        metric="grad_norm",
+        title="Gradient norm rose suddenly, far above its recent median",
+        healthy="changes gradually; 0.1 to 10",
+        causes=(
+            "Learning rate too high for this point of training (often as warmup ends)",
+            "Warmup missing or too short",
+            "Gradient clipping off",
+            "A bad batch",
+        ),
+        checks=(
+            "A sudden rise in the gradient norm calls for a lower LR: optim.lr=... (the default action halves it)",
+            "Warm up: schedule.warmup_fraction=0.05",
+            "Clip: optim.clip_grad_norm=1.0",
+            "Inspect the batch at that step",
+        ),
+        seed_ref="8.2; 5.1; 2.4",
+    ),
+    AlarmKind(
+        name="update_ratio_high",
+        metric="update_ratio",
+        title="Each step changes the weights by a large fraction of their size",
+        healthy="||dW|| / ||W|| around 1e-3 per step (1e-2 early in training)",
+        causes=(
+            "Learning rate too high",
+            "Warmup missing: the full LR on the first, unreliable gradients",
+            "Initialization too small: tiny weights make every update large relative to them",
+            "Weight decay too strong: the decay itself is a large update",
+        ),
+        checks=(
+            "Lower the LR: optim.lr=... (optim.lr=null gives the default for the optimizer and width)",
+            "Warm up: schedule.warmup_fraction=0.05",
+            "Standard init: model.init_std=0.02",
+            "optim.weight_decay=0.1",
+        ),
+        seed_ref="5.1; 8.2",
+    ),
+    AlarmKind(
+        name="update_ratio_low",
+        metric="update_ratio",
+        title="Steps barely change the weights",
+        healthy="||dW|| / ||W|| around 1e-3 per step",
+        causes=(
+            "Learning rate too low",
+            "The LR schedule at its floor or at zero",
+            "Gradients carry almost no signal",
+        ),
+        checks=(
+            "Raise the LR: optim.lr=null gives the default for the optimizer and width",
+            "Compare the logged LR with the schedule; schedule.min_lr_ratio=0.1",
+            "Look at the gradient norms per block",
+        ),
+        seed_ref="5.1; 8.2",
+    ),
+    AlarmKind(
+        name="loss_above_chance",
+        metric="loss",
+        title="Loss far above a uniform guess over the vocabulary",
+        healthy="at most ln(vocabulary) at the start, falling from there",
+        causes=(
+            "Initialization too large: the logits start huge and confidently wrong",
+            "Learning rate far too high: the first updates blew the model up",
+            "fp16 overflow, or a loss computed on the wrong targets",
+        ),
+        checks=(
+            "Standard init: model.init_std=0.02",
+            "Lower the LR and warm up: optim.lr=null schedule.warmup_fraction=0.05",
+            "Test the loss on a known input: a fresh model's loss should be close to ln(vocabulary)",
+        ),
+        seed_ref="5.1; 2.4",
+    ),
+    AlarmKind(
+        name="loss_rising",
+        metric="loss",
+        title="Loss climbing well above its best, check after check (divergence, not a spike)",
+        healthy="falling, or flat late in training",
+        causes=(
+            "Learning rate too high: the run is diverging",
+            "Warmup missing or too short",
+            "Gradient clipping off",
+            "Data not shuffled: the loss follows the order of the files",
+        ),
+        checks=(
+            "Lower the LR: optim.lr=...; warm up: schedule.warmup_fraction=0.05",
+            "Clip: optim.clip_grad_norm=1.0",
+            "Shuffle: data.shuffle=true",
+            "Recover automatically: monitor.actions.loss_rising=rollback",
+        ),
+        seed_ref="5.1; 8.3; 2.4",
+    ),
+    AlarmKind(
+        name="loss_not_decreasing",
+        metric="loss",
+        title="The model is not learning: the loss has not left chance, or is stuck at the unigram baseline",
+        healthy="well below the unigram baseline (the loss of a model that ignores context) after the first steps",
+        causes=(
+            "Learning rate too low, or the schedule at its floor",
+            "Initialization too small or too large",
+            "Learning rate so high that the model cannot settle",
+            "Post-LN or a deep stack that passes no gradient to its first blocks",
+        ),
+        checks=(
+            "optim.lr=null (the default for the optimizer and width)",
+            "Standard init: model.init_std=0.02 model.residual_init=scaled",
+            "model.norm_position=pre",
+            "Overfit one batch first: llmtrain doctor",
+        ),
+        seed_ref="5.1; 8.3",
+    ),
+    AlarmKind(
+        name="loss_oscillating",
+        metric="loss",
+        title="Loss swinging between checks far more than the noise of its steps explains (correlated batches)",
+        healthy="interval means that vary by about their steps' noise / the number of steps",
+        causes=(
+            "Data not shuffled: consecutive batches come from the same part of the corpus",
+            "A data order that groups similar documents (sorted by source, length or topic)",
+        ),
+        checks=(
+            "Shuffle: data.shuffle=true, or data.sampling=epoch (a new order every epoch)",
+            "Inspect the order of the prepared windows",
+        ),
+        seed_ref="5.1; 8.3",
+    ),
+    AlarmKind(
+        name="weight_decay_dominant",
+        metric="update_ratio",
+        title="Weight decay makes most of each update: the weights follow the decay, not the gradient",
+        healthy="lr x weight decay a few percent of the update/weight ratio",
+        causes=(
+            "Weight decay far too strong (AdamW's is decoupled: it shrinks the weights by lr x weight_decay per step)",
+            "Learning rate too low for the gradient step to matter beside the decay",
+        ),
+        checks=(
+            "optim.weight_decay=0.1 (usual 0.01-0.1)",
+            "Check the LR against the sane range: llmtrain check",
+        ),
+        seed_ref="5.1; 8.2",
+    ),
+    AlarmKind(
+        name="schedule_ended",
+        metric="lr",
+        title="The LR schedule ended before the run: the rest trains at the floor LR",
+        healthy="a schedule as long as the run",
+        causes=("schedule.total_steps shorter than the run (often after extending max_steps)",),
+        checks=("schedule.total_steps=null (the run's length), or end the run with the schedule",),
+        seed_ref="8.2; 7.4",
+    ),
+    AlarmKind(
         name="nonfinite",
         metric="loss",
         title="NaN or Inf in the loss or gradients",
@@ -308,6 +474,7 @@ _KINDS = (
 )
 
 CATALOG: dict[str, AlarmKind] = {k.name: k for k in _KINDS}
+CLEAR_EVIDENCE = 0.85  # a top cause scoring this high is the configuration itself (e.g. post-LN, init std 1.0)
 
 
 def explain(name: str) -> str:
@@ -320,4 +487,21 @@ def explain(name: str) -> str:
     lines += [f"    - {cause}" for cause in kind.causes]
     lines.append("  Check:")
     lines += [f"    - {check}" for check in kind.checks]
+    return "\n".join(lines)
+
+
+def explain_ranked(name: str, causes: list, action: str = "warn", severity: str = "warning") -> str:
+    """An alarm with its causes ranked for this run: the title, then each cause with the evidence
+    that ranked it and its fix, most likely first (`health/diagnosis.py`). When the evidence is
+    clear, the alarm critical and its action only a warning, how to make such runs stop by themselves."""
+    kind = CATALOG[name]
+    lines = [f"{kind.title} [{kind.name}: {kind.metric}, healthy: {kind.healthy}]", "  Most likely causes, for this run:"]
+    # The likely ones: a cause the evidence barely supports is in the record, not in the text.
+    shown = [cause for cause in causes if cause.score >= 0.2][:4] or causes[:1]
+    for i, cause in enumerate(shown, 1):
+        fix = f" -> {cause.fix}" if cause.fix else ""
+        lines.append(f"    {i}. {cause.title} ({cause.evidence}){fix}")
+    if causes[0].score >= CLEAR_EVIDENCE and action == "warn" and severity == "critical":
+        lines.append(f"  The evidence is clear: fix it and start again; to stop such a run at this alarm: "
+                     f"'++monitor.actions.{name}=stop'")
     return "\n".join(lines)

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from pathlib import Path
 
 import torch
 
 from llmtrain.config.schema import MonitorConfig
 from llmtrain.health.detectors import Alarm, HealthMonitor, Sample
+from llmtrain.health.diagnosis import RunFacts
 from llmtrain.health.probes import (
     ActivationProbe,
     block_norms,
@@ -32,6 +34,8 @@ from llmtrain.runs.files import Kind
 from llmtrain.sinks import ConsoleSink, JsonlSink, MetricsSink, NullSink
 from llmtrain.training import faults
 
+INTERVAL_LOSSES_KEPT = 1000  # a check interval's losses kept for its mean: bounded memory at any monitor.interval
+
 
 class HealthWatch:
     """The monitor, as the loop sees it: one call per moment of the step (before/after the forward,
@@ -39,7 +43,8 @@ class HealthWatch:
 
     def __init__(self, cfg: MonitorConfig, model: torch.nn.Module, run_dir: Path, sink: ConsoleSink,
                  metrics: MetricsSink | NullSink, steps_total: int, fp16_without_scaler: bool = False,
-                 flops_per_token: float = 0.0, write_events: bool = True, world_size: int = 1) -> None:
+                 flops_per_token: float = 0.0, write_events: bool = True, world_size: int = 1,
+                 facts: RunFacts | None = None) -> None:
         self.flops_per_token = flops_per_token
         self.world_size = world_size  # tokens/s counts all ranks; the peak is one device's
         self.peak_flops: float | None = None  # measured at the first check, for MFU
@@ -50,7 +55,7 @@ class HealthWatch:
         self.leaked: list[bytearray] = []
         self.blocks = model.blocks
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.monitor = HealthMonitor(cfg)
+        self.monitor = HealthMonitor(cfg, facts)
         self.events = JsonlSink(run_dir / files.EVENTS) if write_events else NullSink()
         self.steps_total = steps_total
         self.probe: ActivationProbe | None = None
@@ -60,6 +65,12 @@ class HealthWatch:
         self.interval_start = time.perf_counter()
         self.interval_tokens = 0
         self.last_activations: dict[str, list[float]] = {}
+        # This interval's step losses, read at the check (the last INTERVAL_LOSSES_KEPT of a long one).
+        self.interval_losses: deque[torch.Tensor] = deque(maxlen=INTERVAL_LOSSES_KEPT)
+        # The last check step's update ratio and its LR, judged at the next check (None: no update
+        # was applied at the last check step, or there has been none yet).
+        self.pending_update: tuple[float, float] | None = None
+        self.check_lr = 0.0
 
     def is_check(self, step: int) -> bool:
         """`step` is the 1-based number of the step being taken."""
@@ -75,9 +86,11 @@ class HealthWatch:
         """Time the loop spent fetching a window: the check's data-wait share."""
         self.data_seconds += seconds
 
-    def after_forward(self) -> None:
+    def after_forward(self, loss: torch.Tensor) -> None:
+        """The step's loss joins the interval's (kept on the device: no sync until the check)."""
         if self.probe is not None:
             self.probe.remove()
+        self.interval_losses.append(loss.detach().reshape(1).float())
 
     def skip_check(self) -> None:
         """A step that is not checked (not a check step, or not finite): activations sampled on
@@ -91,17 +104,18 @@ class HealthWatch:
         grads = block_norms(self.blocks, grads=True)
         weights = block_norms(self.blocks, grads=False)
         parts = [loss.reshape(1).float(), grad_norm.reshape(1).float().to(device), total_norm(self.params).reshape(1),
-                 grads.to(device), weights.to(device)]
+                 interval_stats(self.interval_losses, loss).to(device), grads.to(device), weights.to(device)]
+        self.interval_losses.clear()
         stats = self.probe.stats() if self.probe is not None else None
         if stats is not None:
             parts += [torch.stack(stats[0]).to(device), torch.stack(stats[1]).to(device)]
         self.probe = None
         values = torch.cat(parts).tolist()  # the check's one host sync
         n = len(self.blocks)
-        loss_v, grad_v, param_v = values[:3]
-        block_grads, block_params = values[3:3 + n], values[3 + n:3 + 2 * n]
-        act_mean = values[3 + 2 * n:3 + 3 * n] if stats is not None else None
-        act_var = values[3 + 3 * n:3 + 4 * n] if stats is not None else None
+        loss_v, grad_v, param_v, interval_loss, interval_var, interval_steps = values[:6]
+        block_grads, block_params = values[6:6 + n], values[6 + n:6 + 2 * n]
+        act_mean = values[6 + 2 * n:6 + 3 * n] if stats is not None else None
+        act_var = values[6 + 3 * n:6 + 4 * n] if stats is not None else None
         now = time.perf_counter()
         tokens_per_s = (tokens - self.interval_tokens) / max(now - self.interval_start, 1e-9)
         if self.peak_flops is None:
@@ -109,10 +123,15 @@ class HealthWatch:
         sample = Sample(step=step, loss=loss_v, grad_norm=grad_v, block_grad_norms=block_grads, param_norm=param_v,
                         lr_applied=lr_applied, lr_schedule=lr_schedule, rss_mb=rss_mb(), steps_total=self.steps_total,
                         fp16_without_scaler=self.fp16_without_scaler,
-                        activation_mean=act_mean, activation_var=act_var)
+                        activation_mean=act_mean, activation_var=act_var, interval_loss=interval_loss,
+                        interval_loss_var=interval_var, interval_steps=int(interval_steps),
+                        update_ratio=self.pending_update[0] if self.pending_update else None,
+                        update_lr=self.pending_update[1] if self.pending_update else None)
+        self.pending_update, self.check_lr = None, lr_applied
         self.record = {
             "kind": Kind.HEALTH, "step": step, "loss": loss_v, "grad_norm": grad_v, "block_grad_norms": block_grads,
-            "param_norm": param_v, "block_param_norms": block_params, "lr_applied": lr_applied,
+            "param_norm": param_v, "block_param_norms": block_params, "interval_loss": interval_loss,
+            "lr_applied": lr_applied,
             "lr_schedule": lr_schedule, "rss_mb": sample.rss_mb, "tokens_per_s": tokens_per_s,
             "data_wait_share": self.data_seconds / max(now - self.interval_start, 1e-9),
             "mfu": tokens_per_s * self.flops_per_token / (self.peak_flops * self.world_size), "peak_flops_per_s": self.peak_flops,
@@ -142,13 +161,22 @@ class HealthWatch:
         return alarms
 
     def checkpoint_state(self) -> dict:
-        """What a checkpoint keeps of the monitor (windows, counts, active alarms)."""
-        return {"monitor": self.monitor.state_dict()}
+        """What a checkpoint keeps of the monitor (windows, counts, active alarms) and of this
+        watch (the losses of the interval so far, the update ratio still to judge), so a resumed run
+        judges exactly as the uninterrupted one would. Called at a save (which syncs anyway)."""
+        losses = torch.cat(list(self.interval_losses)).tolist() if self.interval_losses else []
+        return {"monitor": {**self.monitor.state_dict(), "interval_losses": losses,
+                            "pending_update": list(self.pending_update) if self.pending_update else None}}
 
     def restore(self, monitor_state: dict | None) -> None:
         """The monitor as a checkpoint left it (a resume, a rollback): a recurring pattern is
         raised again. No state (an older checkpoint, or none): as it is."""
         if monitor_state:
+            device = self.params[0].device
+            self.interval_losses = deque((torch.tensor([v], device=device) for v in monitor_state.get("interval_losses", [])),
+                                         maxlen=INTERVAL_LOSSES_KEPT)
+            pending = monitor_state.get("pending_update")
+            self.pending_update = (float(pending[0]), float(pending[1])) if pending else None
             self.monitor.load_state_dict(monitor_state)
 
     def forget_alarm(self, name: str) -> None:
@@ -157,8 +185,14 @@ class HealthWatch:
         self.monitor.active.discard(name)
 
     def restart_interval(self, tokens: int) -> None:
-        """After a rollback the token count went back: tokens/s starts over from here."""
+        """After a rollback the token count went back: tokens/s starts over from here, and the
+        interval's losses are those of the steps taken from the checkpoint on."""
         self.interval_tokens, self.interval_start, self.data_seconds = tokens, time.perf_counter(), 0.0
+        self.interval_losses.clear()
+
+    def nonfinite(self, record: dict) -> None:
+        """A non-finite step and what it caused (skip, rollback, stop): part of the run's events."""
+        self.events.write(record)
 
     def after_step(self, applied: bool) -> None:
         """Finish the check step's record with the update-to-parameter ratio ||dW|| / ||W||."""
@@ -167,6 +201,7 @@ class HealthWatch:
         if applied and self.before is not None:
             update = total_norm([p - b for p, b in zip(self.params, self.before)])
             self.record["update_ratio"] = (update / total_norm(self.before).clamp_min(1e-12)).item()
+            self.pending_update = (self.record["update_ratio"], self.check_lr)
         self.metrics.write(self.record)
         self.record, self.before = None, None
 
@@ -179,6 +214,20 @@ class HealthWatch:
         if self.probe is not None:
             self.probe.remove()
         self.events.close()
+
+
+def interval_stats(losses: deque[torch.Tensor], fallback: torch.Tensor) -> torch.Tensor:
+    """The mean and the (unbiased) variance of the interval's finite step losses (non-finite steps
+    were not trained on) and their count, as three elements; the check step's own loss, 0 and 0
+    when there are none."""
+    values = torch.cat(list(losses)) if losses else fallback.detach().reshape(1).float()
+    finite = torch.isfinite(values)
+    count = finite.sum()
+    kept = torch.where(finite, values, 0.0)
+    mean = kept.sum() / count.clamp_min(1)
+    var = torch.where(finite, values - mean, 0.0).pow(2).sum() / (count - 1).clamp_min(1)
+    mean = torch.where(count > 0, mean, fallback.detach().float().reshape(()))
+    return torch.stack([mean, torch.where(count > 1, var, torch.zeros_like(var)), count.float()])
 
 
 class NullWatch:
@@ -194,7 +243,7 @@ class NullWatch:
     def waited_for_data(self, seconds: float) -> None:
         pass
 
-    def after_forward(self) -> None:
+    def after_forward(self, loss: torch.Tensor) -> None:
         pass
 
     def skip_check(self) -> None:
@@ -214,6 +263,9 @@ class NullWatch:
         pass
 
     def restart_interval(self, tokens: int) -> None:
+        pass
+
+    def nonfinite(self, record: dict) -> None:
         pass
 
     def after_step(self, applied: bool) -> None:

@@ -28,10 +28,12 @@ from llmtrain.config.derived import (
     default_lr,
     effective_lr,
     expected_data_vocab,
+    init_gain,
     lr_defaulted,
     model_vocab_size,
     resolved_warmup_steps,
     sane_lr_range,
+    schedule_steps,
     seq_len_of,
     total_steps,
 )
@@ -66,6 +68,7 @@ from llmtrain.preflight.estimate import (
 )
 from llmtrain.sinks import default_console
 from llmtrain.training.precision import native_bf16, resolve_precision
+from llmtrain.training.schedule import final_lr, held_lr_text
 from llmtrain.training.step import evaluate
 
 EXIT_PASS, EXIT_WARN, EXIT_FAIL = 0, 1, 2
@@ -287,12 +290,15 @@ def check_data_order(cfg: Config, facts: Facts) -> Row:
 
 
 def check_warmup(cfg: Config, facts: Facts) -> Row:
-    total = total_steps(cfg)
+    # Warmup is a share of the LR schedule, which schedule.total_steps may make other than the run.
+    total = schedule_steps(cfg)
+    own = cfg.schedule.total_steps is not None
     warmup = resolved_warmup_steps(cfg.schedule, total)
     share = warmup / max(1, total)
-    seen = f"{warmup} of {total} steps ({share:.1%})"
+    of = f"the schedule's {total}" if own else f"{total}"
+    seen = f"{warmup} of {of} steps ({share:.1%})"
     why = "Early gradients of a random model are large and unreliable; a full LR on them can push weights to extremes."
-    suggestion = f"schedule.warmup_steps={max(1, round(0.05 * total))} (5% of the run)"
+    suggestion = f"schedule.warmup_steps={max(1, round(0.05 * total))} (5% of the {'schedule' if own else 'run'})"
     if warmup == 0:
         return Row("warmup", Status.WARN, "none", why, suggestion)
     if 0.01 <= share <= 0.10:
@@ -303,6 +309,20 @@ def check_warmup(cfg: Config, facts: Facts) -> Row:
         return Row("warmup", Status.WARN, seen + " - short", why, suggestion)
     return Row("warmup", Status.WARN, seen + " - long: the run spends it below its LR",
                "Beyond ~10% warmup wastes steps at a low LR.", suggestion)
+
+
+def check_schedule_length(cfg: Config, facts: Facts) -> Row | None:
+    """A WARN when the LR schedule (schedule.total_steps) ends before the run and the rest of the run
+    sits at a lower LR; no row otherwise, so the table of a run its schedule covers is unchanged."""
+    run_steps, steps = total_steps(cfg), schedule_steps(cfg)
+    peak = effective_lr(cfg)
+    held = final_lr(peak, steps, cfg.schedule)
+    if steps >= run_steps or held >= peak:  # covers the run, or holds the peak (constant): nothing lost
+        return None
+    seen = f"ends at step {steps:,} of {run_steps:,}: the last {run_steps - steps:,} steps at {held_lr_text(held, peak)}"
+    why = ("Past its end the schedule holds its final LR: the rest of the run costs full compute at the floor (at LR 0 "
+           "it trains nothing); usually a schedule left from a shorter run.")
+    return Row("schedule length", Status.WARN, seen, why, "schedule.total_steps=null")
 
 
 def check_clipping(cfg: Config, facts: Facts) -> Row:
@@ -532,12 +552,9 @@ def check_residual_norm(cfg: Config, facts: Facts) -> Row:
 
 def check_init(cfg: Config, facts: Facts) -> Row:
     m = cfg.model
-    if m.init == "normal_0.02":
-        gain = m.n_embd * m.init_std**2  # output variance of a matmul on unit-variance inputs
-        seen = f"normal std {m.init_std:g}: fan-in x std^2 = {gain:.2f}"
-    else:
-        gain = 2.0 if m.init == "kaiming" else 2 * m.n_embd / (m.n_embd + 4 * m.n_embd)
-        seen = f"{m.init}: fan-in x var = {gain:.2f}"
+    gain = init_gain(m)  # output variance of a matmul on unit-variance inputs
+    seen = (f"normal std {m.init_std:g}: fan-in x std^2 = {gain:.2f}" if m.init == "normal_0.02"
+            else f"{m.init}: fan-in x var = {gain:.2f}")
     seen += f"; residual outputs {m.residual_init.value}"
     why = "Each layer's output variance is fan-in x weight variance: far above 1 explodes, far below vanishes."
     if gain > 2.5:
@@ -585,8 +602,9 @@ def check_run_time(cfg: Config, facts: Facts) -> Row | None:
 
 
 ITEMS: list[Callable[[Config, Facts], Row | None]] = [
-    check_data_content, check_data_order, check_warmup, check_clipping, check_precision, check_memory, check_train_mode, check_seed,
-    check_effective_batch, check_learning_rate, check_vocabulary, check_residual_norm, check_init, check_token_budget, check_run_time,
+    check_data_content, check_data_order, check_warmup, check_schedule_length, check_clipping, check_precision,
+    check_memory, check_train_mode, check_seed, check_effective_batch, check_learning_rate, check_vocabulary,
+    check_residual_norm, check_init, check_token_budget, check_run_time,
 ]
 
 

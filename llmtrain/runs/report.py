@@ -1,15 +1,22 @@
 """`llmtrain report <run dir>`: the post-run review of one run, with plots.
 
-Six questions, each answered with a verdict (ok / warn / n/a) and the numbers behind it:
+Seven questions, each answered with a verdict (ok / warn / fail / n/a) and the numbers behind it:
 
-    smoothness    spikes in the train loss (robust z-score against the preceding window)
+    learning      did the loss fall, and below the unigram baseline (the loss of a model that
+                  ignores context)? From the final loss, its distance to the first one and the trend
+    smoothness    spikes in the train loss (robust z-score against the preceding window, and a rise
+                  large in nats and in share: a flat curve is flat)
     overfitting   the validation-train gap over time, and where validation turns up if it does
     inference     the final weights reloaded: eval mode twice identical, equal to train mode with
                   dropout off, a few sampled tokens
     memory        peak memory against what the device has
     step time     data / forward / backward / optimizer / other on the timed steps, the
                   bottleneck, tokens/s and MFU
-    alarms        the health alarms raised and the actions taken, non-finite steps, failed saves
+    alarms        the health alarms raised (with their most likely cause when the record ranks
+                  causes) and the actions taken, non-finite steps, failed saves
+
+The section over the health plots carries the monitor's verdict too (ok only without alarms), and
+the loss plot draws the unigram baseline and marks the steps where alarms fired.
 
 Everything comes from the run dir, so a run that was interrupted or crashed gets its report too:
 the logs through runs/records.py (the run as it finally went: a resume's redone steps replace the
@@ -39,13 +46,28 @@ from rich.table import Table
 
 from llmtrain.config.hydra import config_from_dict
 from llmtrain.errors import ConfigError, UserError
-from llmtrain.health.detectors import robust_z
+from llmtrain.health.detectors import SPIKE_MIN_RISE, SPIKE_MIN_SHARE, is_spike, robust_z
 from llmtrain.runs.compare import summarize
 from llmtrain.runs.files import CONFIG, EVENTS, METRICS, REPORT_HTML, REPORT_MD, TOKENIZER, TRAINER_STATE, Kind
-from llmtrain.runs.records import Records, number, read_records
+from llmtrain.runs.records import Record, Records, number, read_records
 
-OK, WARN, NA = "ok", "warn", "n/a"
+OK, WARN, FAIL, NA = "ok", "warn", "fail", "n/a"
 SPIKE_WINDOW = 20  # logged points a loss value is compared with
+# A spike is also large: on a flat curve (LR 1e-8: 5.39 +- 1e-4) the MAD is ~0 and any wobble has a
+# huge robust z. Noise of a healthy gpt_tiny run is ~0.05 nats; a real spike is tenths of a nat.
+# Did the model learn: the thresholds (docs/report.md). A healthy 100-step gpt_tiny run ends ~12%
+# below the unigram baseline with its loss still falling; none of these trips on it.
+LEARNING_MIN_POINTS = 5  # fewer logged train losses: too short to judge
+BARELY_MOVED = 0.05  # fell by less than this share of the way from the first loss to the baseline
+NEAR_BASELINE = 0.05  # a final loss less than this share below the baseline, no longer falling
+FALLING_SHARE = 0.2  # "still falling": the second half fell by this share of the whole drop so far
+FALLING_MIN_NATS = 0.02  # and by more than noise
+RISING_SHARE = 0.05  # "rising": the second half's trend is up by this share of the final loss
+RISING_MIN_NATS = 0.1  # and by more than noise
+# A byte/char model reaches the token-frequency plateau within ~10 steps and leaves it some tens of
+# steps later (gpt_tiny on the default data: 3.29, 3.32, 3.18, 2.97 at steps 10-40): a shorter run
+# ending on the plateau is too short to judge, not a model that cannot learn.
+LEARNING_MIN_STEPS = 100
 MEMORY_HEADROOM_WARN = 0.8  # peak above this share of the device's memory leaves little headroom
 PHASE_NAMES = ("data", "forward", "backward", "optimizer", "other")
 
@@ -77,6 +99,32 @@ class Report:
 # ---------------------------------------------------------------------------------------------
 
 
+def unigram_baseline(records: Records, cfg: Any) -> float | None:
+    """The loss to beat, the unigram entropy of the train split (nats/token): from the start record
+    when it carries it, else from the prepared data's meta in the cache (never prepared here);
+    None when neither has it."""
+    start = records.last(Kind.START) or {}
+    for key in ("unigram_entropy", "unigram_entropy_nats"):
+        if _positive(start.get(key)):
+            return float(start[key])
+    if cfg is None:
+        return None
+    from llmtrain.data.prepare import cached_meta
+
+    try:
+        meta = cached_meta(cfg.data) or {}
+    except Exception:  # noqa: BLE001 - a moved corpus, an unloadable dataset: no baseline, the rest stands
+        return None
+    return float(meta["unigram_entropy_nats"]) if _positive(meta.get("unigram_entropy_nats")) else None
+
+
+def _positive(value: Any) -> bool:
+    try:
+        return value is not None and math.isfinite(float(value)) and float(value) > 0
+    except (TypeError, ValueError):
+        return False
+
+
 def _load_config(run_dir: Path) -> Any:
     path = run_dir / CONFIG
     if not path.is_file():
@@ -92,34 +140,43 @@ def _load_config(run_dir: Path) -> Any:
 # ---------------------------------------------------------------------------------------------
 
 
-def smoothness(records: Records, spike_z: float) -> Verdict:
-    question = "Is the loss curve smooth?"
-    # The train records (every log_interval) and the health checks (every monitor.interval): one
-    # step's loss, not an average, so a spike shows as it was.
+def _train_losses(records: Records) -> list[tuple[int, float]]:
+    """(step, loss) of every logged train loss, finite ones, in step order: the train records (every
+    log_interval) and the health checks (every monitor.interval), one step's loss, not an average,
+    so a spike shows as it was."""
     points = dict(zip(*records.series(Kind.HEALTH, "loss")))
     points.update(zip(*records.series(Kind.TRAIN, "loss")))
-    nonfinite = records.of(Kind.NONFINITE)
-    finite = [(s, points[s]) for s in sorted(points) if math.isfinite(points[s])]
+    return [(s, points[s]) for s in sorted(points) if math.isfinite(points[s])]
+
+
+def _rise(finite: list[tuple[int, float]], i: int) -> tuple[float, float, float]:
+    """Point i against the (up to) SPIKE_WINDOW points before it: (robust z, rise above their
+    median in nats, the median)."""
+    window = [v for _, v in finite[max(0, i - SPIKE_WINDOW):i]]
+    median = statistics.median(window)
+    return robust_z(finite[i][1], window), finite[i][1] - median, median
+
+
+def smoothness(records: Records, spike_z: float) -> Verdict:
+    question = "Is the loss curve smooth?"
+    finite = _train_losses(records)
+    nonfinite = _logged(records, Kind.NONFINITE)
     if len(finite) < 5 and not nonfinite:
         return Verdict("smoothness", question, NA, f"only {len(finite)} logged train losses; too few to judge.",
                        plots=["loss.png"])
-    spikes = []
-    for i in range(3, len(finite)):
-        window = [v for _, v in finite[max(0, i - SPIKE_WINDOW):i]]
-        z = robust_z(finite[i][1], window)
-        if z > spike_z:
-            spikes.append((z, finite[i][0], finite[i][1], statistics.median(window)))
+    rises = [(i, *_rise(finite, i)) for i in range(3, len(finite))]
+    spikes = [(z, finite[i][0], finite[i][1], median) for i, z, rise, median in rises
+              if is_spike(z, rise, median, spike_z)]
+    rule = (f"a spike is robust z > {spike_z:g} (monitor.spike_z) and more than {SPIKE_MIN_RISE:g} nats and "
+            f"{SPIKE_MIN_SHARE:.0%} above the recent median")
     details = [f"{len(finite)} logged train losses (train records and health checks), each compared with the median "
-               f"and MAD of the {SPIKE_WINDOW} before it (robust z-score; a spike is z > {spike_z:g}, monitor.spike_z)."]
+               f"and MAD of the {SPIKE_WINDOW} before it; {rule}."]
     if nonfinite:
         details.append(f"{len(nonfinite)} non-finite step(s) (NaN/Inf loss or gradient, never applied): steps "
                        + ", ".join(str(r["step"]) for r in nonfinite[:10]) + ("..." if len(nonfinite) > 10 else "") + ".")
     if not spikes and not nonfinite:
-        largest = max((robust_z(finite[i][1], [v for _, v in finite[max(0, i - SPIKE_WINDOW):i]]), finite[i][0])
-                      for i in range(3, len(finite)))
-        return Verdict("smoothness", question, OK,
-                       f"smooth: no spike among {len(finite)} logged losses (largest robust z {largest[0]:.1f}, at "
-                       f"step {largest[1]}; a spike is > {spike_z:g}).", details, ["loss.png"])
+        return Verdict("smoothness", question, OK, f"smooth: no spike among {len(finite)} logged losses "
+                       f"({_largest_rise(finite, rises)}; {rule}).", details, ["loss.png"])
     finding = []
     if spikes:
         z, step, value, median = max(spikes)
@@ -132,6 +189,155 @@ def smoothness(records: Records, spike_z: float) -> Verdict:
         finding.append(f"{len(nonfinite)} non-finite step(s)")
     return Verdict("smoothness", question, WARN, "; ".join(finding) + ".", details, ["loss.png"],
                    marks=[step for _, step, _, _ in spikes])
+
+
+def _largest_rise(finite: list[tuple[int, float]], rises: list[tuple[int, float, float, float]]) -> str:
+    """The point furthest above its recent median, in nats, share and z: how far from a spike the
+    curve came."""
+    i, z, rise, median = max(rises, key=lambda r: r[2])
+    if rise <= 0:
+        return "no logged loss rose above the median of the ones before it"
+    return (f"the largest rise above the recent median: +{rise:.4f} nats ({rise / max(abs(median), 1e-12):.1%}, "
+            f"robust z {z:.1f}) at step {finite[i][0]}")
+
+
+def _slope(points: list[tuple[int, float]]) -> float:
+    """Theil-Sen slope (median of the pairwise slopes) of (step, loss) points, per step: a trend one
+    outlier cannot tilt."""
+    slopes = [(b[1] - a[1]) / (b[0] - a[0]) for i, a in enumerate(points) for b in points[i + 1:] if b[0] != a[0]]
+    return statistics.median(slopes) if slopes else 0.0
+
+
+@dataclass
+class Progress:
+    """What the loss did over the run, the numbers `learning` judges."""
+
+    first_step: int
+    first: float  # the first logged train loss
+    name: str  # what `final` is: "final val loss" or "final train loss"
+    final: float
+    trend: float  # the loss change over the second half of the logged losses (Theil-Sen), nats
+    trend_steps: tuple[int, int]  # the steps that half spans
+    last_step: int  # the last logged step
+    above_best: float = 0.0  # how far the loss ends above its lowest (validation, or smoothed train losses)
+
+    @property
+    def fell(self) -> float:
+        return self.first - self.final
+
+    def still_falling(self) -> bool:
+        """The curve has not levelled off: the second half still fell by a good share of the whole
+        drop (a too-short run), and by more than noise."""
+        return -self.trend > max(FALLING_MIN_NATS, FALLING_SHARE * max(self.fell, 0.0))
+
+    def rising(self) -> bool:
+        """The loss trends up over the second half by more than noise, and ends that far above its
+        best: divergence, not a spike (nor the noise of single-step losses on a run whose validation
+        loss still falls)."""
+        margin = max(RISING_MIN_NATS, RISING_SHARE * abs(self.final))
+        return self.trend > margin and self.above_best > margin
+
+    def trend_text(self) -> str:
+        a, b = self.trend_steps
+        return f"{self.trend:+.4f} over steps {a}-{b}"
+
+
+def _progress(records: Records, train: list[tuple[int, float]]) -> Progress:
+    """The first logged loss, the final one (the last validation loss when it is recent, else the
+    median of the last 3 train losses) and the trend of the second half."""
+    half = train[len(train) // 2:]
+    trend = _slope(half) * (half[-1][0] - half[0][0])
+    val = records.series(Kind.EVAL, "val_loss")
+    if val[0] and val[0][-1] >= half[0][0]:
+        name, final = "final val loss", val[1][-1]
+    else:
+        name, final = "final train loss", statistics.median(v for _, v in train[-3:])
+    # How far the loss ends above its best, within one kind of loss: the validation losses when there
+    # are two or more, else medians of 3 logged train losses (a single train step's loss runs well
+    # below the validation loss on a good batch, so the two kinds do not compare).
+    finite_val = [v for v in val[1] if math.isfinite(v)]
+    if len(finite_val) >= 2:
+        above_best = finite_val[-1] - min(finite_val)
+    else:
+        medians = [statistics.median(v for _, v in train[i:i + 3]) for i in range(max(1, len(train) - 2))]
+        above_best = medians[-1] - min(medians)
+    return Progress(train[0][0], train[0][1], name, final, trend, (half[0][0], half[-1][0]),
+                    max(train[-1][0], val[0][-1] if val[0] else 0), above_best)
+
+
+def learning(records: Records, baseline: float | None) -> Verdict:
+    """Did the loss fall, and below the unigram baseline (the loss of a model that ignores
+    context)? Judged on the final loss, how far it moved from the first, and the trend. No plot of
+    its own: the loss plot, with the baseline drawn, opens the smoothness section right after it."""
+    question = "Did the model learn?"
+    train = _train_losses(records)
+    if len(train) < LEARNING_MIN_POINTS:
+        return Verdict("learning", question, NA, f"too short to judge: only {len(train)} logged train losses.")
+    p = _progress(records, train)
+    details = [f"first logged train loss {p.first:.4f} (step {p.first_step}); {p.name} {p.final:.4f}; "
+               f"train-loss trend {p.trend_text()} (the Theil-Sen slope of the second half of the logged losses, "
+               "times its span: a trend one outlier cannot tilt)."]
+    if baseline is not None:
+        details.append(f"unigram baseline {baseline:.4f} nats/token: the loss of a model that predicts each token "
+                       "from the token frequencies alone.")
+    if not math.isfinite(p.final):
+        return Verdict("learning", question, FAIL, f"diverged: the {p.name} is {p.final}.", details)
+    status, finding = _learning_judgement(p, baseline)
+    if status in (WARN, FAIL):
+        details.append("Usual causes: LR far too low or too high, a schedule at its floor, broken initialization or "
+                       "residual path, frozen blocks; the alarms and their causes below say which fits this run.")
+    return Verdict("learning", question, status, finding, details)
+
+
+def _learning_judgement(p: Progress, baseline: float | None) -> tuple[str, str]:
+    if p.rising():
+        verdict = f"the loss is rising: the train loss trends up, {p.trend_text()} (a trend, not a single spike)"
+        if baseline is None:
+            return WARN, verdict + "."
+        if p.final >= baseline:
+            return FAIL, f"{verdict}; {_against(p, baseline)}: the model learned nothing beyond token frequencies."
+        return WARN, f"{verdict}; {_against(p, baseline)}."
+    if baseline is None:
+        if p.fell < BARELY_MOVED * abs(p.first) and not p.still_falling():
+            return WARN, (f"barely moved: the loss went from {p.first:.4f} (step {p.first_step}) to {p.final:.4f}; "
+                          "no unigram baseline recorded to compare with.")
+        return OK, (f"the loss fell from {p.first:.4f} (step {p.first_step}) to {p.final:.4f}; no unigram baseline "
+                    "recorded to compare with.")
+    # The way from the first loss down to the baseline; when the first logged loss is already at the
+    # baseline (logged after the model learned the frequencies) "barely moved" means nothing.
+    span = p.first - baseline
+    if span > NEAR_BASELINE * baseline and p.fell < BARELY_MOVED * span and not p.still_falling():
+        moved = (f"barely moved from {p.first:.4f} at step {p.first_step} ({p.fell / span:.0%} of the way to the "
+                 "baseline)" if p.fell > 0 else f"did not fall from {p.first:.4f} at step {p.first_step}")
+        return FAIL, (f"not learning: {_against(p, baseline)}, and the loss {moved}"
+                      + (": the model learned nothing beyond token frequencies." if p.final >= baseline else "."))
+    falling = p.still_falling()
+    if p.final >= baseline:
+        if p.last_step < LEARNING_MIN_STEPS:
+            why = (f"still falling ({p.trend_text()})" if falling else f"only {p.last_step} steps: a model leaves the "
+                   "token-frequency plateau after some tens of steps")
+            return NA, f"too short to judge: {_against(p, baseline)}, {why}; a longer run will tell."
+        if falling:
+            return WARN, (f"learning slowly: {_against(p, baseline)} after {p.last_step} steps, though still falling "
+                          f"({p.trend_text()}): an LR far too low or a long warmup; a longer run may get there.")
+        return FAIL, (f"not learning: {_against(p, baseline)}: the model learned nothing beyond token frequencies "
+                      f"(train-loss trend {p.trend_text()}).")
+    if p.final > (1 - NEAR_BASELINE) * baseline and not falling:  # barely below the baseline, and flat
+        if p.last_step < LEARNING_MIN_STEPS:
+            return NA, (f"too short to judge: {_against(p, baseline)} after only {p.last_step} steps; a model leaves "
+                        "the token-frequency plateau after some tens of steps.")
+        return WARN, (f"barely learning: {_against(p, baseline)} and no longer falling ({p.trend_text()}): the model "
+                      "learned little beyond token frequencies.")
+    return OK, (f"learning: {_against(p, baseline)}; the loss is {'still falling' if falling else 'levelling off'} "
+                f"({p.trend_text()}).")
+
+
+def _against(p: Progress, baseline: float) -> str:
+    """'final val loss 5.3600 is 65% above the unigram baseline 3.2492'."""
+    share = (p.final - baseline) / baseline
+    where = "above" if share >= 0 else "below"
+    percent = f"{abs(share):.1%}" if abs(share) < 0.1 else f"{abs(share):.0%}"  # 2.3%, not 2%, near the baseline
+    return f"{p.name} {p.final:.4f} is {percent} {where} the unigram baseline {baseline:.4f}"
 
 
 def overfitting(records: Records) -> Verdict:
@@ -373,19 +579,103 @@ def _slow_intervals(records: Records) -> str:
             "at full speed in the other intervals")
 
 
+def _logged(records: Records, kind: str) -> list[Record]:
+    """Each record of a kind the monitor may write to both logs, once: events.jsonl's when it has
+    any (the monitor's own log), else metrics.jsonl's (older runs, monitor off)."""
+    return records.written(kind, EVENTS) or records.written(kind, METRICS)
+
+
+def raised_alarms(records: Records) -> list[Record]:
+    """The alarm records in the order raised, one per (alarm, step): a resume that redoes a step
+    may log its alarm twice."""
+    seen: set[tuple[str, Any]] = set()
+    raised = []
+    for alarm in _logged(records, Kind.ALARM):
+        key = (str(alarm.get("alarm", "?")), alarm.get("step"))
+        if key not in seen:
+            seen.add(key)
+            raised.append(alarm)
+    return raised
+
+
+def top_cause(alarm: Record) -> dict | None:
+    """The alarm's most likely cause (the first of its ranked `causes`); None for a record without
+    them (runs from before the monitor ranked causes)."""
+    causes = alarm.get("causes")
+    if isinstance(causes, list) and causes and isinstance(causes[0], dict):
+        return causes[0]
+    return None
+
+
+def cause_text(cause: dict, evidence: bool = True) -> str:
+    """'Learning rate too high (LR 0.1 is 11x ...; fix: optim.lr=0.003)'; the title alone without
+    `evidence`."""
+    title = str(cause.get("title") or cause.get("cause") or "unnamed cause")
+    extra = [str(cause["evidence"])] if evidence and cause.get("evidence") else []
+    extra += [f"fix: {cause['fix']}"] if evidence and cause.get("fix") else []
+    return title + (f" ({'; '.join(extra)})" if extra else "")
+
+
+def _alarm_line(alarm: Record, action: str) -> str:
+    """One alarm as the details list it: step, name, severity, the band it left, the action, the
+    top-ranked cause when the record has one."""
+    line = f"step {alarm.get('step')}: {alarm.get('alarm', '?')} ({alarm.get('severity', '?')})"
+    if alarm.get("metric") is not None or alarm.get("band") is not None:
+        line += f": {alarm.get('metric', '?')} left the band {alarm.get('band', '?')}"
+    line += f" -> {action}"
+    cause = top_cause(alarm)
+    return line + (f"; most likely: {cause_text(cause)}" if cause else "")
+
+
+def _steps_text(steps: list[Any]) -> str:
+    shown = ", ".join(str(s) for s in steps[:5]) + (", ..." if len(steps) > 5 else "")
+    return f"step {shown}" if len(steps) == 1 else f"steps {shown}"
+
+
+def _alarm_summary(raised: list[Record]) -> list[str]:
+    """Per alarm name, in the order first raised: 'grad_norm_high at step 30 (most likely: Learning
+    rate too high)'."""
+    by_name: dict[str, list[Record]] = {}
+    for alarm in raised:
+        by_name.setdefault(str(alarm.get("alarm", "?")), []).append(alarm)
+    parts = []
+    for name, records in by_name.items():
+        cause = next((c for c in map(top_cause, records) if c), None)
+        parts.append(f"{name} at {_steps_text([r.get('step') for r in records])}"
+                     + (f" (most likely: {cause_text(cause, evidence=False)})" if cause else ""))
+    return parts
+
+
+def health_quantities(records: Records, plots: list[str]) -> Verdict:
+    """The section over the health plots: its verdict is the monitor's, ok only when no alarm fired
+    and no step was non-finite."""
+    question = "The health quantities over the run"
+    raised, nonfinite = raised_alarms(records), _logged(records, Kind.NONFINITE)
+    what = ("learning rate, gradient norm, parameter norm, block activations (the monitor's bands are in "
+            "docs/monitoring.md)")
+    if raised or nonfinite:
+        parts = [f"{len(raised)} alarm(s) fired: " + "; ".join(_alarm_summary(raised))] if raised else []
+        if nonfinite:
+            parts.append(f"{len(nonfinite)} non-finite step(s) at {_steps_text([r.get('step') for r in nonfinite])}")
+        # The evidence and the actions are listed once, under the alarms question.
+        return Verdict("curves", question, WARN, "; ".join(parts)
+                       + f" (evidence and actions under the alarms question). The plots: {what}.", plots=plots)
+    if not records.of(Kind.HEALTH):
+        return Verdict("curves", question, NA, f"no health checks recorded (monitor off?); the plots: {what}.", plots=plots)
+    return Verdict("curves", question, OK, f"every health check stayed in its band; the plots: {what}.", plots=plots)
+
+
 def alarms(records: Records) -> Verdict:
     question = "Which alarms were raised, and what was done?"
-    # Alarms and actions are in both logs: events.jsonl's when it has them (the monitor's own log).
-    raised = records.written(Kind.ALARM, EVENTS) or records.of(Kind.ALARM)
-    actions = records.written(Kind.ACTION, EVENTS) or records.of(Kind.ACTION)
-    rollbacks, save_errors = records.of(Kind.ROLLBACK), records.of(Kind.CHECKPOINT_ERROR)
-    nonfinite = records.of(Kind.NONFINITE)
+    raised = raised_alarms(records)
+    actions = _logged(records, Kind.ACTION)
+    rollbacks, save_errors = _logged(records, Kind.ROLLBACK), _logged(records, Kind.CHECKPOINT_ERROR)
+    nonfinite = _logged(records, Kind.NONFINITE)
     details = []
     for alarm in raised:
         taken = [a for a in actions if a.get("alarm") == alarm.get("alarm") and a.get("step") == alarm.get("step")]
         action = "; ".join(f"{a.get('action')}: {a.get('detail')}" for a in taken) or alarm.get("action") or "warn"
-        details.append(f"step {alarm.get('step')}: {alarm.get('alarm')} ({alarm.get('severity', '?')}): "
-                       f"{alarm.get('metric', '?')} left the band {alarm.get('band', '?')} -> {action}")
+        details.append(_alarm_line(alarm, str(action)))
     for record in nonfinite:
         details.append(f"step {record.get('step')}: non-finite loss/gradient -> {record.get('action')}")
     for record in rollbacks:
@@ -405,6 +695,10 @@ def alarms(records: Records) -> Verdict:
         parts.append(f"{len(rollbacks)} rollback(s)")
     if save_errors:
         parts.append(f"{len(save_errors)} failed save(s)")
+    first = next(((a, c) for a in raised if (c := top_cause(a))), None)
+    if first:
+        parts.append(f"most likely cause of {first[0].get('alarm')} (step {first[0].get('step')}): "
+                     f"{cause_text(first[1], evidence=False)}")
     return Verdict("alarms", question, WARN, "; ".join(parts) + " (details below and in events.jsonl).", details)
 
 
@@ -421,7 +715,43 @@ def _plot_series(ax: Any, series: tuple[list[int], list[float]], label: str) -> 
     return True
 
 
-def _plots(records: Records, folder: Path, spikes: list[int]) -> dict[str, Path]:
+def alarm_marks(records: Records) -> dict[str, list[int]]:
+    """The steps the loss plot marks, per alarm name in the order first raised (any name the
+    monitor writes), and the non-finite steps."""
+    marks: dict[str, list[int]] = {}
+    for alarm in raised_alarms(records):
+        if alarm.get("step") is not None:
+            marks.setdefault(str(alarm.get("alarm", "?")), []).append(int(alarm["step"]))
+    nonfinite = [int(r["step"]) for r in _logged(records, Kind.NONFINITE) if r.get("step") is not None]
+    if nonfinite:
+        marks["non-finite step"] = nonfinite
+    return marks
+
+
+def draw_loss(ax: Any, records: Records, spikes: list[int], baseline: float | None,
+              marks: dict[str, list[int]]) -> None:
+    """The loss plot: train and validation loss, the spikes, the unigram baseline (dashed) and a
+    vertical line per alarm step, one colour and one legend entry per alarm name."""
+    steps, losses = records.series(Kind.TRAIN, "loss")
+    val_steps, val = records.series(Kind.EVAL, "val_loss")
+    ax.plot(steps, losses, label="train", lw=1, color="C0")
+    if val:
+        ax.plot(val_steps, val, "o-", label="validation", ms=3, color="C1")
+    spike_points = [(s, v) for s, v in _train_losses(records) if s in spikes]  # health checks' losses too
+    if spike_points:
+        ax.plot(*zip(*spike_points), "rx", ms=8, label="spike")
+    if baseline is not None:
+        ax.axhline(baseline, ls="--", lw=1, color="grey", label=f"unigram baseline {baseline:.4f}")
+    for i, (name, at) in enumerate(marks.items()):
+        colour = f"C{(i + 2) % 10}"  # C0 and C1 are train and validation
+        for j, step in enumerate(at):
+            ax.axvline(step, ls=":", lw=1.2, color=colour, label=f"{name} ({_steps_text(at)})" if j == 0 else None)
+    ax.set(xlabel="step", ylabel="loss (nats/token)", title="Loss")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+
+
+def _plots(records: Records, folder: Path, spikes: list[int], baseline: float | None) -> dict[str, Path]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -440,18 +770,9 @@ def _plots(records: Records, folder: Path, spikes: list[int]) -> dict[str, Path]
         ax.text(0.5, 0.5, f"no {what} recorded", ha="center", va="center", transform=ax.transAxes, color="grey")
 
     fig, ax = plt.subplots(figsize=(8, 4))
-    steps, losses = records.series(Kind.TRAIN, "loss")
-    val_steps, val = records.series(Kind.EVAL, "val_loss")
-    ax.plot(steps, losses, label="train", lw=1)
-    if val:
-        ax.plot(val_steps, val, "o-", label="validation", ms=3)
-    spike_points = [(s, v) for s, v in zip(steps, losses) if s in spikes]
-    if spike_points:
-        ax.plot(*zip(*spike_points), "rx", ms=8, label="spike")
-    if not steps:
+    draw_loss(ax, records, spikes, baseline, alarm_marks(records))
+    if not records.series(Kind.TRAIN, "loss")[0]:
         empty(ax, "train loss")
-    ax.set(xlabel="step", ylabel="loss (nats/token)", title="Loss")
-    ax.legend()
     save(fig, "loss.png")
 
     fig, ax = plt.subplots(figsize=(8, 3))
@@ -533,7 +854,7 @@ def _plots(records: Records, folder: Path, spikes: list[int]) -> dict[str, Path]
 
 
 def build_report(run_dir: Path, inference_check: bool = True) -> Report:
-    """Answer the six questions and draw the plots (into RUN_DIR/report/); `write_report` also
+    """Answer the seven questions and draw the plots (into RUN_DIR/report/); `write_report` also
     writes the two pages. Raises UserError for a folder that is not a run dir."""
     run_dir = Path(run_dir)
     if not (run_dir / METRICS).is_file():
@@ -542,12 +863,14 @@ def build_report(run_dir: Path, inference_check: bool = True) -> Report:
     records = read_records(run_dir)
     cfg = _load_config(run_dir)
     spike_z = cfg.monitor.spike_z if cfg is not None else 6.0
+    baseline = unigram_baseline(records, cfg)
     summary = summarize(run_dir, records)
-    verdicts = [smoothness(records, spike_z), overfitting(records)]
+    smooth = smoothness(records, spike_z)
+    verdicts = [learning(records, baseline), smooth, overfitting(records)]
     verdicts.append(inference(run_dir, cfg) if inference_check
                     else Verdict("inference", "Does inference behave like training?", NA, "skipped (--no-inference)."))
     verdicts += [memory(records), step_time(records), alarms(records)]
-    plots = _plots(records, run_dir / "report", verdicts[0].marks)
+    plots = _plots(records, run_dir / "report", smooth.marks, baseline)
     start = records.last(Kind.START) or {}
     facts = [
         ("run dir", str(run_dir)),
@@ -557,6 +880,8 @@ def build_report(run_dir: Path, inference_check: bool = True) -> Report:
         ("final train loss", f"{summary.final_train_loss:.4f}" if summary.final_train_loss is not None else "-"),
         ("final val loss", f"{summary.final_val_loss:.4f}" if summary.final_val_loss is not None else "-"),
         ("best val loss", f"{summary.best_val_loss:.4f} (step {summary.best_step})" if summary.best_val_loss is not None else "-"),
+        ("unigram baseline", f"{baseline:.4f} nats/token (the loss of a model that ignores context)"
+         if baseline is not None else "- (not recorded, and the run's data is not in the cache)"),
         ("device", f"{start.get('device', '?')}, {start.get('precision', '?')}, world size {start.get('world_size', 1)}"),
     ]
     if cfg is not None:
@@ -565,9 +890,7 @@ def build_report(run_dir: Path, inference_check: bool = True) -> Report:
     for verdict in verdicts:
         verdict.plots = [p for p in verdict.plots if p in plots]
     extra = [name for name in ("lr.png", "grad_norm.png", "param_norm.png", "activations.png") if name in plots]
-    verdicts.append(Verdict("curves", "The health quantities over the run", OK if extra else NA,
-                            "learning rate, gradient norm, parameter norm, block activations (the monitor's bands "
-                            "are in docs/monitoring.md).", plots=extra))
+    verdicts.append(health_quantities(records, extra))
     return Report(run_dir, f"Run report: {run_dir.name}", facts, verdicts, plots)
 
 
@@ -604,7 +927,7 @@ def to_markdown(report: Report) -> str:
 
 
 def to_html(report: Report) -> str:
-    colours = {OK: "#1a7f37", WARN: "#b35900", NA: "#666"}
+    colours = {OK: "#1a7f37", WARN: "#b35900", FAIL: "#c62828", NA: "#666"}
     esc = html.escape
 
     def badge(status: str) -> str:
@@ -662,7 +985,7 @@ def tokens_text(records: Records, run_dir: Path, steps: int) -> str:
 
 def render_summary(report: Report, console: Any) -> None:
     """The verdicts as a short table in the terminal."""
-    style = {OK: "bold green", WARN: "bold yellow", NA: "dim"}
+    style = {OK: "bold green", WARN: "bold yellow", FAIL: "bold red", NA: "dim"}
     table = Table(title=f"post-run review: {report.run_dir}", title_justify="left", show_lines=False)
     table.add_column("question")
     table.add_column("verdict")

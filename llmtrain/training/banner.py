@@ -8,6 +8,7 @@ from llmtrain.config.derived import SeqLenStage, describe_lr, micro_batch_size_d
 from llmtrain.config.schema import Config, ParallelMode, Precision, SeqLenKeep
 from llmtrain.model import param_count
 from llmtrain.training.run import Run
+from llmtrain.training.schedule import final_lr, held_lr_text, lr_at
 
 
 def print_banner(run: Run) -> None:
@@ -29,7 +30,8 @@ def print_banner(run: Run) -> None:
             ("accumulation", f"{accum} micro-batch{'es' if accum > 1 else ''} of {cfg.micro_batch_size} per process "
                              f"(world size {layout.world_size}{_engine(cfg, device) if layout.distributed else ''})"
                              f"{' (derived: micro_batch_size not set)' if micro_batch_size_derived(cfg) else ''}"),
-            ("steps", f"{steps_total:,} (warmup {resolved_warmup_steps(cfg.schedule, steps_total)}, {cfg.schedule.name.value}), "
+            ("steps", f"{steps_total:,} (warmup {resolved_warmup_steps(cfg.schedule, run.schedule_steps)}, "
+                      f"{describe_schedule(cfg, steps_total, run.schedule_steps, peak_lr)}), "
                       f"{run.micro_total * cfg.micro_batch_size * seq_len * layout.world_size:,} tokens"),
             ("optimizer", f"{cfg.optim.name.value} lr {describe_lr(cfg)}{scaled}, {type(optimizer).__name__}"
                           f"{' (fused)' if optimizer.defaults.get('fused') else ''}"),
@@ -51,6 +53,20 @@ def print_banner(run: Run) -> None:
               for row in check.failures + check.warnings],
         ],
     )
+
+
+def describe_schedule(cfg: Config, steps_total: int, schedule_steps: int, peak_lr: float) -> str:
+    """The banner's schedule: "cosine" over the whole run; "cosine over 200 of 300 steps: the last 100
+    at the floor LR 0.0003" when it ends first; "cosine over 500 steps: the run ends at step 300, at
+    LR 0.0021" when the run stops mid-schedule."""
+    name = cfg.schedule.name.value
+    if schedule_steps == steps_total:
+        return name
+    if schedule_steps < steps_total:
+        held = held_lr_text(final_lr(peak_lr, schedule_steps, cfg.schedule), peak_lr)
+        return f"{name} over {schedule_steps:,} of {steps_total:,} steps: the last {steps_total - schedule_steps:,} at {held}"
+    last_lr = lr_at(steps_total - 1, peak_lr, schedule_steps, cfg.schedule)
+    return f"{name} over {schedule_steps:,} steps: the run ends at step {steps_total:,}, at LR {last_lr:.3g}"
 
 
 def threads_text(threads: int, world_size: int) -> str:

@@ -93,7 +93,7 @@ def fit(run: Run) -> TrainResult:
                 timer.start(step + 1)  # every timing_interval-th step: where its time goes, for the report
                 fetch_start = time.perf_counter()
                 window, window_tokens = next_window(run, step)
-                lr_schedule = lr_at(step, run.peak_lr, run.steps_total, cfg.schedule)
+                lr_schedule = lr_at(step, run.peak_lr, run.schedule_steps, cfg.schedule)
                 lr = lr_schedule * state.lr_scale
                 for group in optimizer.param_groups:
                     group["lr"] = lr
@@ -102,7 +102,7 @@ def fit(run: Run) -> TrainResult:
                 timer.lap("other")
 
                 loss = forward_backward(run, window, window_tokens)
-                watch.after_forward()
+                watch.after_forward(loss)
                 grad_norm = unscale_and_clip(optimizer, scaler, run.params, cfg.optim)
                 loss, grad_norm = run.faults.poison(step + 1, loss, grad_norm)
                 finite = is_finite(loss, grad_norm, scaler)  # the step's one host sync
@@ -120,7 +120,7 @@ def fit(run: Run) -> TrainResult:
                     outcome.state.tokens += window_tokens
                 if not finite:  # the update was not applied: skip, roll back or stop
                     outcome = handle_nonfinite(cfg, outcome.state, loss, grad_norm, saver, run.metrics, run.warn,
-                                               run.optim.model_state, run.optim.optimizer_state, scaler)
+                                               run.optim.model_state, run.optim.optimizer_state, scaler, watch)
                 run.state = state = outcome.state
                 if outcome.verdict is Verdict.ROLLED_BACK:  # the run goes on from the checkpoint's step
                     watch.restart_interval(state.tokens)

@@ -60,9 +60,10 @@ class Restored:
 def handle_nonfinite(
     cfg: Config, state: TrainState, loss: torch.Tensor, grad_norm: torch.Tensor, saver: CheckpointPolicy,
     metrics: MetricsSink, warn: Callable[[str], None], model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-    scaler: torch.amp.GradScaler | None,
+    scaler: torch.amp.GradScaler | None, watch: HealthWatch | NullWatch | None = None,
 ) -> Outcome:
-    """The update of this step was not applied. Skip it, roll back, or stop, as configured."""
+    """The update of this step was not applied. Skip it, roll back, or stop, as configured. The
+    step and what it caused are also events of the run (events.jsonl, through the watch)."""
     policy = cfg.checkpoint
     state.skipped_steps += 1
     state.consecutive_skips += 1
@@ -80,6 +81,8 @@ def handle_nonfinite(
     record = {"kind": Kind.NONFINITE, "step": state.step, "loss": loss.item(), "grad_norm": grad_norm.item(),
               "action": action.value, "consecutive": state.consecutive_skips, "skipped_total": state.skipped_steps}
     metrics.write(record)
+    if watch is not None:
+        watch.nonfinite({**record, "why": why} if why else record)
     warn(f"non-finite loss/gradient at step {state.step} (loss {record['loss']}, grad norm {record['grad_norm']}): "
          f"the update was not applied; action: {action.value}{f' ({why})' if why else ''}")
     if action is NonFinitePolicy.stop:

@@ -84,7 +84,8 @@ class Run:
     train_batches: TrainSampler
     val_batches: list[Batch]
     state: TrainState  # rebound by the loop after a rollback
-    steps_total: int
+    steps_total: int  # the run's length: checkpoints, progress, the health monitor
+    schedule_steps: int  # the LR schedule's length (`schedule_steps`): shorter or longer than the run
     micro_total: int  # micro-batches of the whole run, per process
     accum: int
     seq_len: int

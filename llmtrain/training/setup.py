@@ -49,6 +49,7 @@ from llmtrain.config.derived import (
     accumulation_steps,
     effective_lr,
     model_vocab_size,
+    schedule_steps,
     seq_len_of,
     seq_len_stages,
     total_micro_batches,
@@ -86,6 +87,7 @@ from llmtrain.distributed.wrapping import (
     zero_redundancy,
 )
 from llmtrain.errors import ConfigError
+from llmtrain.health.diagnosis import run_facts
 from llmtrain.health.probes import device_memory_mb
 from llmtrain.health.watch import HealthWatch, NullWatch
 from llmtrain.model import GPT, flops_per_token
@@ -101,6 +103,7 @@ from llmtrain.training.optim import build_optimizer
 from llmtrain.training.precision import autocast_factory, build_grad_scaler, resolve_precision
 from llmtrain.training.progress import Progress
 from llmtrain.training.run import Model, Optimization, Run, Runtime, TrainSampler
+from llmtrain.training.schedule import lr_at
 from llmtrain.training.stages import SeqLenStages
 from llmtrain.training.state import TrainResult, TrainState
 from llmtrain.training.step import Batch
@@ -151,8 +154,8 @@ def build_run(cfg: Config, console: ConsoleSink | None, layout: Layout,
               vocab_size=vocab_size, check=check, config_dict=config_dict,
               resume_from=checkpoint.path if checkpoint is not None else None, model=model, optim=optim,
               autocast=autocast, scaler=scaler, params=params, train_batches=train_batches, val_batches=val_batches,
-              state=state, steps_total=steps_total, micro_total=total_micro_batches(cfg),
-              accum=accumulation_steps(cfg), seq_len=seq_len, stage_plan=stages,
+              state=state, steps_total=steps_total, schedule_steps=schedule_steps(cfg),
+              micro_total=total_micro_batches(cfg), accum=accumulation_steps(cfg), seq_len=seq_len, stage_plan=stages,
               tokens_per_step=cfg.global_batch_size * seq_len, peak_lr=effective_lr(cfg), faults=Faults.from_env())
     print_banner(run)
     build_loop_parts(run, checkpoint)
@@ -358,6 +361,7 @@ def build_loop_parts(run: Run, checkpoint: Checkpoint | None) -> None:
                        "tokens_per_step": run.tokens_per_step,
                        "resumed_from": str(run.resume_from) if run.resume_from else None, "step": state.step,
                        "seed": run.runtime.seed, "check": {row.item: row.status.value for row in run.check.rows},
+                       "unigram_entropy": run.data.unigram_entropy, "vocab_size": run.vocab_size,
                        "device": str(run.device), "device_memory_mb": device_memory_mb(run.device),
                        "world_size": layout.world_size, "local_world_size": local_world_size(),
                        "flops_per_token": run.flops_per_token, "precision": run.runtime.precision.name.value})
@@ -380,9 +384,13 @@ def build_watch(run: Run, checkpoint: Checkpoint | None) -> HealthWatch | NullWa
     if not cfg.monitor.enabled:
         return NullWatch()
     fp16_unscaled = run.runtime.precision.name is Precision.fp16 and run.scaler is None
+    facts = run_facts(cfg, run.check.rows, peak_lr=run.peak_lr, steps_total=run.steps_total,
+                      schedule_steps=run.schedule_steps,
+                      schedule_floor=lr_at(run.schedule_steps, run.peak_lr, run.schedule_steps, cfg.schedule),
+                      baseline=run.data.unigram_entropy, vocab_size=run.vocab_size, fp16_without_scaler=fp16_unscaled)
     watch = HealthWatch(cfg.monitor, run.model.model, run.run_dir, run.sink, run.metrics, run.steps_total,
                         fp16_unscaled, run.flops_per_token, write_events=run.layout.is_main,
-                        world_size=run.layout.world_size)
+                        world_size=run.layout.world_size, facts=facts)
     watch.restart_interval(run.state.tokens)
     if checkpoint is not None:
         watch.restore(checkpoint.trainer.get("monitor"))

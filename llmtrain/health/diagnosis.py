@@ -1,0 +1,417 @@
+"""Differential diagnosis: an alarm's possible causes, ranked by the evidence of this run.
+
+An alarm says WHAT is wrong (a quantity left its band); which cause is behind it depends on the run.
+Each alarm has a differential, the causes that can produce it (`DIFFERENTIAL`). Each cause is
+scored from two kinds of evidence:
+
+- the configuration (`RunFacts`, gathered once at start): the LR against the sane range for this
+  optimizer and width, warmup, init variance, residual scaling, norm position, clipping, data order,
+  weight decay, precision and scaler, the schedule's length;
+- what the monitor saw (`Signals`, at the alarm): the update-to-weight ratio, the gradient norm,
+  the loss against chance and the unigram baseline, which blocks are concerned.
+
+A score is a likelihood in [0, 1]; a cause the evidence contradicts is left out (no "raise the LR"
+while the LR is above its sane range). Causes come out most likely first, each with the evidence
+that ranked it and a fix. The fixes of configuration causes are the pre-flight check's own (the
+rows of `llmtrain check`), so the check and the alarm never advise differently.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from llmtrain.config.derived import init_gain, resolved_warmup_steps, sane_lr_range
+from llmtrain.config.schema import Config, NormPosition, ResidualInit
+
+if TYPE_CHECKING:  # the check imports torch; the diagnosis reads only its rows' item and fix
+    from llmtrain.preflight.check import Row
+
+# Update-to-weight ratio ||dW|| / ||W|| per step, as evidence (the alarm bands are monitor keys):
+# measured on gpt_tiny at the default LR 3e-3 it falls from ~1.5e-2 early to ~1.5e-3 by step 300;
+# at 10x the LR it starts at 0.11. Above UPDATE_RATIO_HIGH the updates are large for any point of a
+# healthy run, below UPDATE_RATIO_LOW they are too small to learn.
+UPDATE_RATIO_HIGH = 5e-2
+UPDATE_RATIO_LOW = 1e-5
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What the configuration says about the run, for ranking causes (all plain numbers/strings)."""
+
+    lr: float = 0.0  # the peak LR the schedule uses
+    lr_low: float = 0.0  # the sane range for this optimizer and width (as `check` computes it)
+    lr_high: float = math.inf
+    optimizer: str = "adamw"
+    n_embd: int = 0
+    n_layer: int = 0
+    warmup_steps: int = -1  # -1: unknown
+    steps_total: int = 0
+    schedule_steps: int = 0  # the LR schedule's length (may end before the run)
+    schedule_floor: float = 0.0  # the LR once the schedule has ended
+    init_gain: float = math.nan  # fan-in x init variance (healthy ~0.05 to 2)
+    init_std: float = math.nan  # NaN for a scheme without one (xavier, kaiming)
+    init_scheme: str = "normal_0.02"
+    residual_scaled: bool = True
+    post_ln: bool = False
+    bias: bool = False
+    clip: float | None = 1.0
+    shuffled: bool = True
+    weight_decay: float = 0.0
+    fp16_without_scaler: bool = False
+    baseline: float = math.nan  # the unigram entropy of the training data (nats/token)
+    chance: float = math.nan  # ln(vocabulary): the loss of a uniform guess
+    fixes: dict[str, str] = field(default_factory=dict)  # pre-flight check item -> its suggested fix
+
+    @property
+    def lr_over(self) -> float:
+        """How many times the sane maximum the LR is (< 1: inside)."""
+        return self.lr / self.lr_high if self.lr_high > 0 else 0.0
+
+    @property
+    def lr_under(self) -> float:
+        """How many times below the sane minimum the LR is (< 1: inside)."""
+        return self.lr_low / self.lr if self.lr > 0 else math.inf
+
+
+@dataclass
+class Signals:
+    """What the monitor saw up to the alarm."""
+
+    step: int = 0
+    grad_norm_peak: float = math.nan  # the largest gradient norm of the recent window
+    update_ratio: float | None = None  # the latest ||dW|| / ||W||
+    blocks: list[int] = field(default_factory=list)  # the blocks the alarm concerns
+    n_blocks: int = 0
+    rising: bool = False  # the loss is trending up (a loss_rising episode is active)
+    lr_applied: float = math.nan  # the LR in the optimizer at the alarm, and the schedule's for that step
+    lr_schedule: float = math.nan
+
+
+@dataclass(frozen=True)
+class Cause:
+    cause: str  # a stable id, e.g. "lr_too_high"
+    title: str
+    evidence: str
+    fix: str | None
+    score: float
+
+    def to_record(self) -> dict[str, Any]:
+        return {"cause": self.cause, "title": self.title, "evidence": self.evidence, "fix": self.fix,
+                "score": round(self.score, 3)}
+
+
+def _g(value: float) -> str:
+    return f"{value:.2g}"
+
+
+def _times(factor: float) -> str:
+    """'3.3x', '33x', '333x'."""
+    return f"{factor:.1f}x" if factor < 10 else f"{factor:.0f}x"
+
+
+def _ratio_text(s: Signals) -> str:
+    if s.update_ratio is None:
+        return ""
+    return f"; update/weight ratio {s.update_ratio:.2g} (healthy: ~1e-2 early in training, ~1e-3 later)"
+
+
+def _init_text(f: RunFacts) -> str:
+    """'init std 1: fan-in x std^2 = 128' (or the scheme's gain)."""
+    if math.isfinite(f.init_std):
+        return f"init std {_g(f.init_std)}: fan-in x std^2 = {f.init_gain:.3g}"
+    return f"init {f.init_scheme}: fan-in x variance = {f.init_gain:.3g}"
+
+
+def _early(f: RunFacts, s: Signals) -> bool:
+    """The alarm came in the first part of the run, where warmup matters."""
+    return s.step <= max(100, 3 * max(f.warmup_steps, 0))
+
+
+# ---- the causes: each returns (score, evidence), or None when the evidence rules it out ------------
+Score = tuple[float, str] | None
+
+
+def lr_too_high(f: RunFacts, s: Signals) -> Score:
+    if f.lr < f.lr_low:
+        return None
+    high_updates = s.update_ratio is not None and s.update_ratio > UPDATE_RATIO_HIGH
+    if f.lr_over > 1:
+        # Each co-occurring sign of too large steps (large updates, a rising loss) adds to it.
+        score = 0.5 + 0.4 * min(1.0, math.log10(f.lr_over)) + 0.05 * high_updates + 0.05 * s.rising
+        return score, (
+            f"LR {_g(f.lr)} is {_times(f.lr_over)} the sane maximum {_g(f.lr_high)} for {f.optimizer} at width "
+            f"{f.n_embd}{_ratio_text(s)}")
+    if high_updates:
+        return 0.45, f"LR {_g(f.lr)} is inside the sane range, but{_ratio_text(s)[1:]}"
+    return 0.15, f"LR {_g(f.lr)} is inside the sane range {_g(f.lr_low)}-{_g(f.lr_high)}"
+
+
+def lr_too_low(f: RunFacts, s: Signals) -> Score:
+    if f.lr > f.lr_high or (s.update_ratio is not None and s.update_ratio > UPDATE_RATIO_HIGH):
+        return None
+    low_updates = s.update_ratio is not None and s.update_ratio < UPDATE_RATIO_LOW
+    if f.lr_under > 1:
+        score = 0.5 + 0.4 * min(1.0, math.log10(f.lr_under) / 2)
+        return score + (0.05 if low_updates else 0.0), (
+            f"LR {_g(f.lr)} is {_times(f.lr_under)} below the sane minimum {_g(f.lr_low)} for {f.optimizer} at width "
+            f"{f.n_embd}{_ratio_text(s)}")
+    if low_updates:
+        return 0.45, f"LR {_g(f.lr)} is inside the sane range, but{_ratio_text(s)[1:]}"
+    return 0.1, f"LR {_g(f.lr)} is inside the sane range {_g(f.lr_low)}-{_g(f.lr_high)}"
+
+
+def no_warmup(f: RunFacts, s: Signals) -> Score:
+    if f.warmup_steps < 0 or f.lr < f.lr_low:
+        return None
+    if f.warmup_steps == 0 and _early(f, s):
+        return 0.8, f"no warmup: the full LR {_g(f.lr)} from step 1; the alarm came at step {s.step}"
+    length = f.schedule_steps or f.steps_total
+    if f.warmup_steps < 0.01 * length and f.warmup_steps < 100 and _early(f, s):
+        return 0.55, f"warmup of {f.warmup_steps} steps ({f.warmup_steps / max(1, length):.1%} of the schedule)"
+    return None
+
+
+def no_clipping(f: RunFacts, s: Signals) -> Score:
+    if f.clip is not None:
+        return None
+    big = math.isfinite(s.grad_norm_peak) and s.grad_norm_peak > 1.0
+    peak = f"; gradient norm up to {_g(s.grad_norm_peak)}" if math.isfinite(s.grad_norm_peak) else ""
+    return (0.8 if big else 0.35), f"gradient clipping is off{peak}"
+
+
+def init_too_large(f: RunFacts, s: Signals) -> Score:
+    if not math.isfinite(f.init_gain) or f.init_gain < 0.005:
+        return None
+    if f.init_gain > 2.5:
+        return 0.85, f"{_init_text(f)} (healthy up to ~2): each layer multiplies the signal's variance"
+    return 0.1, f"{_init_text(f)}, inside the healthy range"
+
+
+def init_too_small(f: RunFacts, s: Signals) -> Score:
+    if not math.isfinite(f.init_gain) or f.init_gain > 2.5:
+        return None
+    if f.init_gain < 0.005:
+        return 0.85, f"{_init_text(f)} (healthy from ~0.05): the signal vanishes layer by layer"
+    return 0.1, f"{_init_text(f)}, inside the healthy range"
+
+
+def residual_unscaled(f: RunFacts, s: Signals) -> Score:
+    if f.residual_scaled:
+        return None
+    if f.n_layer >= 12:
+        return 0.7, f"residual outputs not scaled down (model.residual_init=plain) in {f.n_layer} blocks"
+    return 0.3, f"residual outputs not scaled down (model.residual_init=plain), {f.n_layer} blocks"
+
+
+def post_ln(f: RunFacts, s: Signals) -> Score:
+    if not f.post_ln:
+        return None
+    frozen = f", blocks {_blocks(s.blocks)} starved of gradient" if s.blocks and len(s.blocks) < s.n_blocks else ""
+    if f.n_layer >= 6:
+        return 0.8 + (0.1 if frozen else 0.0), f"post-LN in {f.n_layer} blocks{frozen}"
+    return 0.4, f"post-LN ({f.n_layer} blocks){frozen}"
+
+
+def too_deep(f: RunFacts, s: Signals) -> Score:
+    if f.n_layer < 12:
+        return None
+    return 0.3, f"{f.n_layer} blocks"
+
+
+def fp16_no_scaler(f: RunFacts, s: Signals) -> Score:
+    if not f.fp16_without_scaler:
+        return None
+    return 0.95, "precision=fp16 with precision.loss_scaling=false"
+
+
+def data_unshuffled(f: RunFacts, s: Signals) -> Score:
+    if f.shuffled:
+        return None
+    return 0.85, "data.shuffle=false: consecutive windows in file order, so batches are correlated"
+
+
+def weight_decay_too_high(f: RunFacts, s: Signals) -> Score:
+    if f.weight_decay <= 0.1:
+        return (0.15, f"weight decay {f.weight_decay:g} is in the usual range") if f.weight_decay > 0 else None
+    score = 0.5 + 0.4 * min(1.0, math.log10(f.weight_decay / 0.1) / 2)
+    return score, (f"weight decay {f.weight_decay:g} (usual 0.01-0.1): the weights shrink by "
+                   f"{f.lr * f.weight_decay:.2%} per step at the peak LR")
+
+
+def schedule_ended(f: RunFacts, s: Signals) -> Score:
+    if not f.schedule_steps or f.schedule_steps >= f.steps_total:
+        return None
+    if s.step > f.schedule_steps:
+        return 0.95, (f"the LR schedule ended at step {f.schedule_steps} of {f.steps_total}; since then the LR "
+                      f"sits at {_g(f.schedule_floor)}")
+    return 0.3, (f"the LR schedule ends at step {f.schedule_steps} of {f.steps_total} (this is step {s.step}); "
+                 f"from there the LR sits at {_g(f.schedule_floor)}")
+
+
+def lr_overwritten(f: RunFacts, s: Signals) -> Score:
+    if not (s.lr_schedule > 0 and math.isfinite(s.lr_applied)):
+        return None
+    factor = s.lr_applied / s.lr_schedule
+    if factor <= 1.1:
+        return None  # the schedule's LR, or below it: the LR cuts of reduce_lr and rollbacks are llmtrain's own
+    return 0.6, f"the applied LR {_g(s.lr_applied)} is {factor:.2g}x the schedule's {_g(s.lr_schedule)}"
+
+
+def _blocks(blocks: list[int]) -> str:
+    return ", ".join(map(str, blocks[:8])) + (", ..." if len(blocks) > 8 else "")
+
+
+def _fixed(score: float, evidence: str) -> Callable[[RunFacts, Signals], Score]:
+    """A cause the run's evidence cannot confirm or rule out: a fixed prior, below confirmed ones."""
+    return lambda f, s: (score, evidence)
+
+
+@dataclass(frozen=True)
+class CauseKind:
+    title: str
+    rank: Callable[[RunFacts, Signals], Score]
+    fix: Callable[[RunFacts], str | None]  # None: nothing in the configuration to change
+
+
+def _check_fix(item: str, fallback: str | None = None) -> Callable[[RunFacts], str | None]:
+    """The pre-flight check's fix for its row `item` (one source for `check` and the alarm); the
+    fallback only where the check has no such row."""
+    return lambda f: f.fixes.get(item, fallback)
+
+
+def _lr_fix(direction: float) -> Callable[[RunFacts], str | None]:
+    """Outside the sane range: the check's fix (the default LR). Inside it (the evidence is the
+    update ratio): a step in `direction` from the LR, never back toward the default."""
+    def fix(f: RunFacts) -> str | None:
+        outside = f.lr > f.lr_high if direction < 1 else f.lr < f.lr_low
+        return f.fixes.get("learning rate") if outside else f"optim.lr={_g(f.lr * direction)}"
+    return fix
+
+
+def _init_fix(too_large: bool) -> Callable[[RunFacts], str | None]:
+    """The check's init fix when the gain is what is wrong (its row may name the residual scaling
+    instead, for a deep plain-residual model: that is `residual_unscaled`'s)."""
+    def fix(f: RunFacts) -> str | None:
+        wrong = f.init_gain > 2.5 if too_large else f.init_gain < 0.005
+        return f.fixes.get("init variance") if wrong else None
+    return fix
+
+
+CAUSES: dict[str, CauseKind] = {
+    "lr_too_high": CauseKind("Learning rate too high", lr_too_high, _lr_fix(1 / 3)),
+    "lr_too_low": CauseKind("Learning rate too low", lr_too_low, _lr_fix(3)),
+    "no_warmup": CauseKind("Warmup missing or too short", no_warmup,
+                           _check_fix("warmup", "schedule.warmup_fraction=0.05")),
+    "no_clipping": CauseKind("Gradient clipping off", no_clipping,
+                             _check_fix("gradient clipping", "optim.clip_grad_norm=1.0")),
+    "init_too_large": CauseKind("Initialization too large", init_too_large, _init_fix(too_large=True)),
+    "init_too_small": CauseKind("Initialization too small", init_too_small, _init_fix(too_large=False)),
+    "residual_unscaled": CauseKind("Residual branches not scaled down", residual_unscaled,
+                                   lambda f: "model.residual_init=scaled" if not f.residual_scaled else None),
+    "post_ln": CauseKind("Post-LN: the gradient must pass through every norm", post_ln,
+                         _check_fix("residual / norm", "model.norm_position=pre")),
+    "too_deep": CauseKind("Model too deep for this setup", too_deep, lambda f: "model.n_layer=6"),
+    "fp16_no_scaler": CauseKind("fp16 without a loss scaler", fp16_no_scaler,
+                                _check_fix("mixed precision", "precision.loss_scaling=true")),
+    "data_unshuffled": CauseKind("Data not shuffled", data_unshuffled, _check_fix("data order", "data.shuffle=true")),
+    "weight_decay_too_high": CauseKind("Weight decay too strong", weight_decay_too_high,
+                                       lambda f: "optim.weight_decay=0.1" if f.weight_decay > 0.1 else None),
+    "schedule_ended": CauseKind("The LR schedule ended before the run", schedule_ended,
+                                _check_fix("schedule length", "schedule.total_steps=null")),
+    "norm_layers": CauseKind("Normalization missing, misplaced or over the wrong dimension",
+                             _fixed(0.2, "not visible in the configuration: compare the norm layers with a "
+                                    "standard implementation"), lambda f: None),
+    "bias_drift": CauseKind("Bias terms drifting", lambda f, s: (0.12, "the model has bias terms") if f.bias else None,
+                            lambda f: "model.bias=false"),
+    "bad_batch": CauseKind("A bad batch", _fixed(0.2, "inspect the batches around the alarm's step"), lambda f: None),
+    "broken_residual": CauseKind("Residual path broken (vanishing gradient)",
+                                 _fixed(0.2, "check that each block's output contains its input"), lambda f: None),
+    "head_zero_init": CauseKind("LM head initialized at zero", _fixed(0.15, "a zero head passes no gradient down"),
+                                lambda f: "model.head_init=plain"),
+    "loss_bug": CauseKind("Loss or labels wrong (scaled, detached, shifted)",
+                          _fixed(0.15, "test the loss on a known input"), lambda f: None),
+    "lr_overwritten": CauseKind("LR overwritten (restored state, a callback, scaling applied twice)", lr_overwritten,
+                                lambda f: None),
+    "memory_kept": CauseKind("Tensors kept across steps (e.g. total += loss)",
+                             _fixed(0.5, "memory rises step after step"), lambda f: None),
+    "growing_containers": CauseKind("Containers or hooks that grow every step",
+                                    _fixed(0.4, "memory rises step after step"), lambda f: None),
+    "allocator_cache": CauseKind("Allocator cache growing with varying shapes",
+                                 _fixed(0.3, "compare allocated with reserved memory"), lambda f: None),
+}
+
+# The causes each alarm can have (its differential), in the order of a fixed prior: with equal
+# scores, the earlier one ranks first.
+DIFFERENTIAL: dict[str, tuple[str, ...]] = {
+    "grad_norm_high": ("lr_too_high", "no_warmup", "no_clipping", "init_too_large", "fp16_no_scaler",
+                       "data_unshuffled", "bad_batch"),
+    "grad_norm_surge": ("lr_too_high", "no_warmup", "no_clipping", "init_too_large", "data_unshuffled",
+                        "bad_batch"),
+    "grad_norm_low": ("lr_too_low", "schedule_ended", "init_too_small", "post_ln", "broken_residual",
+                      "head_zero_init", "weight_decay_too_high", "fp16_no_scaler", "loss_bug"),
+    "grad_norm_low_early_layers": ("post_ln", "residual_unscaled", "init_too_small", "too_deep", "broken_residual"),
+    "param_norm_jump": ("lr_too_high", "no_warmup", "no_clipping", "init_too_large", "bad_batch", "lr_overwritten"),
+    "param_norm_decrease": ("weight_decay_too_high", "lr_too_high", "lr_too_low", "init_too_large"),
+    "lr_zero": ("schedule_ended", "lr_overwritten"),
+    "lr_exploding": ("lr_overwritten",),
+    "activation_mean_drift": ("lr_too_high", "init_too_large", "init_too_small", "no_warmup", "no_clipping",
+                              "residual_unscaled", "post_ln", "norm_layers", "bias_drift"),
+    "activation_variance_high": ("lr_too_high", "no_warmup", "init_too_large", "init_too_small", "residual_unscaled",
+                                 "no_clipping", "norm_layers"),
+    "activation_variance_growing": ("lr_too_high", "init_too_large", "init_too_small", "residual_unscaled", "no_warmup",
+                                    "post_ln", "norm_layers"),
+    "activation_variance_shrinking": ("init_too_small", "weight_decay_too_high", "lr_too_low", "norm_layers"),
+    "memory_leak": ("memory_kept", "growing_containers", "allocator_cache"),
+    "loss_spike": ("data_unshuffled", "lr_too_high", "no_warmup", "no_clipping", "fp16_no_scaler", "bad_batch"),
+    "fp16_no_scaler": ("fp16_no_scaler",),
+    "loss_above_chance": ("init_too_large", "lr_too_high", "no_warmup", "no_clipping", "fp16_no_scaler",
+                          "loss_bug"),
+    "loss_rising": ("lr_too_high", "no_warmup", "no_clipping", "data_unshuffled", "weight_decay_too_high",
+                    "init_too_large", "bad_batch"),
+    "loss_not_decreasing": ("lr_too_low", "schedule_ended", "init_too_small", "lr_too_high", "post_ln",
+                            "weight_decay_too_high", "init_too_large", "residual_unscaled", "loss_bug"),
+    "update_ratio_high": ("lr_too_high", "no_warmup", "weight_decay_too_high", "init_too_small", "no_clipping"),
+    "update_ratio_low": ("lr_too_low", "schedule_ended", "weight_decay_too_high", "init_too_large"),
+    "schedule_ended": ("schedule_ended",),
+    "loss_oscillating": ("data_unshuffled", "bad_batch"),
+    # AdamW's decay and step both scale with the LR: a low LR cannot make the decay dominate, an LR
+    # so high that the weights blew up can (the decay grows with the weights, the step does not).
+    "weight_decay_dominant": ("weight_decay_too_high", "lr_too_high"),
+}
+
+
+def diagnose(alarm: str, facts: RunFacts | None, signals: Signals) -> list[Cause]:
+    """The alarm's causes, most likely first; [] without facts (a monitor fed synthetic samples)."""
+    if facts is None:
+        return []
+    ranked = []
+    for order, cause_id in enumerate(DIFFERENTIAL.get(alarm, ())):
+        kind = CAUSES[cause_id]
+        found = kind.rank(facts, signals)
+        if found is not None:
+            score, evidence = found
+            ranked.append((-min(score, 1.0), order, Cause(cause_id, kind.title, evidence, kind.fix(facts),
+                                                         min(score, 1.0))))
+    return [cause for *_, cause in sorted(ranked, key=lambda r: (r[0], r[1]))]
+
+
+def run_facts(cfg: Config, check_rows: list[Row], *, peak_lr: float, steps_total: int, schedule_steps: int,
+              schedule_floor: float, baseline: float, vocab_size: int, fp16_without_scaler: bool) -> RunFacts:
+    """The configuration's side of the evidence, with the pre-flight check's fixes (`check_rows`:
+    the rows of the check the run passed; their `item` and `fix`)."""
+    m, o = cfg.model, cfg.optim
+    low, high = sane_lr_range(o.name, m.n_embd)
+    init_std = m.init_std if m.init == "normal_0.02" else math.nan
+    fixes = {row.item: row.fix for row in check_rows if getattr(row, "fix", None)}
+    return RunFacts(
+        lr=peak_lr, lr_low=low, lr_high=high, optimizer=o.name.value, n_embd=m.n_embd, n_layer=m.n_layer,
+        warmup_steps=resolved_warmup_steps(cfg.schedule, schedule_steps), steps_total=steps_total,
+        schedule_steps=schedule_steps, schedule_floor=schedule_floor, init_gain=init_gain(m), init_std=init_std,
+        init_scheme=m.init,
+        residual_scaled=m.residual_init is ResidualInit.scaled, post_ln=m.norm_position is NormPosition.post,
+        bias=m.bias, clip=o.clip_grad_norm, shuffled=cfg.data.shuffle or cfg.data.sampling.value == "epoch",
+        weight_decay=o.weight_decay, fp16_without_scaler=fp16_without_scaler, baseline=baseline,
+        chance=math.log(vocab_size) if vocab_size > 1 else math.nan, fixes=fixes)

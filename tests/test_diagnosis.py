@@ -1,0 +1,113 @@
+"""The differential diagnosis: each alarm's causes ranked by this run's evidence, with the check's fixes."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from llmtrain.config.derived import default_lr, sane_lr_range
+from llmtrain.config.schema import ALARM_NAMES, Config, NormPosition, ResidualInit
+from llmtrain.config.validate import validate
+from llmtrain.health.catalog import CATALOG
+from llmtrain.health.diagnosis import CAUSES, DIFFERENTIAL, RunFacts, Signals, diagnose, run_facts
+from llmtrain.preflight.check import run_check
+
+LOW, HIGH = sane_lr_range(Config().optim.name, 128)
+HEALTHY = RunFacts(lr=3e-3, lr_low=LOW, lr_high=HIGH, n_embd=128, n_layer=4, warmup_steps=50, steps_total=1000,
+                   schedule_steps=1000, init_gain=128 * 0.02**2, init_std=0.02, weight_decay=0.1, baseline=3.25,
+                   chance=math.log(256))
+
+
+def top(alarm: str, facts: RunFacts, **signals: object) -> str:
+    causes = diagnose(alarm, facts, Signals(**signals))  # type: ignore[arg-type]
+    return causes[0].cause
+
+
+@pytest.mark.parametrize(("alarm", "change", "signals", "expected"), [
+    ("param_norm_jump", {"lr": 0.03}, {"step": 20}, "lr_too_high"),
+    ("activation_mean_drift", {"lr": 0.09}, {"step": 200}, "lr_too_high"),  # not the norm layers
+    ("loss_rising", {"lr": 0.01, "warmup_steps": 0}, {"step": 40}, "no_warmup"),
+    ("update_ratio_low", {"lr": 1e-7}, {"step": 40, "update_ratio": 2e-6}, "lr_too_low"),
+    ("loss_above_chance", {"init_std": 1.0, "init_gain": 128.0}, {"step": 10}, "init_too_large"),
+    ("loss_not_decreasing", {"init_std": 1e-6, "init_gain": 1.3e-10}, {"step": 100}, "init_too_small"),
+    ("activation_variance_growing", {"residual_scaled": False, "n_layer": 16}, {"step": 100}, "residual_unscaled"),
+    ("grad_norm_low_early_layers", {"post_ln": True, "n_layer": 12}, {"step": 30, "blocks": [0, 1], "n_blocks": 12},
+     "post_ln"),
+    ("grad_norm_surge", {"lr": 0.02, "clip": None}, {"step": 50, "grad_norm_peak": 40.0}, "no_clipping"),
+    ("grad_norm_high", {"fp16_without_scaler": True}, {"step": 30}, "fp16_no_scaler"),
+    ("loss_spike", {"shuffled": False}, {"step": 80}, "data_unshuffled"),
+    ("update_ratio_high", {"weight_decay": 10.0}, {"step": 30, "update_ratio": 0.2}, "weight_decay_too_high"),
+    ("lr_zero", {"schedule_steps": 100, "steps_total": 300}, {"step": 130}, "schedule_ended"),
+])
+def test_the_true_cause_ranks_first(alarm: str, change: dict, signals: dict, expected: str) -> None:
+    assert top(alarm, dataclasses.replace(HEALTHY, **change), **signals) == expected
+
+
+def test_it_never_advises_against_its_evidence() -> None:
+    high = dataclasses.replace(HEALTHY, lr=0.1)
+    for alarm in DIFFERENTIAL:
+        assert "lr_too_low" not in {c.cause for c in diagnose(alarm, high, Signals(step=210))}, alarm
+    low = dataclasses.replace(HEALTHY, lr=1e-7)
+    for alarm in DIFFERENTIAL:
+        assert "lr_too_high" not in {c.cause for c in diagnose(alarm, low, Signals(step=40))}, alarm
+    # A large update ratio rules out "too low" even at an LR inside the range.
+    causes = diagnose("param_norm_decrease", HEALTHY, Signals(step=200, update_ratio=0.2))
+    assert "lr_too_low" not in {c.cause for c in causes}
+    small = dataclasses.replace(HEALTHY, init_gain=1e-10, init_std=1e-6)
+    assert "init_too_large" not in {c.cause for c in diagnose("activation_variance_growing", small, Signals())}
+
+
+def test_the_evidence_carries_the_numbers() -> None:
+    cause = diagnose("param_norm_jump", dataclasses.replace(HEALTHY, lr=0.1), Signals(step=20, update_ratio=0.05))[0]
+    assert cause.cause == "lr_too_high"
+    assert f"is {0.1 / HIGH:.0f}x the sane maximum" in cause.evidence and "update/weight ratio 0.05" in cause.evidence
+    record = cause.to_record()
+    assert set(record) == {"cause", "title", "evidence", "fix", "score"} and 0 < record["score"] <= 1
+
+
+def test_causes_are_most_likely_first_and_evidence_free_causes_rank_below_confirmed_ones() -> None:
+    causes = diagnose("activation_mean_drift", dataclasses.replace(HEALTHY, lr=0.09), Signals(step=100))
+    scores = [c.score for c in causes]
+    assert scores == sorted(scores, reverse=True)
+    assert causes[0].score > next(c.score for c in causes if c.cause == "norm_layers")
+    # Without facts (synthetic streams) there is nothing to rank.
+    assert diagnose("grad_norm_high", None, Signals()) == []
+
+
+def test_every_alarm_has_a_differential_of_known_causes() -> None:
+    for name in ALARM_NAMES:
+        assert name in CATALOG, name
+        assert DIFFERENTIAL.get(name), name
+        assert set(DIFFERENTIAL[name]) <= set(CAUSES), name
+
+
+def fixes_of(cfg: Config) -> tuple[dict[str, str], RunFacts]:
+    validate(cfg)
+    rows = run_check(cfg, measure_compute=False).rows
+    facts = run_facts(cfg, rows, peak_lr=cfg.optim.lr, steps_total=1000, schedule_steps=1000, schedule_floor=0.0,
+                      baseline=3.25, vocab_size=256, fp16_without_scaler=False)
+    return {row.item: row.fix for row in rows if row.fix}, facts
+
+
+def test_the_fix_is_the_pre_flight_checks_own() -> None:
+    cfg = Config()
+    cfg.optim.lr, cfg.model.init_std = 0.1, 1.0
+    cfg.model.norm_position, cfg.model.n_layer = NormPosition.post, 12
+    fixes, facts = fixes_of(cfg)
+    by_cause = {c.cause: c for alarm in DIFFERENTIAL for c in diagnose(alarm, facts, Signals(step=10))}
+    assert by_cause["lr_too_high"].fix == fixes["learning rate"]
+    assert by_cause["init_too_large"].fix == fixes["init variance"]
+    assert by_cause["post_ln"].fix == fixes["residual / norm"]
+    # The check's LR fix is the default for this optimizer and width.
+    assert fixes["learning rate"] == f"optim.lr={float(f'{default_lr(cfg.optim.name, 128):.1g}'):g}"
+
+
+def test_run_facts_reads_the_configuration() -> None:
+    cfg = Config()
+    cfg.optim.lr, cfg.optim.clip_grad_norm, cfg.data.shuffle = 0.01, None, False
+    cfg.model.residual_init = ResidualInit.plain
+    _, facts = fixes_of(cfg)
+    assert (facts.lr, facts.clip, facts.shuffled, facts.residual_scaled) == (0.01, None, False, False)
+    assert facts.chance == pytest.approx(math.log(256)) and facts.lr_over == pytest.approx(0.01 / HIGH)
