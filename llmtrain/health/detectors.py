@@ -164,6 +164,7 @@ class HealthMonitor:
         self.best_loss = math.inf  # the lowest smoothed loss so far (median of 3 interval losses)
         self.best_check = 0  # the check at which it was reached
         self.update_ratio: float | None = None  # the latest one seen
+        self.skipped: set[str] = set()  # this check's detectors whose guard kept them from judging
 
     # ---- state for checkpoints -----------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -201,7 +202,7 @@ class HealthMonitor:
         if s.update_ratio is not None:
             self.update_ratio = s.update_ratio
         found: dict[str, Alarm] = {}
-        self.skipped: set[str] = set()  # detectors whose guard kept them from judging this check
+        self.skipped = set()
         evaluated = set(_EVERY_CHECK)
         self._gradients(s, found)
         self._parameters(s, found)
