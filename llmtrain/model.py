@@ -8,7 +8,9 @@ follows seed 003 §4: N(0, 0.02) weights, the last projection of every residual 
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -26,10 +28,30 @@ from llmtrain.config.schema import (
 )
 
 
+def norm_eps(cfg: ModelConfig) -> float:
+    """The norms' epsilon: model.norm_eps, else the usual default of the kind (GPT-2 1e-5, RMSNorm 1e-6)."""
+    if cfg.norm_eps is not None:
+        return cfg.norm_eps
+    return 1e-6 if cfg.norm is NormKind.rmsnorm else 1e-5
+
+
 def make_norm(cfg: ModelConfig) -> nn.Module:
     if cfg.norm is NormKind.rmsnorm:
-        return nn.RMSNorm(cfg.n_embd, eps=1e-6)
-    return nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        return nn.RMSNorm(cfg.n_embd, eps=norm_eps(cfg))
+    return nn.LayerNorm(cfg.n_embd, eps=norm_eps(cfg), bias=cfg.bias)
+
+
+def kv_heads(cfg: ModelConfig) -> int:
+    return cfg.n_kv_head or cfg.n_head
+
+
+def mlp_width(cfg: ModelConfig) -> int:
+    """The MLP's hidden width: model.intermediate_size, else from mlp_ratio (swiglu: 2/3 of it,
+    rounded up to a multiple of 8, which keeps the parameter count of a plain MLP of that ratio)."""
+    if cfg.intermediate_size is not None:
+        return cfg.intermediate_size
+    hidden = int(cfg.mlp_ratio * cfg.n_embd)
+    return 8 * math.ceil(2 * hidden / 3 / 8) if cfg.mlp is MlpKind.swiglu else hidden
 
 
 def rope_tables(head_dim: int, length: int, base: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,10 +69,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class CausalSelfAttention(nn.Module):
+    """Causal attention with one fused q/k/v projection, rows in the order [q | k | v] (GPT-2's
+    c_attn, or Llama's q_proj, k_proj, v_proj stacked). With grouped-query attention k and v have
+    n_kv_head heads, each shared by n_head / n_kv_head query heads."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.n_head = cfg.n_head
-        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
+        self.n_head, self.n_kv_head = cfg.n_head, kv_heads(cfg)
+        self.head_dim = cfg.n_embd // cfg.n_head
+        self.qkv = nn.Linear(cfg.n_embd, (self.n_head + 2 * self.n_kv_head) * self.head_dim, bias=cfg.bias)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.proj.is_residual_output = True
         self.dropout_p = cfg.dropout  # SDPA takes a probability, not a module
@@ -58,10 +85,21 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         B, T, C = x.shape
-        q, k, v = self.qkv(x).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)
+        if self.n_kv_head == self.n_head:
+            q, k, v = self.qkv(x).view(B, T, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4)
+        else:
+            q, k, v = self.qkv(x).split([C, self.n_kv_head * self.head_dim, self.n_kv_head * self.head_dim], dim=-1)
+            q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+            k = k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+            v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         if rope is not None:
             cos, sin = rope[0][:T], rope[1][:T]
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.n_kv_head != self.n_head:
+            # Every kv head serves a group of consecutive query heads (Llama's repeat_kv); an
+            # explicit repeat rather than SDPA's enable_gqa, which not every kernel of torch 2.5 takes.
+            group = self.n_head // self.n_kv_head
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         y = F.scaled_dot_product_attention(
             q, k, v, dropout_p=self.dropout_p if self.training else 0.0, is_causal=True
         )
@@ -73,10 +111,8 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.gated = cfg.mlp is MlpKind.swiglu
-        hidden = int(cfg.mlp_ratio * cfg.n_embd)
+        hidden = mlp_width(cfg)
         if self.gated:
-            # 2/3 keeps the parameter count of a plain MLP with the same ratio; multiple of 8.
-            hidden = 8 * math.ceil(2 * hidden / 3 / 8)
             self.gate = nn.Linear(cfg.n_embd, hidden, bias=cfg.bias)
         self.up = nn.Linear(cfg.n_embd, hidden, bias=cfg.bias)
         self.down = nn.Linear(hidden, cfg.n_embd, bias=cfg.bias)
@@ -123,7 +159,7 @@ class GPT(nn.Module):
         if cfg.tie_weights:
             self.lm_head.weight = self.wte.weight
         if cfg.position is PositionEncoding.rope:
-            cos, sin = rope_tables(cfg.n_embd // cfg.n_head, cfg.block_size)
+            cos, sin = rope_tables(cfg.n_embd // cfg.n_head, cfg.block_size, cfg.rope_theta)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
         else:
@@ -195,3 +231,31 @@ def flops_per_token(model: GPT, seq_len: int) -> float:
     if cfg.tie_weights:
         n += model.lm_head.weight.numel()  # the head's matmul runs even when its weight is tied
     return 6.0 * n + 12.0 * cfg.n_layer * cfg.n_embd * seq_len
+
+
+# The torch.nn.init functions GPT's modules call while they are built (nn.Linear's own reset, then
+# reset_parameters above).
+_INIT_FUNCTIONS = ("normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_", "xavier_normal_",
+                   "trunc_normal_", "zeros_", "ones_", "constant_")
+
+
+@contextlib.contextmanager
+def uninitialized() -> Iterator[None]:
+    """Build models without their random init, for tensors that are overwritten next (a Hugging
+    Face folder's weights) or never hold values (meta tensors, whose `normal_` imports torch._dynamo,
+    ~1.3 s). The init is ~90% of the time to start GPT-2 small from a folder (3.3 s of 3.6 s on 2
+    cores), draws from the RNG, and touches memory the load then writes anyway; transformers builds
+    its models the same way (no_init_weights). torch.nn.init is patched for the duration (process-
+    wide: build nothing else meanwhile) and restored on any exit."""
+    saved = {name: getattr(nn.init, name) for name in _INIT_FUNCTIONS}
+    try:
+        for name in _INIT_FUNCTIONS:
+            setattr(nn.init, name, _unchanged)
+        yield
+    finally:
+        for name, function in saved.items():
+            setattr(nn.init, name, function)
+
+
+def _unchanged(tensor: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+    return tensor

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 EXIT_USER_ERROR = 2
-MODEL_OPTIONS = "gpt_small, gpt_tiny, modern_tiny"
+MODEL_OPTIONS = "gpt2, gpt2_medium, gpt_small, gpt_tiny, llama_tiny, modern_tiny, smollm_135m"
 
 
 def run_llmtrain(tmp_path: Path, *argv: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:

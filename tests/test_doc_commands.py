@@ -154,8 +154,30 @@ def all_commands() -> list[DocCommand]:
 COMMANDS_IN_DOCS = all_commands()
 
 
+@pytest.fixture(scope="session")
+def hf_folders(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Stand-ins for the Hugging Face folders the docs fine-tune from (models/gpt2, models/SmolLM-135M):
+    tiny GPT-2 and Llama-family models with a byte tokenizer, written by llmtrain's own HF export."""
+    import torch
+
+    from llmtrain.config.schema import MlpKind, ModelConfig, NormKind, PositionEncoding
+    from llmtrain.data.tokenizers import ByteTokenizer
+    from llmtrain.hf.export import export_hf
+    from llmtrain.model import GPT
+
+    root = tmp_path_factory.mktemp("models")
+    small = {"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 1024}
+    shapes = {"gpt2": ModelConfig(name="gpt2", **small),
+              "SmolLM-135M": ModelConfig(name="smol", **small, n_kv_head=1, position=PositionEncoding.rope,
+                                         norm=NormKind.rmsnorm, mlp=MlpKind.swiglu, bias=False)}
+    torch.manual_seed(0)
+    for name, cfg in shapes.items():
+        export_hf(GPT(cfg, 256), ByteTokenizer().to_dict(), cfg.block_size, root / name)
+    return root
+
+
 @pytest.fixture
-def doc_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+def doc_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hf_folders: Path) -> Path:
     """A working folder with tiny stand-ins for the files the docs name (corpus.txt, docs.jsonl, ...)."""
     text = "A small corpus for the documentation's examples, one sentence after another.\n" * 60
     (tmp_path / "corpus").mkdir()
@@ -175,6 +197,9 @@ def doc_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (tmp_path / "DIR" / "model" / "mine.yaml").write_text((ROOT / "conf" / "model" / "gpt_tiny.yaml").read_text())
     (tmp_path / "DIR" / "preset").mkdir()
     (tmp_path / "DIR" / "preset" / "mine.yaml").write_text("# @package _global_\nmax_steps: 7\n")
+    (tmp_path / "chats.jsonl").write_text("".join(
+        f'{{"prompt": "Question {i}?", "response": "Answer {i}: {text[:40]}"}}\n' for i in range(40)))
+    (tmp_path / "models").symlink_to(hf_folders)  # model.init_from=models/gpt2, models/SmolLM-135M
     (tmp_path / "tests").mkdir()
     (tmp_path / "tests" / "assets").symlink_to(ROOT / "tests" / "assets")  # docs run from a checkout
     monkeypatch.chdir(tmp_path)

@@ -135,8 +135,9 @@ def set_damaged_aside(run_dir: Path, warn: Callable[[str], None]) -> None:
 
 # Keys whose change makes saved tensors or optimizer state meaningless for the new run.
 SHAPE_KEYS = (
-    "model.n_layer", "model.n_head", "model.n_embd", "model.block_size", "model.vocab_size", "model.bias",
-    "model.tie_weights", "model.position", "model.norm", "model.mlp", "model.mlp_ratio", "model.norm_position",
+    "model.n_layer", "model.n_head", "model.n_kv_head", "model.n_embd", "model.block_size", "model.vocab_size",
+    "model.bias", "model.tie_weights", "model.position", "model.norm", "model.mlp", "model.mlp_ratio",
+    "model.intermediate_size", "model.rope_theta", "model.norm_eps", "model.norm_position",
     "data.source", "data.path", "data.tokenizer", "data.bpe_vocab_size", "data.text_field", "data.sampling",
     "data.hf_name", "data.hf_config", "data.hf_split", "optim.name", "optim.decay_embeddings",
 )
@@ -157,8 +158,13 @@ def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
 
 
 def config_changes(saved: dict, current: dict) -> list[tuple[str, Any, Any]]:
-    """(key, saved value, current value) for every key that differs, ignored keys left out."""
-    old, new = _flatten(saved), _flatten(current)
+    """(key, saved value, current value) for every key that differs, ignored keys left out. A key
+    the saved config lacks (it was added to llmtrain after the checkpoint was written) counts as
+    its schema default, which is what that older run used."""
+    from llmtrain.config.schema import Config, config_to_dict
+
+    old = {**_flatten(config_to_dict(Config())), **_flatten(saved)}
+    new = _flatten(current)
     keys = sorted(set(old) | set(new))
     return [(k, old.get(k), new.get(k)) for k in keys if old.get(k) != new.get(k) and k not in IGNORED_KEYS]
 

@@ -130,19 +130,49 @@ def sample_command(args: list[str]) -> None:
 def export_command(args: list[str]) -> None:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="llmtrain export", description="Export a run's weights for inference.")
-    parser.add_argument("run_dir", type=Path, help="run directory written by `llmtrain train`")
-    parser.add_argument("--out", type=Path, default=None, help="output folder (default: RUN_DIR/export)")
+    parser = argparse.ArgumentParser(
+        prog="llmtrain export", description="Export a run's weights for inference: in llmtrain's own format "
+        "(model.safetensors, model_config.json, tokenizer.json; `llmtrain sample` reads it), or as a Hugging Face "
+        "folder that transformers loads with no llmtrain code (GPT-2- and Llama-style models).",
+        epilog="examples: llmtrain export outputs/2024-05-01/12-00-00\n"
+        "          llmtrain export outputs/2024-05-01/12-00-00 --format hf --out my-model",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("run_dir", type=Path, help="run directory written by `llmtrain train` (or an export)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="output folder (default: RUN_DIR/export, or RUN_DIR/export-hf for --format hf)")
+    parser.add_argument("--format", choices=("llmtrain", "hf"), default="llmtrain",
+                        help="llmtrain (default) or hf: config.json, model.safetensors, generation_config.json and "
+                        "tokenizer files for transformers' from_pretrained")
     opts = parser.parse_args(args)
 
     from llmtrain.errors import UserError
     from llmtrain.runs.export import export_run
 
     try:
-        out = export_run(opts.run_dir, opts.out)
+        out = export_run(opts.run_dir, opts.out, opts.format)
     except UserError as err:
         fail(str(err))
-    print(f"exported to {out}: model.safetensors, model_config.json, tokenizer.json (sample it: llmtrain sample {out})")
+    if opts.format == "llmtrain":
+        print(f"exported to {out}: model.safetensors, model_config.json, tokenizer.json (sample it: llmtrain sample {out})")
+        return
+    _print_hf_export(out)
+
+
+def _print_hf_export(out: Path) -> None:
+    """What an HF export wrote (files and sizes) and the transformers lines that load it."""
+    import json
+
+    files = sorted(p for p in out.iterdir() if p.is_file())
+    listing = ", ".join(f"{p.name} ({p.stat().st_size / 1e6:.1f} MB)" if p.stat().st_size >= 1e5 else p.name
+                        for p in files)
+    architecture = json.loads((out / "config.json").read_text())["architectures"][0]
+    where = repr(str(out))
+    print(f"exported to {out} as a Hugging Face {architecture}: {listing}\n"
+          f"load it with transformers (no llmtrain needed):\n"
+          f"  from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+          f"  model = AutoModelForCausalLM.from_pretrained({where}); tokenizer = AutoTokenizer.from_pretrained({where})\n"
+          f"or sample it here: llmtrain sample {out}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -68,11 +68,21 @@ def compose_config(overrides: list[str], extra_dir: str | None = None, config_na
         except Exception as err:  # Hydra wraps the cause; turn it into one paragraph
             raise _composition_error(err) from None
     try:
-        return to_config(node)
+        return to_config(node, resolve=lambda cfg: _init_from(cfg, overrides))
     except ConfigError as err:
         if "Unknown config key" in str(err) and any(o.startswith("+") for o in overrides):
             raise ConfigError(f"{err} ('+key=value' cannot add keys the schema does not define.)") from None
         raise
+
+
+def _init_from(cfg: Config, overrides: list[str]) -> None:
+    """model.init_from=FOLDER: the config takes the folder's shape and tokenizer before it is
+    validated, and every key the overrides set must agree with the folder (torch, which reading the
+    folder needs, is imported only then)."""
+    if cfg.model.init_from is not None:
+        from llmtrain.hf.init import apply_init_from, explicit_keys
+
+        apply_init_from(cfg, explicit_keys(overrides))
 
 
 def _expand_sweep(overrides: list[str]) -> list[list[str]]:

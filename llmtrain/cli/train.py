@@ -216,6 +216,7 @@ def _run_task(node, describe: Callable[[Path], None]) -> float | None:
     from hydra.core.hydra_config import HydraConfig
 
     from llmtrain.config.hydra import to_config
+    from llmtrain.hf.init import apply_init_from, explicit_keys
 
     def resume_hint(run_dir: object) -> str:
         overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith(("hydra.run.dir=", "out_dir="))]
@@ -224,7 +225,7 @@ def _run_task(node, describe: Callable[[Path], None]) -> float | None:
 
     try:
         ranks_from_submitit_tasks()
-        cfg = to_config(node)
+        cfg = to_config(node, resolve=lambda c: apply_init_from(c, explicit_keys(HydraConfig.get().overrides.task)))
         if cfg.out_dir is None:
             cfg.out_dir = HydraConfig.get().runtime.output_dir
         if cfg.parallel.nproc > 1 and not os.environ.get("WORLD_SIZE"):

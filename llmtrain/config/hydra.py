@@ -23,8 +23,10 @@ def register_configs() -> None:
     ConfigStore.instance().store(name="llmtrain_schema", node=Config)
 
 
-def to_config(node: Any) -> Config:
-    """Convert a composed OmegaConf node into a validated `Config`; raises `ConfigError`."""
+def to_config(node: Any, resolve: typing.Callable[[Config], None] | None = None) -> Config:
+    """Convert a composed OmegaConf node into a validated `Config`; raises `ConfigError`. `resolve`
+    completes the config before it is validated (model.init_from: the folder's shape decides, e.g.,
+    whether data.seq_len fits the context)."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -34,6 +36,8 @@ def to_config(node: Any) -> Config:
     except OmegaConfBaseException as err:
         raise ConfigError(describe_omegaconf_error(err)) from None
     assert isinstance(cfg, Config)
+    if resolve is not None:
+        resolve(cfg)
     validate(cfg)
     return cfg
 

@@ -81,6 +81,7 @@ class TokenizerKind(str, Enum):
     char = "char"
     bpe = "bpe"
     gpt2 = "gpt2"
+    pretrained = "pretrained"
 
 
 class DataSource(str, Enum):
@@ -171,6 +172,9 @@ class ModelConfig:
     name: str = _f("gpt_tiny", "Label of this model shape, shown in the banner.")
     n_layer: int = _f(4, "Number of transformer blocks.")
     n_head: int = _f(4, "Attention heads per block; must divide n_embd.")
+    n_kv_head: int | None = _f(
+        None, "Key/value heads (grouped-query attention: each serves n_head / n_kv_head query heads); must divide "
+        "n_head; null = n_head (plain multi-head attention).")
     n_embd: int = _f(128, "Width of the residual stream.")
     block_size: int = _f(256, "Context length: the longest sequence the model accepts.")
     vocab_size: int | None = _f(
@@ -186,6 +190,10 @@ class ModelConfig:
     norm: NormKind = _f(NormKind.layernorm, "layernorm or rmsnorm.")
     mlp: MlpKind = _f(MlpKind.gelu, "gelu (4x MLP) or swiglu (gated, 8/3x hidden).")
     mlp_ratio: float = _f(4.0, "MLP hidden width as a multiple of n_embd (swiglu uses 2/3 of it).")
+    intermediate_size: int | None = _f(
+        None, "MLP hidden width in units; overrides mlp_ratio (and swiglu's 2/3 rule); null: from mlp_ratio.")
+    rope_theta: float = _f(10000.0, "position=rope: the base of the rotation frequencies (longer contexts use larger).")
+    norm_eps: float | None = _f(None, "Epsilon of every norm layer; null: 1e-5 for layernorm, 1e-6 for rmsnorm.")
     activation_checkpointing: bool = _f(False, "Recompute each block in backward to save memory.")
     init: str = _f("normal_0.02", "Weight init: normal_0.02, xavier or kaiming.")
     init_std: float = _f(0.02, "Standard deviation of the normal init.")
@@ -194,6 +202,10 @@ class ModelConfig:
         "Residual output projections: scaled (std/sqrt(2*n_layer)), zero, or plain.",
     )
     head_init: HeadInit = _f(HeadInit.plain, "LM head when untied: plain, zero, or tiny (std 1e-4).")
+    init_from: str | None = _f(
+        None, "A local Hugging Face model folder (config.json, safetensors weights, tokenizer.json; GPT-2 or "
+        "Llama-family): the model takes its shape, weights and tokenizer, then trains as usual. Keys left at their "
+        "defaults take the folder's values; others must agree with it. Never downloads.")
 
 
 @dataclass
@@ -252,9 +264,13 @@ class DataConfig:
         DecodeErrors.replace, "Bytes that are not UTF-8: replace them (U+FFFD) or skip the documents that have them."
     )
     tokenizer: TokenizerKind = _f(
-        TokenizerKind.byte, "byte (vocab 256), char (vocabulary from the corpus), bpe (byte-level BPE trained on it) or "
-        "gpt2 (GPT-2's BPE through tiktoken, vocab 50257; its files must be on this machine, see data.gpt2_dir)."
+        TokenizerKind.byte, "byte (vocab 256), char (vocabulary from the corpus), bpe (byte-level BPE trained on it), "
+        "gpt2 (GPT-2's BPE through tiktoken, vocab 50257; its files must be on this machine, see data.gpt2_dir) or "
+        "pretrained (the tokenizer.json of a Hugging Face model folder, data.tokenizer_dir; model.init_from sets both)."
     )
+    tokenizer_dir: str | None = _f(
+        None, "pretrained only: a local Hugging Face model folder holding tokenizer.json (its config.json or "
+        "tokenizer_config.json names the end-of-text token); model.init_from sets it to its folder.")
     bpe_vocab_size: int = _f(4096, "bpe only: the vocabulary size to train (>= 257: the 256 bytes + end-of-text).")
     gpt2_dir: str | None = _f(
         None, "gpt2 only: a folder holding GPT-2's vocab.bpe and encoder.json; null looks in tiktoken's cache "

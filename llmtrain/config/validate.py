@@ -115,6 +115,16 @@ def _validate_model(m: ModelConfig) -> None:
             f"'model.n_embd' ({m.n_embd}) is not divisible by 'model.n_head' ({m.n_head}); "
             f"pick a head count that divides the width, e.g. model.n_head={_divisor_near(m.n_embd, m.n_head)}."
         )
+    if m.n_kv_head is not None:
+        _require(m.n_kv_head >= 1 and m.n_head % m.n_kv_head == 0,
+                 f"'model.n_kv_head' is {m.n_kv_head}; it must divide model.n_head ({m.n_head}): each key/value head "
+                 f"serves the same number of query heads (e.g. model.n_kv_head={_divisor_near(m.n_head, max(1, m.n_kv_head))}, "
+                 "or null for one per query head).")
+    _require(m.intermediate_size is None or m.intermediate_size >= 1,
+             f"'model.intermediate_size' is {m.intermediate_size}; use a positive MLP width or null (from mlp_ratio).")
+    _require(m.rope_theta > 0, f"'model.rope_theta' is {m.rope_theta}; it must be > 0 (typical: 10000, 500000).")
+    _require(m.norm_eps is None or 0 < m.norm_eps < 1,
+             f"'model.norm_eps' is {m.norm_eps}; use a small positive epsilon (1e-5, 1e-6) or null.")
     if m.position is PositionEncoding.rope:
         _require(
             (m.n_embd // m.n_head) % 2 == 0,
@@ -288,6 +298,9 @@ def _validate_data_source(d: DataConfig) -> None:
         )
     _require(d.tokenizer is not TokenizerKind.bpe or d.bpe_sample_bytes >= 2**16, f"'data.bpe_sample_bytes' is {d.bpe_sample_bytes}; give at least 65536 "
              "(64 KiB of text to learn merges from; the default is 33554432, 32 MiB).")
+    _require(d.tokenizer is not TokenizerKind.pretrained or bool(d.tokenizer_dir),
+             "Missing required value 'data.tokenizer_dir': data.tokenizer=pretrained reads the tokenizer.json of a "
+             "Hugging Face model folder, e.g. data.tokenizer_dir=./SmolLM-135M (model.init_from=FOLDER sets it).")
     _require(d.bpe_vocab_size >= 257, f"'data.bpe_vocab_size' is {d.bpe_vocab_size}; it must be >= 257 (256 bytes + end-of-text).")
     _require(d.text_field.strip() != "", "'data.text_field' is empty; name the JSON field that holds the text, e.g. text.")
 

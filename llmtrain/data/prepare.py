@@ -49,6 +49,7 @@ from llmtrain.data.tokenizers import (
     BPETokenizer,
     ByteTokenizer,
     CharTokenizer,
+    PretrainedTokenizer,
     Tokenizer,
     gpt2_files,
     gpt2_tokenizer,
@@ -138,6 +139,9 @@ def _location(cfg: DataConfig) -> tuple[list[SourceFile], Path]:
         identity["decode_errors"] = cfg.decode_errors.value
     if cfg.tokenizer is TokenizerKind.gpt2:
         identity["gpt2_files_sha256"] = [hashlib.sha256(p.read_bytes()).hexdigest() for p in _gpt2_files(cfg)]
+    if cfg.tokenizer is TokenizerKind.pretrained:
+        # The tokens are the folder's: its tokenizer.json's content and end-of-text id, not its path.
+        identity["pretrained"] = pretrained_identity(cfg)
     if decoded := decoded_files(cfg, files):  # a cache built when such a file was read as UTF-8 is not reused
         identity["decoded_from"] = decoded
     key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
@@ -178,6 +182,29 @@ def _gpt2_tokenizer(cfg: DataConfig, log: Callable[[str], None]) -> Tokenizer:
         raise ConfigError("data.tokenizer=gpt2 needs the tiktoken package: pip install tiktoken") from None
     except FileNotFoundError as err:
         raise ConfigError(f"data.tokenizer=gpt2: {err}; give the files from {GPT2_URL}") from None
+
+
+def pretrained_tokenizer(cfg: DataConfig) -> PretrainedTokenizer:
+    """data.tokenizer=pretrained: the tokenizer.json of data.tokenizer_dir (read once per process
+    while its files stay unchanged)."""
+    assert cfg.tokenizer_dir is not None
+    path = Path(cfg.tokenizer_dir).expanduser()
+    stamps = tuple((f.stat().st_mtime_ns, f.stat().st_size) if f.is_file() else None
+                   for f in (path / name for name in ("tokenizer.json", "config.json", "tokenizer_config.json",
+                                                      "generation_config.json")))
+    return _pretrained(cfg.tokenizer_dir, str(path.resolve()) if path.is_dir() else cfg.tokenizer_dir, stamps)
+
+
+@functools.lru_cache(maxsize=4)
+def _pretrained(location: str, _resolved: str, _stamps: tuple) -> PretrainedTokenizer:
+    return PretrainedTokenizer.from_folder(location, "data.tokenizer_dir")
+
+
+def pretrained_identity(cfg: DataConfig) -> dict:
+    """What makes a pretrained tokenizer's ids: tokenizer.json's content and the end-of-text id."""
+    tokenizer = pretrained_tokenizer(cfg)
+    content = hashlib.sha256(Path(cfg.tokenizer_dir or "").expanduser().joinpath("tokenizer.json").read_bytes())
+    return {"tokenizer_sha256": content.hexdigest(), "eos_id": tokenizer.eos_id}
 
 
 def hf_dataset(cfg: DataConfig):
@@ -483,12 +510,14 @@ def _fit_tokenizer(
     log: Callable[[str], None], bar: _ProgressBar,
 ) -> Tokenizer:
     """char: every character of the corpus (both splits: validation must encode too); bpe: trained on
-    the train split, on at most data.bpe_sample_bytes of it spread over its documents; byte and
-    gpt2: nothing to fit."""
+    the train split, on at most data.bpe_sample_bytes of it spread over its documents; byte, gpt2
+    and pretrained (a model folder's tokenizer.json): nothing to fit."""
     if cfg.tokenizer is TokenizerKind.byte:
         return ByteTokenizer()
     if cfg.tokenizer is TokenizerKind.gpt2:
         return _gpt2_tokenizer(cfg, log)
+    if cfg.tokenizer is TokenizerKind.pretrained:
+        return _logged_pretrained(cfg, log)
     if cfg.tokenizer is TokenizerKind.char:
         characters: set[str] = set()
         bar.start("collecting characters", sum(scan.sizes[i] for i, k in enumerate(keep) if k))
@@ -772,7 +801,17 @@ def _fit_in_memory(cfg: DataConfig, all_texts: list[str], train_texts: list[str]
         return BPETokenizer.fit(iter(train_texts), cfg.bpe_vocab_size)
     if cfg.tokenizer is TokenizerKind.gpt2:
         return _gpt2_tokenizer(cfg, log)
+    if cfg.tokenizer is TokenizerKind.pretrained:
+        return _logged_pretrained(cfg, log)
     return ByteTokenizer()
+
+
+def _logged_pretrained(cfg: DataConfig, log: Callable[[str], None]) -> PretrainedTokenizer:
+    tokenizer = pretrained_tokenizer(cfg)
+    end = tokenizer.inner.id_to_token(tokenizer.eos_id)
+    log(f"tokenizer.json of {cfg.tokenizer_dir}: vocabulary {tokenizer.vocab_size:,}, end-of-text {end} "
+        f"(id {tokenizer.eos_id}, from {tokenizer.eos_origin or 'the saved tokenizer'})")
+    return tokenizer
 
 
 def _entropy(counts: np.ndarray) -> float:

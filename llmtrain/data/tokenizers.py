@@ -149,6 +149,131 @@ class BPETokenizer:
         return {"kind": "bpe", "tokenizer": json.loads(self.inner.to_str())}
 
 
+class PretrainedTokenizer:
+    """The tokenizer.json of a Hugging Face model folder (data.tokenizer=pretrained; model.init_from
+    sets it), through the `tokenizers` library: the ids the folder's checkpoint was trained on.
+
+    Text is encoded plainly (no BOS or template tokens: documents are separated by end-of-text, as
+    for every llmtrain tokenizer); decoding drops special tokens. The end-of-text id comes from the
+    folder's config.json (eos_token_id), else tokenizer_config.json (eos_token), else a special token
+    of a well-known end-of-text name; a tokenizer with none is refused, since documents would run
+    into each other."""
+
+    # Names end-of-text goes by, tried in order when the folder's files name none.
+    KNOWN_ENDS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eos|>")
+
+    def __init__(self, inner, eos_id: int, bos_id: int | None, source: str, eos_origin: str = "") -> None:
+        self.inner = inner  # tokenizers.Tokenizer
+        self.vocab_size = inner.get_vocab_size(with_added_tokens=True)
+        self.eos_id, self.bos_id, self.source = eos_id, bos_id, source
+        self.eos_origin = eos_origin  # where the end-of-text id was found, for prepare's log
+
+    @classmethod
+    def from_folder(cls, location: str, key: str = "data.tokenizer_dir") -> PretrainedTokenizer:
+        """The folder's tokenizer.json with its end-of-text and beginning-of-text ids; ConfigError
+        names a missing or unreadable file, or a tokenizer without end-of-text."""
+        from llmtrain.errors import ConfigError
+        from llmtrain.hf.folder import TOKENIZER
+
+        path = _tokenizer_folder(location, key)
+        file = path / TOKENIZER
+        if not file.is_file():
+            raise ConfigError(f"{key}={location} has no {TOKENIZER}, so its token ids are unknown; the folder is "
+                              "incomplete: copy the model's tokenizer.json into it (it comes with the model, e.g. "
+                              "from `hf download NAME --local-dir FOLDER`).")
+        inner = _read_tokenizer_json(file)
+        bos, eos, origin = _special_ids(path, inner, key)
+        if eos is None:
+            eos, origin = _known_end(inner, cls.KNOWN_ENDS)
+        if eos is None or not 0 <= eos < inner.get_vocab_size(with_added_tokens=True):
+            found = f"an eos id {eos} outside its vocabulary" if eos is not None else "no end-of-text token"
+            raise ConfigError(
+                f"{key}={location}: {file} has {found} (config.json's eos_token_id, tokenizer_config.json's "
+                f"eos_token, or a special token named {' or '.join(cls.KNOWN_ENDS[:2])}); llmtrain separates "
+                "documents with it. Add \"eos_token\": \"TOKEN\" to tokenizer_config.json (or eos_token_id to "
+                "config.json), naming the model's end-of-text token.")
+        return cls(inner, eos, bos, str(location), origin)
+
+    def encode(self, text: str) -> list[int]:
+        return self.inner.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        # encode_batch_fast (tokenizers >= 0.20) skips the character offsets nobody here reads
+        encode = getattr(self.inner, "encode_batch_fast", self.inner.encode_batch)
+        return [e.ids for e in encode(texts, add_special_tokens=False)]
+
+    def encode_arrays(self, texts: list[str]) -> list[np.ndarray]:
+        """Many texts at once, on all cores (tokenizers' Rust thread pool), as uint32 arrays."""
+        return [np.asarray(ids, dtype=np.uint32) for ids in self.encode_batch(texts)]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.inner.decode(list(ids), skip_special_tokens=True)
+
+    def to_dict(self) -> dict:
+        return {"kind": "pretrained", "tokenizer": json.loads(self.inner.to_str()), "eos_id": self.eos_id,
+                "bos_id": self.bos_id, "source": self.source}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> PretrainedTokenizer:
+        from tokenizers import Tokenizer as HFTokenizer
+
+        return cls(HFTokenizer.from_str(json.dumps(data["tokenizer"])), int(data["eos_id"]),
+                   data.get("bos_id"), str(data.get("source", "")))
+
+
+def _tokenizer_folder(location: str, key: str) -> Path:
+    from llmtrain.hf.folder import folder_path
+
+    return folder_path(location, key)
+
+
+def _read_tokenizer_json(file: Path):
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from llmtrain.errors import ConfigError
+
+    try:
+        return HFTokenizer.from_file(str(file))
+    except Exception as err:  # tokenizers raises a bare Exception for unreadable JSON or an unknown model
+        raise ConfigError(f"{file} is not a tokenizer the `tokenizers` library can read ({str(err)[:200]}); the "
+                          "folder is damaged: download or save it again.") from None
+
+
+def _special_ids(path: Path, inner, key: str) -> tuple[int | None, int | None, str]:
+    """(bos, eos, where eos was found): config.json's ids when it has them, else the token strings
+    of tokenizer_config.json looked up in the tokenizer."""
+    from llmtrain.hf.folder import CONFIG, TOKENIZER_CONFIG, HFFolder, read_config
+
+    bos = eos = None
+    if (path / CONFIG).is_file():
+        # Any architecture's config.json names its special ids; the layout does not matter here.
+        bos, eos = HFFolder(path, key, read_config(path, key), "", {}).special_ids()
+        if eos is not None:
+            return bos, eos, CONFIG
+    settings = path / TOKENIZER_CONFIG
+    if settings.is_file():
+        try:
+            data = json.loads(settings.read_text())
+        except (OSError, UnicodeDecodeError, ValueError):
+            data = {}  # optional file; the well-known names are tried next
+        names = {k: v.get("content") if isinstance(v, dict) else v for k, v in data.items()
+                 if k in ("bos_token", "eos_token")}
+        if bos is None and isinstance(names.get("bos_token"), str):
+            bos = inner.token_to_id(names["bos_token"])
+        if isinstance(names.get("eos_token"), str) and (eos := inner.token_to_id(names["eos_token"])) is not None:
+            return bos, eos, f"{TOKENIZER_CONFIG} ({names['eos_token']})"
+    return bos, None, ""
+
+
+def _known_end(inner, names: tuple[str, ...]) -> tuple[int | None, str]:
+    """The id of the first special token with a well-known end-of-text name, if the tokenizer has one."""
+    special = {t.content for t in inner.get_added_tokens_decoder().values() if t.special}
+    for name in names:
+        if name in special:
+            return inner.token_to_id(name), f"its special token {name} (no eos named in the folder's files)"
+    return None, ""
+
+
 # The pre-tokenizer regex of GPT-2 and of tokenizers' ByteLevel (use_regex=True).
 GPT2_SPLIT_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 _PROBE = "def f(x):\n    return x  # it's 42\n\n\tnaïve café – 数据 🙂  spaces   end\n"
@@ -269,7 +394,9 @@ def tokenizer_from_dict(data: dict) -> Tokenizer:
         return BPETokenizer(HFTokenizer.from_str(json.dumps(data["tokenizer"])))
     if data["kind"] == "tiktoken":
         return TiktokenTokenizer.from_dict(data)
-    raise ValueError(f"unknown tokenizer kind {data['kind']!r}; valid: byte, char, bpe, tiktoken")
+    if data["kind"] == "pretrained":
+        return PretrainedTokenizer.from_dict(data)
+    raise ValueError(f"unknown tokenizer kind {data['kind']!r}; valid: byte, char, bpe, tiktoken, pretrained")
 
 
 def save_tokenizer(tokenizer: Tokenizer, path: Path) -> None:

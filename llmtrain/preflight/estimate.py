@@ -29,17 +29,14 @@ assumed utilization give the step time and the run time.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
-from torch.nn import init
 
 from llmtrain.config.derived import accumulation_steps, micro_batch_size_of, seq_len_of, total_steps
 from llmtrain.config.schema import (
@@ -52,7 +49,7 @@ from llmtrain.config.schema import (
     Precision,
 )
 from llmtrain.health.probes import matmul_peak_flops, rss_mb
-from llmtrain.model import GPT, flops_per_token
+from llmtrain.model import GPT, flops_per_token, mlp_width, uninitialized
 
 MB = 2**20
 LAYOUTS = ("single", "ddp", "zero1", "fsdp")
@@ -84,7 +81,7 @@ class ModelShape:
 
 
 def model_shape(cfg: Config, vocab_size: int) -> ModelShape:
-    with torch.device("meta"), _values_not_initialized():
+    with torch.device("meta"), uninitialized():
         model = GPT(cfg.model, vocab_size)
     params = {id(p): p for p in model.parameters()}.values()
     matmul = {id(m.weight): m.weight for m in model.modules() if isinstance(m, nn.Linear)}
@@ -99,21 +96,6 @@ def model_shape(cfg: Config, vocab_size: int) -> ModelShape:
         largest_block_params=max(sum(p.numel() for p in b.parameters()) for b in model.blocks),
         n_layers=len(model.blocks),
     )
-
-
-@contextlib.contextmanager
-def _values_not_initialized() -> Iterator[None]:
-    """Meta tensors have shapes but no values, so initializing them is pointless, and slow: torch's
-    meta `normal_` imports torch._dynamo (~1.3 s). Shapes are all the estimate reads."""
-    names = ("normal_", "xavier_normal_", "kaiming_normal_", "kaiming_uniform_", "uniform_", "zeros_", "ones_")
-    saved = {name: getattr(init, name) for name in names}
-    try:
-        for name in names:
-            setattr(init, name, lambda tensor, *args, **kwargs: tensor)
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(init, name, fn)
 
 
 def optimizer_state_elements(cfg: Config, shape: torch.Size) -> int:
@@ -138,9 +120,7 @@ def activation_bytes_per_token(cfg: Config, precision: Precision, device_type: s
     low = precision in (Precision.bf16, Precision.fp16)
     a = 2 if low else 4  # matmul outputs (and the casts of norm outputs) under autocast
     r = 4  # the residual stream stays fp32
-    hidden = int(m.mlp_ratio * C)
-    if m.mlp is MlpKind.swiglu:
-        hidden = 8 * math.ceil(2 * hidden / 3 / 8)
+    hidden = mlp_width(m)
     has_dropout = m.dropout > 0
     norm_stats = 4 if m.norm is NormKind.rmsnorm else 8  # rstd (+ mean for LayerNorm), fp32, per token
 

@@ -1,7 +1,7 @@
 """Loading a trained run: its config, tokenizer and weights, from a run dir or an export folder.
 
 `load_run` gives a `TrainedRun` (model in eval mode, tokenizer, training context) for `sample`,
-`export` and the report's inference check; `newest_weights` picks a run dir's newest readable
+`export` and the report's inference check, also from a Hugging Face folder (`load_hf_folder`); `newest_weights` picks a run dir's newest readable
 weights (model.pt or its newest good checkpoint). The export format's file names (`WEIGHTS`,
 `MODEL_CONFIG`) live here too, beside `load_exported`/`is_export`, so that `export` (which writes
 the format) and `sample` (which reads it) both depend on this module instead of on each other.
@@ -96,25 +96,69 @@ def is_export(path: Path) -> bool:
     return (path / WEIGHTS).is_file() and (path / MODEL_CONFIG).is_file()
 
 
+def is_hf_folder(path: Path) -> bool:
+    """A Hugging Face model folder (`llmtrain export --format hf`, or transformers' save_pretrained):
+    config.json, safetensors weights (whole or sharded) and tokenizer.json."""
+    from llmtrain.hf.folder import CONFIG as HF_CONFIG
+    from llmtrain.hf.folder import TOKENIZER as HF_TOKENIZER
+    from llmtrain.hf.folder import WEIGHTS_INDEX
+
+    weights = (path / WEIGHTS).is_file() or (path / WEIGHTS_INDEX).is_file()
+    return weights and (path / HF_CONFIG).is_file() and (path / HF_TOKENIZER).is_file() and not is_export(path)
+
+
+def load_hf_folder(path: Path, device: str = "cpu") -> TrainedRun:
+    """A GPT-2 or Llama-family Hugging Face folder as a `TrainedRun`: the model its config.json
+    describes, its weights, its tokenizer.json (data.tokenizer=pretrained's tokenizer), and as
+    context the shorter of the model's positions and the tokenizer's model_max_length."""
+    from llmtrain.config.schema import ModelConfig
+    from llmtrain.data.tokenizers import PretrainedTokenizer
+    from llmtrain.hf.folder import HFFolder, load_weights
+
+    folder = HFFolder.open(str(path), key="RUN_DIR")  # refuses an unsupported architecture by name
+    fields = folder.model_fields()
+    tokenizer = PretrainedTokenizer.from_folder(str(path), key="RUN_DIR")
+    model = GPT(ModelConfig(name=folder.name, **fields), int(fields["vocab_size"]))
+    load_weights(model, folder)
+    return TrainedRun(model.to(device).eval(), tokenizer, min(model.cfg.block_size, _max_length(path)))
+
+
+def _max_length(path: Path) -> int:
+    """tokenizer_config.json's model_max_length (transformers writes ~1e30 when it is unknown)."""
+    from llmtrain.hf.folder import TOKENIZER_CONFIG
+
+    try:
+        value = json.loads((path / TOKENIZER_CONFIG).read_text()).get("model_max_length")
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        return sys.maxsize  # optional file: the model's positions decide
+    return int(value) if isinstance(value, (int, float)) and 0 < value < sys.maxsize else sys.maxsize
+
+
 @dataclass
 class TrainedRun:
     model: GPT  # in eval mode
     tokenizer: Tokenizer
     context: int  # the sequence length it was trained on: positions past it were never seen
+    tokenizer_file: Path | None = None  # llmtrain's tokenizer.json it came from (None: a Hugging Face folder's)
 
 
 def load_run(run_dir: Path, device: str = "cpu") -> TrainedRun:
     """The trained model, its tokenizer and its training context from a run directory (its final
-    weights, else its newest good checkpoint's) or from an `llmtrain export` folder."""
+    weights, else its newest good checkpoint's), an `llmtrain export` folder (either format), or a
+    GPT-2 / Llama-family Hugging Face folder."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise UserError(
             f"'{run_dir}' does not exist; give a run directory that `llmtrain train` wrote "
-            "(its banner prints it, e.g. outputs/<date>/<time>) or a folder written by `llmtrain export`."
+            "(its banner prints it, e.g. outputs/<date>/<time>), a folder written by `llmtrain export`, or a local "
+            "Hugging Face model folder."
         )
     if is_export(run_dir):
         model, context = load_exported(run_dir, device)
-        return TrainedRun(model, load_tokenizer(run_dir / TOKENIZER), context)
+        return TrainedRun(model, load_tokenizer(run_dir / TOKENIZER), context, run_dir / TOKENIZER)
+    # config.json without config.yaml: a Hugging Face folder, whose own checks name what it lacks
+    if is_hf_folder(run_dir) or ((run_dir / "config.json").is_file() and not (run_dir / CONFIG).is_file()):
+        return load_hf_folder(run_dir, device)
     needed = [run_dir / name for name in (CONFIG, TOKENIZER)]
     missing = [p.name for p in needed if not p.is_file()]
     if missing:
@@ -139,4 +183,4 @@ def load_run(run_dir: Path, device: str = "cpu") -> TrainedRun:
     except RuntimeError as err:
         first = str(err).strip().splitlines()[1:2] or [str(err)]
         raise UserError(f"'{run_dir}': its weights do not fit its config.yaml ({first[0].strip()[:300]}).") from None
-    return TrainedRun(model.to(device).eval(), tokenizer, seq_len_of(cfg))
+    return TrainedRun(model.to(device).eval(), tokenizer, seq_len_of(cfg), needed[1])

@@ -2,7 +2,8 @@
 
 The export holds what inference needs and nothing of the training state (no optimizer, RNG or
 data position): `model.safetensors`, `model_config.json` and `tokenizer.json`. `llmtrain sample`
-reads an export folder as well as a run dir.
+reads an export folder as well as a run dir. `--format hf` writes a Hugging Face folder instead
+(llmtrain/hf/export.py), which transformers loads with no llmtrain code.
 """
 
 from __future__ import annotations
@@ -15,25 +16,45 @@ import torch
 from safetensors.torch import save_model
 
 from llmtrain.config.schema import config_to_dict
+from llmtrain.data.tokenizers import Tokenizer, save_tokenizer
+from llmtrain.errors import UserError
 from llmtrain.model import GPT
 from llmtrain.runs.artifacts import MODEL_CONFIG, WEIGHTS, load_run
 from llmtrain.runs.files import TOKENIZER
 
 
-def export_model(model: GPT, tokenizer_file: Path, context: int, out_dir: Path) -> Path:
-    """Write `model`'s weights, its config and a copy of `tokenizer_file` into `out_dir`."""
+def export_model(model: GPT, tokenizer: Tokenizer, context: int, out_dir: Path,
+                 tokenizer_file: Path | None = None) -> Path:
+    """Write `model`'s weights, its config and its tokenizer into `out_dir`: a copy of the run's
+    `tokenizer_file`, else (a Hugging Face folder's tokenizer) `tokenizer` saved in llmtrain's form."""
     out_dir.mkdir(parents=True, exist_ok=True)
     # save_model de-duplicates tied tensors (safetensors refuses shared storage) and load_model re-ties them.
     save_model(model, str(out_dir / WEIGHTS), metadata={"format": "llmtrain-1"})
     meta = {"model": config_to_dict(model.cfg), "vocab_size": model.vocab_size, "context": context}
     (out_dir / MODEL_CONFIG).write_text(json.dumps(meta, indent=2))
-    shutil.copy(tokenizer_file, out_dir / TOKENIZER)
+    if tokenizer_file is not None:
+        shutil.copy(tokenizer_file, out_dir / TOKENIZER)
+    else:
+        save_tokenizer(tokenizer, out_dir / TOKENIZER)
     return out_dir
 
 
+FORMATS = ("llmtrain", "hf")
+# Default folders under the run dir, one per format, so exporting both keeps both.
+DEFAULT_OUT = {"llmtrain": "export", "hf": "export-hf"}
+
+
 @torch.no_grad()
-def export_run(run_dir: Path, out_dir: Path | None = None) -> Path:
-    """Export a run dir (or re-export an export folder) into `out_dir`, by default RUN_DIR/export."""
+def export_run(run_dir: Path, out_dir: Path | None = None, fmt: str = "llmtrain") -> Path:
+    """Export a run dir (or re-export an export folder) into `out_dir`, by default RUN_DIR/export
+    (format llmtrain) or RUN_DIR/export-hf (format hf)."""
+    if fmt not in FORMATS:
+        raise UserError(f"--format is {fmt!r}; valid formats: {', '.join(FORMATS)}.")
     run = load_run(run_dir)
-    target = out_dir or Path(run_dir) / "export"
-    return export_model(run.model, Path(run_dir) / TOKENIZER, run.context, target)
+    target = out_dir or Path(run_dir) / DEFAULT_OUT[fmt]
+    if fmt == "hf":
+        from llmtrain.hf.export import export_hf
+
+        export_hf(run.model, run.tokenizer.to_dict(), run.context, target)
+        return target
+    return export_model(run.model, run.tokenizer, run.context, target, run.tokenizer_file)

@@ -23,7 +23,8 @@ def print_banner(run: Run) -> None:
     run.sink.banner(
         f"llmtrain: {cfg.model.name} on {cfg.data.source.value} -> {run.run_dir}",
         [
-            ("parameters", f"{param_count(model):,} ({param_count(model, exclude_positions=True):,} without positions)"),
+            ("parameters", f"{param_count(model):,} ({param_count(model, exclude_positions=True):,} without positions)"
+                           + (f", weights from {cfg.model.init_from}" if cfg.model.init_from and not run.resume_from else "")),
             ("batch", f"{cfg.global_batch_size} sequences x {seq_len} tokens = {tokens_per_step:,} tokens/step"),
             *([("seq_len stages", describe_stages(run.stage_plan, accum * layout.world_size, cfg.data.seq_len_keep))]
               if len(run.stage_plan) > 1 else []),

@@ -6,8 +6,9 @@ which error a user sees first: everything that can fail on user input fails befo
     runtime      device, process group, seed, threads, deterministic kernels, subnormals, precision
     data         prepared (rank 0 first), long enough for the longest stage; the pre-flight check
     resume       which checkpoint (resume=auto|never|PATH), and whether it fits this config and data
-    model        initialized (from torch's RNG, as the runtime seeded it), compiled per block,
-                 sharded (FSDP2) or wrapped (DDP)
+    model        initialized (from torch's RNG, as the runtime seeded it; model.init_from on a
+                 fresh start: the folder's weights), compiled per block, sharded (FSDP2) or
+                 wrapped (DDP)
     optimizer    (+ ZeRO-1), and the views checkpoints read and write the state through
     samplers     the train batches (their own RNG) and the fixed validation batches
     state        restored from the checkpoint; the run is then accepted (the run dir is written)
@@ -90,7 +91,9 @@ from llmtrain.errors import ConfigError
 from llmtrain.health.diagnosis import run_facts
 from llmtrain.health.probes import device_memory_mb
 from llmtrain.health.watch import HealthWatch, NullWatch
-from llmtrain.model import GPT, flops_per_token
+from llmtrain.hf.folder import load_weights
+from llmtrain.hf.init import apply_init_from, open_folder
+from llmtrain.model import GPT, flops_per_token, uninitialized
 from llmtrain.preflight.check import CheckFailed, CheckReport, run_check
 from llmtrain.preflight.check import render as render_check
 from llmtrain.runs import files
@@ -115,6 +118,7 @@ ModelFactory = Callable[[ModelConfig, int], torch.nn.Module]
 def build_run(cfg: Config, console: ConsoleSink | None, layout: Layout,
               on_accept: Callable[[Path], None] | None = None) -> Run:
     """Set up the run as this process's part of it (see the module docstring for the order)."""
+    apply_init_from(cfg)  # model.init_from: already resolved by the CLI (idempotent); a Config built in code is here
     validate(cfg)
     if cfg.out_dir is None:
         raise ConfigError("'out_dir' is not set; give a run directory, e.g. out_dir=runs/first.")
@@ -131,7 +135,7 @@ def build_run(cfg: Config, console: ConsoleSink | None, layout: Layout,
     check = refuse_failed_check(cfg, data, sink)
     config_dict = config_to_dict(cfg)
     checkpoint = choose_resume(cfg, run_dir, warn, device, layout, config_dict, data.tokenizer())
-    model = build_model(cfg, vocab_size, runtime, layout)
+    model = build_model(cfg, vocab_size, runtime, layout, fresh_start=checkpoint is None)
     optim = build_optimization(cfg, model, layout, device)
     autocast = autocast_factory(runtime.precision, device.type)
     scaler = build_grad_scaler(runtime.precision, device.type)
@@ -263,8 +267,25 @@ def new_model(model_cfg: ModelConfig, vocab_size: int, device: torch.device, fac
     return model
 
 
-def build_model(cfg: Config, vocab_size: int, runtime: Runtime, layout: Layout) -> Model:
-    model = new_model(cfg.model, vocab_size, runtime.device)
+def folder_model(model_cfg: ModelConfig, vocab_size: int, device: torch.device) -> torch.nn.Module:
+    """The model of model.init_from, every tensor from the folder's safetensors (the random init,
+    which they would overwrite, is skipped: apply_init_from checked that they fill the model)."""
+    assert model_cfg.init_from is not None
+    folder = open_folder(model_cfg.init_from)
+    with uninitialized():
+        model = new_model(model_cfg, vocab_size, device)
+    load_weights(model, folder)
+    return model
+
+
+def build_model(cfg: Config, vocab_size: int, runtime: Runtime, layout: Layout, fresh_start: bool = True) -> Model:
+    """The model, initialized (model.init_from on a fresh start: the folder's weights; a resume then
+    restores the checkpoint's), compiled, sharded or wrapped."""
+    if cfg.model.init_from is not None and fresh_start:
+        # Before compile and sharding: FSDP2 splits the tensors load_weights fills by their names.
+        model = folder_model(cfg.model, vocab_size, runtime.device)
+    else:
+        model = new_model(cfg.model, vocab_size, runtime.device)
     if cfg.compile is CompileMode.on or (cfg.compile is CompileMode.auto and runtime.device.type == "cuda"):
         for block in model.blocks:  # in place, per block: parameter names (and checkpoints) stay the same
             block.compile()

@@ -1,0 +1,205 @@
+"""model.init_from=FOLDER: a config resolved against a local Hugging Face model folder.
+
+`apply_init_from(cfg)` makes the config describe the folder's model before anything else runs:
+its shape (every `layouts.SHAPE_FIELDS` key still at its `ModelConfig` default takes the
+folder's value; one set to anything else must agree with it), its name, and its tokenizer
+(data.tokenizer=pretrained, data.tokenizer_dir=FOLDER: the checkpoint's embedding rows are the
+ids of the folder's tokenizer.json). The weights are checked too, from the safetensors headers
+only (every tensor there, of the shape config.json implies, no file truncated), so a damaged
+folder fails before the data is prepared; `training/setup.py` loads them into the fresh model.
+Running it again on a resolved config changes nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Collection
+from pathlib import Path
+from typing import Any
+
+from llmtrain.config.schema import Config, DataConfig, ModelConfig, TokenizerKind
+from llmtrain.config.validate import validate
+from llmtrain.errors import ConfigError
+from llmtrain.hf import layouts
+from llmtrain.hf.folder import CONFIG, TOKENIZER, HFFolder
+
+KEY = "model.init_from"
+
+
+def apply_init_from(cfg: Config, explicit: Collection[str] | None = None) -> None:
+    """Resolve `cfg` against the folder model.init_from names (no-op when it is null); raises
+    ConfigError naming every contradiction, or what the folder lacks.
+
+    `explicit`: the config keys the user set (`model.n_layer`, `data.tokenizer`; `model` for a
+    model group other than the default, which sets every shape key): each must agree with the
+    folder, even when it equals its default. None (a Config built in code): every key that differs
+    from its default counts as set. The config is validated before the weights are checked, so a
+    bad value gets its own message first."""
+    if cfg.model.init_from is None:
+        return
+    if not cfg.model.init_from.strip():
+        raise ConfigError(f"{KEY} is empty; give a local Hugging Face model folder, e.g. {KEY}=models/gpt2, or null.")
+    folder = open_folder(cfg.model.init_from)
+    _resolve_model(cfg.model, folder, explicit)
+    _resolve_tokenizer(cfg.data, folder, cfg.model.init_from, explicit)
+    validate(cfg)
+    _check_tokenizer_fits(cfg, folder)
+    check_weights(folder, cfg.model)
+
+
+def explicit_keys(overrides: Collection[str]) -> set[str]:
+    """The config keys a command line's overrides set: `model.n_layer=4` -> model.n_layer; a model
+    group other than the default (`model=gpt2`) -> model (it sets every shape key)."""
+    keys: set[str] = set()
+    for override in overrides:
+        key, _, value = override.lstrip("+~").partition("=")
+        if key == "model" and value != ModelConfig().name:
+            keys.add("model")
+        elif key.startswith(("model.", "data.")):
+            keys.add(key)
+    return keys
+
+
+def open_folder(location: str) -> HFFolder:
+    """The folder, checked: config.json of a supported layout, readable weights, a tokenizer.json."""
+    folder = HFFolder.open(location, KEY, need_weights=True)
+    if not (folder.path / TOKENIZER).is_file():
+        raise ConfigError(
+            f"{KEY}={location} has no {TOKENIZER}; the folder is incomplete: the checkpoint's embedding rows are "
+            "the ids of its own tokenizer, so llmtrain needs that file to prepare data and sample. Copy the model's "
+            "tokenizer.json into the folder (it comes with the model, e.g. `hf download NAME --local-dir FOLDER`)."
+        )
+    return folder
+
+
+def _shown(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(getattr(value, "value", value))
+
+
+def _effective(key: str, model: ModelConfig, value: Any) -> Any:
+    """What a value means for the built model: null n_kv_head is n_head, null norm_eps and
+    intermediate_size are the defaults model.py derives."""
+    from llmtrain import model as gpt
+
+    probe = dataclasses.replace(model, **{key: value})
+    derived = {"n_kv_head": gpt.kv_heads, "norm_eps": gpt.norm_eps, "intermediate_size": gpt.mlp_width}
+    return derived[key](probe) if key in derived else value
+
+
+def _resolve_model(model: ModelConfig, folder: HFFolder, explicit: Collection[str] | None) -> None:
+    fields, defaults = folder.model_fields(), ModelConfig()
+    group = explicit is not None and "model" in explicit
+    differs = []
+    for key in layouts.SHAPE_FIELDS:
+        ours, theirs = getattr(model, key), fields[key]
+        decided = ours != getattr(defaults, key) if explicit is None else group or f"model.{key}" in explicit
+        # A null vocab_size means "the data's": the folder's embedding decides; rope_theta means nothing
+        # without RoPE.
+        free = (key == "vocab_size" and ours is None) or (key == "rope_theta" and fields["position"].value == "learned")
+        probe = dataclasses.replace(model, **{k: fields[k] for k in ("n_head", "n_embd", "mlp", "norm")})
+        if decided and not free and _effective(key, probe, ours) != _effective(key, probe, theirs):
+            differs.append(f"model.{key} is {_shown(ours)} but the folder has {_shown(theirs)}")
+    if differs:
+        source = (f" (model={model.name} sets them, or an override)" if group or model.name not in (defaults.name, folder.name)
+                  else "")
+        raise ConfigError(
+            f"{KEY}={model.init_from}: the config contradicts the folder's {folder.path / CONFIG}: "
+            f"{'; '.join(differs)}{source}. Keys left at their defaults take the folder's shape: drop these "
+            "overrides, and pick the model group that matches the folder or none (the default takes any folder's "
+            "shape)."
+        )
+    for key in layouts.SHAPE_FIELDS:
+        setattr(model, key, fields[key])
+    if model.name == defaults.name:
+        model.name = folder.name
+
+
+def _same_folder(a: str, b: str) -> bool:
+    return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
+
+
+def _resolve_tokenizer(data: DataConfig, folder: HFFolder, init_from: str, explicit: Collection[str] | None) -> None:
+    """data.tokenizer=pretrained from the folder; another tokenizer is refused: its ids would index
+    embedding rows trained for other tokens. data.tokenizer_dir is stored resolved (absolute), so a
+    resume from another working directory names the same folder."""
+    chosen = explicit is not None and "data.tokenizer" in explicit
+    if data.tokenizer is not TokenizerKind.pretrained and (chosen or data.tokenizer is not TokenizerKind.byte):
+        raise ConfigError(
+            f"data.tokenizer={data.tokenizer.value} cannot train a model from {KEY}={init_from}: the checkpoint's "
+            "embedding rows mean the tokens of the folder's tokenizer.json, and another tokenizer's ids would "
+            f"index rows trained for other tokens. Drop data.tokenizer ({KEY} uses the folder's tokenizer, "
+            "data.tokenizer=pretrained)."
+        )
+    if data.tokenizer_dir is not None and not _same_folder(data.tokenizer_dir, init_from):
+        raise ConfigError(
+            f"data.tokenizer_dir={data.tokenizer_dir} but {KEY}={init_from}: the checkpoint's embedding rows mean "
+            f"the tokens of {init_from}/{TOKENIZER}, not another folder's. Drop data.tokenizer_dir ({KEY} sets it)."
+        )
+    data.tokenizer = TokenizerKind.pretrained
+    data.tokenizer_dir = str(Path(data.tokenizer_dir or init_from).expanduser().resolve())
+
+
+def _check_tokenizer_fits(cfg: Config, folder: HFFolder) -> None:
+    """The tokenizer reads (with an end-of-text token) and each of its ids has an embedding row."""
+    from llmtrain.data.prepare import pretrained_tokenizer
+
+    tokenizer = pretrained_tokenizer(cfg.data)  # cached: prepare reads the same one
+    rows = cfg.model.vocab_size
+    if rows is not None and tokenizer.vocab_size > rows:
+        raise ConfigError(
+            f"{KEY}={cfg.model.init_from}: its {TOKENIZER} has {tokenizer.vocab_size:,} tokens, but "
+            f"{folder.path / CONFIG} gives the model {rows:,} embedding rows (vocab_size), so ids from {rows:,} up "
+            "would have none; the tokenizer and the weights do not belong together: download or save the folder again."
+        )
+
+
+def check_weights(folder: HFFolder, model: ModelConfig) -> None:
+    """Every tensor the model needs is in the safetensors files with the shape config.json implies,
+    and every file is whole: read from the headers only (no tensor data), before any work."""
+    import torch
+    from safetensors import safe_open
+
+    from llmtrain.model import GPT, uninitialized
+
+    assert model.vocab_size is not None  # set from config.json above
+    with torch.device("meta"), uninitialized():  # shapes only: no memory, no init cost, no RNG drawn
+        expected = GPT(model, model.vocab_size).state_dict()
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in sorted(set(folder.weight_files.values())):
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                shapes.update((name, tuple(handle.get_slice(name).get_shape())) for name in handle.keys())
+        except Exception as err:  # safetensors' own error types: a truncated file or a damaged header
+            raise ConfigError(f"{file} is not a readable safetensors file ({type(err).__name__}: {str(err)[:200]}); "
+                              "the folder is damaged: download or save it again.") from None
+    pieces = layouts.pieces(model, folder.layout)
+    for piece in pieces:
+        _check_piece(folder, piece, shapes, expected)
+    # A model built uninitialized() for the folder keeps garbage in any tensor no piece fills: none may be left.
+    left = sorted(set(expected) - {p.ours for p in pieces} - ({"lm_head.weight"} if model.tie_weights else set()))
+    if left:
+        raise ConfigError(f"{KEY}={folder.path}: the {folder.layout} layout does not fill {', '.join(left[:3])} of "
+                          "this model; it cannot start from the folder's weights.")
+
+
+def _check_piece(folder: HFFolder, piece: layouts.Piece, shapes: dict[str, tuple[int, ...]],
+                 expected: dict[str, Any]) -> None:
+    names = [n if n in shapes else n.removeprefix("transformer.") for n in piece.theirs]
+    missing = [theirs for theirs, name in zip(piece.theirs, names) if name not in shapes]
+    if piece.ours not in expected:
+        return  # a tensor this model has no place for (load_weights skips it too)
+    if missing:
+        raise ConfigError(f"{KEY}={folder.path}: the weights lack {', '.join(missing[:3])}, which a {folder.layout} "
+                          "model of this config.json has; the folder is incomplete or damaged.")
+    parts = [shapes[name][::-1] if piece.transposed else shapes[name] for name in names]
+    joined = (parts[0] if len(parts) == 1
+              else (sum(p[0] for p in parts), *parts[0][1:]) if len({p[1:] for p in parts}) == 1 else None)
+    want = tuple(expected[piece.ours].shape)
+    if joined != want:
+        raise ConfigError(f"{KEY}={folder.path}: {' + '.join(piece.theirs)} has shape "
+                          f"{' + '.join(str(p) for p in parts)}, but its config.json makes {piece.ours} {want}; the "
+                          "weights and config.json do not belong together.")

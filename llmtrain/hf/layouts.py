@@ -1,0 +1,273 @@
+"""The two Hugging Face layouts llmtrain reads and writes: GPT2LMHeadModel and LlamaForCausalLM.
+
+For each, what a config.json means in llmtrain's `ModelConfig` fields (`model_fields`), the
+config.json an llmtrain model exports as (`hf_config`), and which HF tensors make up each llmtrain
+tensor (`pieces`): GPT-2's Conv1D weights are stored (in, out), so they are transposed; Llama's
+q_proj, k_proj and v_proj are stacked into llmtrain's one fused q/k/v projection (rows q | k | v,
+as GPT-2's c_attn already is). RoPE is rotate-half in both llmtrain and Llama, so q and k need no
+permutation (tests/test_hf_init.py proves the logits equal). Anything else a config asks for is refused
+by name, with the values that would be accepted: a model that loads "mostly" would train on
+logits that are not the checkpoint's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from llmtrain.config.schema import MlpKind, ModelConfig, NormKind, NormPosition, PositionEncoding
+from llmtrain.errors import ConfigError
+
+GPT2 = "gpt2"
+LLAMA = "llama"
+ARCHITECTURES = {"GPT2LMHeadModel": GPT2, "LlamaForCausalLM": LLAMA}
+# GELU's tanh approximation, llmtrain's (F.gelu(approximate="tanh")), under HF's names for it.
+GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")
+# The ModelConfig fields a folder's config.json decides (init_from compares and fills these).
+SHAPE_FIELDS = ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "vocab_size", "intermediate_size",
+                "rope_theta", "norm_eps", "bias", "tie_weights", "position", "norm", "mlp", "norm_position")
+
+
+class UnsupportedModel(ConfigError):
+    """A config.json (or an llmtrain model) that has no equivalent in the other library."""
+
+
+def layout_of_config(config: dict[str, Any], where: str) -> str:
+    """GPT2 or LLAMA for a config.json; UnsupportedModel names the supported architectures."""
+    architectures = config.get("architectures") or []
+    for name in architectures:
+        if name in ARCHITECTURES:
+            return ARCHITECTURES[name]
+    model_type = config.get("model_type")
+    if not architectures and model_type in (GPT2, LLAMA):
+        return model_type
+    found = ", ".join(architectures) or f"model_type {model_type!r}"
+    raise UnsupportedModel(
+        f"{where} describes a {found} model; llmtrain reads {', '.join(ARCHITECTURES)} (model_type gpt2 or llama: "
+        "GPT-2, DistilGPT-2, SmolLM, TinyLlama, Llama 2 and other Llama-family checkpoints without rope scaling)."
+    )
+
+
+def model_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
+    """The `ModelConfig` field values (SHAPE_FIELDS) of a GPT-2 or Llama config.json."""
+    layout = layout_of_config(config, where)
+    try:
+        return _gpt2_fields(config, where) if layout == GPT2 else _llama_fields(config, where)
+    except KeyError as err:
+        raise UnsupportedModel(f"{where} lacks {err.args[0]!r}, which a {layout} config.json holds; the file is "
+                               "damaged or incomplete: download or save the model again.") from None
+    except (TypeError, ValueError) as err:  # null or text where a number belongs
+        raise UnsupportedModel(f"{where} holds a value that is not a number where one belongs ({err}); the file is "
+                               "damaged: download or save the model again.") from None
+
+
+def _refuse_unless(ok: bool, where: str, what: str) -> None:
+    if not ok:
+        raise UnsupportedModel(f"{where}: {what}")
+
+
+def _gpt2_fields(c: dict[str, Any], where: str) -> dict[str, Any]:
+    act = c.get("activation_function", "gelu_new")
+    _refuse_unless(act in GPT2_ACTIVATIONS, where,
+                   f"activation_function is {act!r}; llmtrain's GELU is the tanh approximation "
+                   f"({' or '.join(GPT2_ACTIVATIONS)}), and another activation would change every logit.")
+    for key, expected in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
+                          ("reorder_and_upcast_attn", False)):
+        _refuse_unless(c.get(key, expected) == expected, where,
+                       f"{key} is {c.get(key)!r}; llmtrain's attention supports only {key}={expected}.")
+    n_embd = int(c.get("n_embd", 768))
+    return {
+        "n_layer": int(c.get("n_layer", 12)), "n_head": int(c.get("n_head", 12)), "n_kv_head": None,
+        "n_embd": n_embd, "block_size": int(c.get("n_positions", 1024)), "vocab_size": int(c.get("vocab_size", 50257)),
+        "intermediate_size": int(c.get("n_inner") or 4 * n_embd), "rope_theta": 10000.0,
+        "norm_eps": float(c.get("layer_norm_epsilon", 1e-5)), "bias": True,
+        "tie_weights": bool(c.get("tie_word_embeddings", True)), "position": PositionEncoding.learned,
+        "norm": NormKind.layernorm, "mlp": MlpKind.gelu, "norm_position": NormPosition.pre,
+    }
+
+
+def rope_theta_of(c: dict[str, Any], where: str) -> float:
+    """rope_theta, from transformers 4's top-level key or 5's rope_parameters; scaled RoPE is refused."""
+    params = c.get("rope_parameters") or {}
+    scaling = c.get("rope_scaling") or {}
+    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    _refuse_unless(kind == "default", where,
+                   f"RoPE is scaled ({kind!r}); llmtrain implements unscaled RoPE only (rope_type 'default').")
+    return float(params.get("rope_theta") or c.get("rope_theta") or 10000.0)
+
+
+def _llama_fields(c: dict[str, Any], where: str) -> dict[str, Any]:
+    act = c.get("hidden_act", "silu")
+    _refuse_unless(act == "silu", where, f"hidden_act is {act!r}; llmtrain's gated MLP is SwiGLU (hidden_act 'silu').")
+    hidden, heads = int(c["hidden_size"]), int(c["num_attention_heads"])
+    _refuse_unless(hidden % heads == 0, where, f"hidden_size {hidden} is not a multiple of num_attention_heads {heads}.")
+    head_dim = c.get("head_dim")
+    _refuse_unless(head_dim in (None, hidden // heads), where,
+                   f"head_dim is {head_dim}, not hidden_size / num_attention_heads = {hidden // heads}; llmtrain's "
+                   "heads split the width evenly.")
+    _refuse_unless(int(c.get("pretraining_tp", 1)) == 1, where,
+                   f"pretraining_tp is {c.get('pretraining_tp')}; only 1 (unsplit projections) is supported.")
+    attention_bias, mlp_bias = bool(c.get("attention_bias", False)), bool(c.get("mlp_bias", False))
+    _refuse_unless(attention_bias == mlp_bias, where,
+                   f"attention_bias is {attention_bias} but mlp_bias is {mlp_bias}; llmtrain's model.bias switches "
+                   "both together.")
+    kv = int(c.get("num_key_value_heads") or heads)
+    return {
+        "n_layer": int(c["num_hidden_layers"]), "n_head": heads, "n_kv_head": kv if kv != heads else None,
+        "n_embd": hidden, "block_size": int(c.get("max_position_embeddings", 2048)),
+        "vocab_size": int(c["vocab_size"]), "intermediate_size": int(c["intermediate_size"]),
+        "rope_theta": rope_theta_of(c, where), "norm_eps": float(c.get("rms_norm_eps", 1e-6)), "bias": attention_bias,
+        "tie_weights": bool(c.get("tie_word_embeddings", False)), "position": PositionEncoding.rope,
+        "norm": NormKind.rmsnorm, "mlp": MlpKind.swiglu, "norm_position": NormPosition.pre,
+    }
+
+
+# ---- llmtrain -> HF --------------------------------------------------------------------------------
+
+GPT2_RECIPE = {"position": PositionEncoding.learned, "norm": NormKind.layernorm, "mlp": MlpKind.gelu}
+LLAMA_RECIPE = {"position": PositionEncoding.rope, "norm": NormKind.rmsnorm, "mlp": MlpKind.swiglu}
+
+
+def layout_of_model(cfg: ModelConfig) -> str:
+    """GPT2 or LLAMA for an llmtrain model; UnsupportedModel says what differs from the nearer one."""
+    differs = {}
+    for layout, recipe in ((GPT2, GPT2_RECIPE), (LLAMA, LLAMA_RECIPE)):
+        wrong = [f"model.{key}={getattr(cfg, key).value} (needs {value.value})" for key, value in recipe.items()
+                 if getattr(cfg, key) is not value]
+        if cfg.norm_position is not NormPosition.pre:
+            wrong.append("model.norm_position=post (needs pre)")
+        if layout == GPT2 and (cfg.n_kv_head or cfg.n_head) != cfg.n_head:
+            wrong.append(f"model.n_kv_head={cfg.n_kv_head} (GPT-2 has one key/value head per query head)")
+        if not wrong:
+            return layout
+        differs[layout] = wrong
+    raise UnsupportedModel(
+        "this model has no Hugging Face equivalent: as GPT-2 it differs in " + ", ".join(differs[GPT2])
+        + "; as Llama in " + ", ".join(differs[LLAMA]) + ". Export it in llmtrain's own format "
+        "(`llmtrain export RUN_DIR`, the default), or train a model=gpt2-style (learned positions, LayerNorm, GELU) "
+        "or Llama-style (RoPE, RMSNorm, SwiGLU) pre-norm model."
+    )
+
+
+def hf_config(cfg: ModelConfig, vocab_size: int, bos_id: int | None, eos_id: int | None) -> dict[str, Any]:
+    """The config.json transformers builds this model from (GPT2LMHeadModel or LlamaForCausalLM)."""
+    from llmtrain.model import kv_heads, mlp_width, norm_eps
+
+    common = {"vocab_size": vocab_size, "bos_token_id": bos_id, "eos_token_id": eos_id,
+              "tie_word_embeddings": cfg.tie_weights, "torch_dtype": "float32", "use_cache": True}
+    if layout_of_model(cfg) == GPT2:
+        return {"architectures": ["GPT2LMHeadModel"], "model_type": GPT2, "n_layer": cfg.n_layer,
+                "n_head": cfg.n_head, "n_embd": cfg.n_embd, "n_positions": cfg.block_size, "n_inner": mlp_width(cfg),
+                "activation_function": "gelu_new", "layer_norm_epsilon": norm_eps(cfg),
+                "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout,
+                "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
+                "reorder_and_upcast_attn": False, **common}
+    # rope_theta at the top level (transformers 4) and in rope_parameters (transformers 5).
+    return {"architectures": ["LlamaForCausalLM"], "model_type": LLAMA, "num_hidden_layers": cfg.n_layer,
+            "num_attention_heads": cfg.n_head, "num_key_value_heads": kv_heads(cfg), "hidden_size": cfg.n_embd,
+            "head_dim": cfg.n_embd // cfg.n_head, "intermediate_size": mlp_width(cfg), "hidden_act": "silu",
+            "max_position_embeddings": cfg.block_size, "rms_norm_eps": norm_eps(cfg), "rope_theta": cfg.rope_theta,
+            "rope_scaling": None, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+            "attention_bias": cfg.bias, "mlp_bias": cfg.bias, "attention_dropout": cfg.dropout,
+            "pretraining_tp": 1, **common}
+
+
+# ---- tensors ---------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Piece:
+    """One llmtrain tensor and the HF tensors it is made of: `ours` = cat(theirs, dim 0), each HF
+    tensor transposed first when `transposed` (GPT-2's Conv1D stores weights as (in, out)).
+    `optional`: llmtrain may lack it (a bias-free model exports zeros where HF has a bias)."""
+
+    ours: str
+    theirs: tuple[str, ...]
+    transposed: bool = False
+    optional: bool = False
+
+
+def pieces(cfg: ModelConfig, layout: str) -> list[Piece]:
+    """Every tensor of the layout, llmtrain name <- HF names (no lm_head when the head is tied)."""
+    return list(_gpt2_pieces(cfg) if layout == GPT2 else _llama_pieces(cfg))
+
+
+def _gpt2_pieces(cfg: ModelConfig) -> Iterator[Piece]:
+    t = "transformer."
+    yield Piece("wte.weight", (f"{t}wte.weight",))
+    yield Piece("wpe.weight", (f"{t}wpe.weight",))
+    for i in range(cfg.n_layer):
+        ours, theirs = f"blocks.{i}.", f"{t}h.{i}."
+        for norm, ln in (("norm1", "ln_1"), ("norm2", "ln_2")):
+            yield Piece(f"{ours}{norm}.weight", (f"{theirs}{ln}.weight",))
+            yield Piece(f"{ours}{norm}.bias", (f"{theirs}{ln}.bias",), optional=True)
+        for mine, conv in (("attn.qkv", "attn.c_attn"), ("attn.proj", "attn.c_proj"), ("mlp.up", "mlp.c_fc"),
+                           ("mlp.down", "mlp.c_proj")):
+            yield Piece(f"{ours}{mine}.weight", (f"{theirs}{conv}.weight",), transposed=True)
+            yield Piece(f"{ours}{mine}.bias", (f"{theirs}{conv}.bias",), optional=True)
+    yield Piece("norm_f.weight", (f"{t}ln_f.weight",))
+    yield Piece("norm_f.bias", (f"{t}ln_f.bias",), optional=True)
+    if not cfg.tie_weights:
+        yield Piece("lm_head.weight", ("lm_head.weight",))
+
+
+def _llama_pieces(cfg: ModelConfig) -> Iterator[Piece]:
+    m = "model."
+    yield Piece("wte.weight", (f"{m}embed_tokens.weight",))
+    for i in range(cfg.n_layer):
+        ours, theirs = f"blocks.{i}.", f"{m}layers.{i}."
+        yield Piece(f"{ours}norm1.weight", (f"{theirs}input_layernorm.weight",))
+        yield Piece(f"{ours}norm2.weight", (f"{theirs}post_attention_layernorm.weight",))
+        projections = [("attn.qkv", tuple(f"{theirs}self_attn.{p}_proj" for p in "qkv")),
+                       ("attn.proj", (f"{theirs}self_attn.o_proj",))]
+        projections += [(f"mlp.{p}", (f"{theirs}mlp.{p}_proj",)) for p in ("gate", "up", "down")]
+        for mine, names in projections:
+            yield Piece(f"{ours}{mine}.weight", tuple(f"{n}.weight" for n in names))
+            if cfg.bias:
+                yield Piece(f"{ours}{mine}.bias", tuple(f"{n}.bias" for n in names))
+    yield Piece("norm_f.weight", (f"{m}norm.weight",))
+    if not cfg.tie_weights:
+        yield Piece("lm_head.weight", ("lm_head.weight",))
+
+
+def join(piece: Piece, tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The llmtrain tensor from its HF tensors."""
+    parts = [t.t() if piece.transposed else t for t in tensors]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
+
+def split(piece: Piece, tensor: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    """The HF tensors of an llmtrain tensor (`sizes`: their lengths along dim 0, as llmtrain holds them)."""
+    parts = list(tensor.split(sizes, dim=0)) if len(sizes) > 1 else [tensor]
+    return [p.t().contiguous() if piece.transposed else p.contiguous() for p in parts]
+
+
+def split_sizes(cfg: ModelConfig, piece: Piece, tensor: torch.Tensor) -> list[int]:
+    """How an llmtrain tensor divides into its HF tensors: q | k | v for a Llama q/k/v projection."""
+    if len(piece.theirs) == 1:
+        return [tensor.shape[0]]
+    from llmtrain.model import kv_heads
+
+    head_dim = cfg.n_embd // cfg.n_head
+    return [cfg.n_head * head_dim, kv_heads(cfg) * head_dim, kv_heads(cfg) * head_dim]
+
+
+def hf_state_dict(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """An llmtrain state dict under HF's names and layouts (zeros for biases HF has and this model
+    lacks; the tied head is left out, as transformers saves it)."""
+    layout = layout_of_model(cfg)
+    out: dict[str, torch.Tensor] = {}
+    for piece in pieces(cfg, layout):
+        tensor = state.get(piece.ours)
+        if tensor is None:
+            if not piece.optional:
+                raise UnsupportedModel(f"the model has no {piece.ours}, which the {layout} layout needs")
+            # a bias as long as its weight's output (rows, as llmtrain holds every weight)
+            width = state[piece.ours.removesuffix(".bias") + ".weight"].shape[0]
+            tensor = torch.zeros(width, dtype=state["wte.weight"].dtype)
+        for name, part in zip(piece.theirs, split(piece, tensor, split_sizes(cfg, piece, tensor))):
+            out[name] = part
+    return out
+
