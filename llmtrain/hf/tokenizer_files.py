@@ -14,7 +14,7 @@ Each kind becomes a `tokenizers`-library pipeline that gives the SAME ids as llm
   tokens (a Llama tokenizer's <s>): llmtrain trained without them, so AutoTokenizer adds none.
 
 The one difference HF tokenizers cannot avoid: the text "<|endoftext|>" typed literally encodes
-as the special token, where llmtrain's byte, char and tiktoken tokenizers encode its characters.
+as the special token, where llmtrain's data preparation (every tokenizer kind) encodes its characters.
 """
 
 from __future__ import annotations
