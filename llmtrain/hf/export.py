@@ -34,9 +34,9 @@ EXPORT_MARK = "exported_by_llmtrain"
 
 
 @torch.no_grad()
-def export_hf(model: torch.nn.Module, tokenizer: dict[str, Any], context: int, out_dir: Path) -> list[str]:
+def export_hf(model: torch.nn.Module, tokenizer: dict[str, Any], context: int, out_dir: Path) -> None:
     """Write `model` (an llmtrain GPT) and its tokenizer (`to_dict()`) as a Hugging Face folder at
-    `out_dir`; returns the file names written. UnsupportedModel / UserError before any write."""
+    `out_dir`. UnsupportedModel / UserError before any write."""
     out_dir = Path(out_dir).expanduser().resolve()  # `--out .` has no name to stage a sibling folder by
     cfg = model.cfg
     layouts.layout_of_model(cfg)  # refuses a model with no HF equivalent, naming what differs
@@ -52,7 +52,6 @@ def export_hf(model: torch.nn.Module, tokenizer: dict[str, Any], context: int, o
     tensors = layouts.hf_state_dict(cfg, state)
     check_target(out_dir)
     _write_atomically(out_dir, files, tensors)
-    return sorted([*files, WEIGHTS])
 
 
 def tokenizer_vocab(tok: HFTokenizer) -> int:

@@ -190,8 +190,6 @@ def _check_piece(folder: HFFolder, piece: layouts.Piece, shapes: dict[str, tuple
                  expected: dict[str, Any]) -> None:
     names = [n if n in shapes else n.removeprefix("transformer.") for n in piece.theirs]
     missing = [theirs for theirs, name in zip(piece.theirs, names) if name not in shapes]
-    if piece.ours not in expected:
-        return  # a tensor this model has no place for (load_weights skips it too)
     if missing:
         raise ConfigError(f"{KEY}={folder.path}: the weights lack {', '.join(missing[:3])}, which a {folder.layout} "
                           "model of this config.json has; the folder is incomplete or damaged.")
