@@ -198,6 +198,11 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Token ids (B, T) -> logits (B, T, vocab)."""
+        return self.lm_head(self.hidden_states(idx))
+
+    def hidden_states(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token ids (B, T) -> the final hidden states (B, T, n_embd), normed: the head's input.
+        Evaluation applies the head only where it scores a token (llmtrain/evaluation/scoring.py)."""
         T = idx.shape[1]
         if T > self.cfg.block_size:
             raise ValueError(f"sequence length {T} exceeds the model's context {self.cfg.block_size}")
@@ -211,7 +216,7 @@ class GPT(nn.Module):
                 x = checkpoint(block, x, rope, use_reentrant=False)
             else:
                 x = block(x, rope)
-        return self.lm_head(self.norm_f(x))
+        return self.norm_f(x)
 
 
 def param_count(model: nn.Module, exclude_positions: bool = False) -> int:

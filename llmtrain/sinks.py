@@ -152,15 +152,17 @@ EVENT_KINDS = (Kind.ALARM, Kind.ACTION)
 
 
 def scalars(record: dict[str, Any]) -> dict[str, float]:
-    """A metrics record as flat `kind/key[/index]` scalars (NaN kept: a dashboard shows where it happened)."""
+    """A metrics record as flat `kind/key[/index]` scalars (NaN kept: a dashboard shows where it happened);
+    an evaluation task's as `eval_task/<task entry>/<metric>`, one curve per task and metric."""
     kind, out = record.get("kind", ""), {}
+    prefix = f"{kind}/{record.get('task')}" if kind == Kind.EVAL_TASK else kind
     for key, value in record.items():
-        if key in SKIP_KEYS:
+        if key in SKIP_KEYS or (kind == Kind.EVAL_TASK and key == "task"):
             continue
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            out[f"{kind}/{key}"] = float(value)
+            out[f"{prefix}/{key}"] = float(value)
         elif isinstance(value, list) and value and all(isinstance(v, (int, float)) for v in value):
-            out.update({f"{kind}/{key}/{i}": float(v) for i, v in enumerate(value)})
+            out.update({f"{prefix}/{key}/{i}": float(v) for i, v in enumerate(value)})
     return out
 
 
@@ -339,6 +341,12 @@ class ConsoleSink:
             f"val ppl {record['val_ppl']:.2f}"
         )
 
+    def log_eval_task(self, record: dict[str, Any]) -> None:
+        """One evaluation task's result, after the val loss: "perplexity:held.txt  loss 1.2340  ppl 3.43
+        bits/byte 1.7800"."""
+        self.print(f"[bold green]eval[/] step {record['step']}: {escape(str(record['task']))}  "
+                   f"{escape(task_metrics_text(record))}", highlight=False)
+
     def print(self, *args: Any, **kwargs: Any) -> None:
         self.console.print(*args, **kwargs)  # above the live display when there is one
 
@@ -348,6 +356,29 @@ class ConsoleSink:
             self.live.stop()
             self.live = None
         self.progress = None
+
+
+# An evaluation task's headline metrics, in this order, as (key, label, format): the rest (counts,
+# standard errors) are in metrics.jsonl. A harness task's own metrics are shown when none of these is there.
+TASK_HEADLINE = (("loss", "loss", "{:.4f}"), ("perplexity", "ppl", "{:.2f}"), ("bits_per_byte", "bits/byte", "{:.4f}"),
+                 ("acc", "acc", "{:.4f}"), ("acc_norm", "acc_norm", "{:.4f}"))
+TASK_COUNTS = ("tokens", "bytes", "documents", "examples")
+TASK_OTHER_SHOWN = 4  # a harness task's metrics on one line, at most
+
+
+def task_metrics_text(metrics: dict[str, Any], sep: str = "  ") -> str:
+    """A task's headline metrics on one line: "loss 1.2340  ppl 3.43  bits/byte 1.7800", "acc 0.4000
+    acc_norm 0.4500", or (a harness task) its own numeric metrics, standard errors and counts left out."""
+    shown = [(label, fmt, metrics[key]) for key, label, fmt in TASK_HEADLINE if _is_number(metrics.get(key))]
+    if not shown:
+        skip = {"kind", "step", "task", "seconds", *TASK_COUNTS}
+        shown = [(key, "{:.4g}", value) for key, value in metrics.items()
+                 if key not in skip and "stderr" not in key and _is_number(value)][:TASK_OTHER_SHOWN]
+    return sep.join(f"{label} {fmt.format(value) if math.isfinite(value) else value}" for label, fmt, value in shown)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 ALARMS_BY_METRIC = {

@@ -26,3 +26,19 @@ def test_bench_step_runs_both_loops(tmp_path: Path) -> None:
     figures = json.loads(out.read_text())
     assert len(figures["bare_s"]) == len(figures["llmtrain_s"]) == 1
     assert figures["bare_s"][0] > 0 and figures["llmtrain_s"][0] > 0 and figures["ratio"] > 0
+
+
+@pytest.mark.slow
+def test_bench_eval_runs_both_paths(tmp_path: Path) -> None:
+    """The evaluation benchmark still drives the perplexity task and its bare loop (2 windows)."""
+    out = tmp_path / "bench.json"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_eval.py"), "--shapes", "tiny", "--windows", "2",
+         "--batch-size", "2", "--reps", "1", "--no-memory", "--json", str(out)],
+        capture_output=True, text=True, cwd=tmp_path, timeout=600,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    (figures,) = json.loads(out.read_text())
+    assert figures["tokens"] == 2 * 256 and figures["parameters_with_grad"] == 0
+    assert figures["loss_difference"] < 1e-4  # both paths scored the same windows
+    assert figures["tokens_per_s"]["bare"] > 0 and figures["tokens_per_s"]["llmtrain"] > 0

@@ -190,6 +190,11 @@ def test_option_composes_converts_and_builds(group: str, option: str, tmp_path: 
         assert cfg.monitor.enabled == (option != "off")
         monitor = HealthMonitor(cfg.monitor)
         assert monitor.action_for("loss_spike") in set(MonitorAction)
+    elif group == "eval":
+        from llmtrain.evaluation.specs import parse_task_specs
+
+        assert cfg.eval.tasks == [] and parse_task_specs(cfg.eval.tasks) == []
+        assert cfg.eval.batch_size >= 1 and cfg.eval.truncate
     else:
         assert group == "parallel"
         assert cfg.parallel.mode.value == option

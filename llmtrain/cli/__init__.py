@@ -5,6 +5,7 @@ command runs: `llmtrain --help`, `--version` and shell completion answer instant
 pays for another's imports (torch, hydra, rich).
 
     train                  llmtrain.cli.train (composed and checked by llmtrain.cli.compose)
+    eval                   llmtrain.cli.evaluate
     prepare, check, ...    llmtrain.cli.commands
     -sc / --shell-completion   llmtrain.cli.completion
 """
@@ -20,6 +21,7 @@ COMMANDS: dict[str, str] = {
     "check": "Pre-flight checklist + memory/compute estimate for a config; exit 0 pass, 1 warn, 2 fail.",
     "sample": "Generate text from a run directory's trained model (or an export).",
     "export": "Write a run's weights as safetensors + the model config as JSON.",
+    "eval": "Evaluate a model: held-out perplexity / bits per byte, multiple choice, lm-evaluation-harness tasks.",
     "compare": "The runs of a sweep side by side: a table sorted by val loss, a CSV and a PNG of the loss curves.",
     "report": "Post-run review of a run dir: report.md + report.html with plots, a verdict per question.",
     "doctor": "Diagnostic experiments that find bugs fast: overfit, lr-range, grad-check, eval-consistency.",
@@ -87,6 +89,10 @@ def _handler(command: str) -> Callable[[list[str]], None]:
         from llmtrain.cli import train
 
         return train.train_command
+    if command == "eval":
+        from llmtrain.cli import evaluate
+
+        return evaluate.eval_command
     from llmtrain.cli import commands
 
     return {

@@ -209,8 +209,12 @@ def _shown(value: Any) -> str:
 
 def _list_items(tp: Any) -> str:
     """What the items of a list type are, in words: `list[list[int]]` -> 'lists of integers'."""
-    return "lists of integers" if typing.get_origin(typing.get_args(tp)[0]) is list else "integers"
+    item = typing.get_args(tp)[0]
+    if typing.get_origin(item) is list:
+        return "lists of integers"
+    return "strings" if item is str else "integers"
 
 
 # An example value for each list key, shown when a list item has the wrong type.
-_LIST_EXAMPLES = {"data.seq_len_schedule": "[[0,128],[1000,256]]"}
+_LIST_EXAMPLES = {"data.seq_len_schedule": "[[0,128],[1000,256]]",
+                  "eval.tasks": "[perplexity:held_out.txt,multiple_choice:hellaswag_val.jsonl]"}

@@ -377,6 +377,23 @@ class MonitorConfig:
 
 
 @dataclass
+class EvalConfig:
+    tasks: list[str] = _f(
+        [], "Evaluation tasks, each perplexity:PATH (held-out text: a file, folder, glob or .jsonl), "
+        "multiple_choice:PATH (HellaSwag-style JSON lines) or harness:TASK (an lm-evaluation-harness task; extra: "
+        "eval). `llmtrain eval` runs them; `llmtrain train` also runs them at every evaluation (eval_interval).")
+    batch_size: int = _f(8, "Windows or choices scored per forward pass (results do not depend on it).")
+    stride: int | None = _f(
+        None, "Perplexity: tokens newly scored per window; null = the whole window (non-overlapping windows). "
+        "Smaller gives every token more context, at more forward passes.")
+    truncate: bool = _f(True, "A context longer than the model's window is cut from the left (said once); false refuses it.")
+    limit: int | None = _f(None, "Score at most this many documents or examples per task (null: all); for quick "
+                           "evaluations during training.")
+    text_field: str = _f("text", "perplexity:PATH of .jsonl files: the field that holds each document's text.")
+    harness_include: str | None = _f(None, "A folder of your own lm-evaluation-harness task YAML files, for harness:TASK.")
+
+
+@dataclass
 class Config:
     model: ModelConfig = _f(ModelConfig(), "Model shape and initialization.")
     optim: OptimConfig = _f(OptimConfig(), "Optimizer and gradient clipping.")
@@ -386,6 +403,7 @@ class Config:
     parallel: ParallelConfig = _f(ParallelConfig(), "Process layout.")
     checkpoint: CheckpointConfig = _f(CheckpointConfig(), "Checkpoint policy, retention and non-finite handling.")
     monitor: MonitorConfig = _f(MonitorConfig(), "Health monitor: bands, windows and actions.")
+    eval: EvalConfig = _f(EvalConfig(), "Evaluation tasks (held-out perplexity, multiple choice, lm-evaluation-harness).")
     tensorboard: bool = _f(False, "Also write every metric as TensorBoard scalars to RUN_DIR/tensorboard (extra: tensorboard).")
     wandb: WandbMode = _f(WandbMode.off, "Weights & Biases: off, offline (files in RUN_DIR/wandb, no network) or online (extra: wandb).")
     wandb_project: str = _f("llmtrain", "W&B project name.")

@@ -29,6 +29,7 @@ from llmtrain.config.schema import (
     Config,
     DataConfig,
     DataSource,
+    EvalConfig,
     HeadInit,
     LRScaling,
     ModelConfig,
@@ -44,6 +45,7 @@ from llmtrain.config.schema import (
     WandbMode,
 )
 from llmtrain.errors import ConfigError
+from llmtrain.evaluation.specs import parse_task_specs  # standard library only: the config package stays torch-free
 
 
 def validate(cfg: Config, world_size: int | None = None) -> None:
@@ -76,6 +78,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _validate_monitor(cfg.monitor)
     _validate_sinks(cfg)
     _validate_resume_and_threads(cfg)
+    _validate_eval(cfg.eval)
 
 
 def _validate_counts(cfg: Config) -> None:
@@ -385,6 +388,15 @@ def _validate_sinks(cfg: Config) -> None:
 def _validate_resume_and_threads(cfg: Config) -> None:
     _require(cfg.resume.strip() != "", "'resume' is empty; use auto, never, or the path of a checkpoint or run dir.")
     _require(cfg.threads is None or cfg.threads >= 1, f"'threads' is {cfg.threads}; use a positive count or null.")
+
+
+def _validate_eval(e: EvalConfig) -> None:
+    """The entries' form only (no file is opened here): the files are read when a command starts."""
+    parse_task_specs(e.tasks)
+    _require(e.batch_size >= 1, f"'eval.batch_size' is {e.batch_size}; it must be >= 1.")
+    _require(e.stride is None or e.stride >= 1, f"'eval.stride' is {e.stride}; use a token count >= 1, or null for "
+             "non-overlapping windows.")
+    _require(e.limit is None or e.limit >= 1, f"'eval.limit' is {e.limit}; use a count >= 1, or null for all.")
 
 
 def _require(ok: bool, message: str) -> None:

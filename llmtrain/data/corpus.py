@@ -88,7 +88,7 @@ def jsonl_documents(source: SourceFile, field: str) -> Iterator[tuple[str, bytes
                 ) from None
             if isinstance(record, dict) and field in record and not isinstance(record[field], str):
                 raise ConfigError(
-                    f"{source.path}:{number}: the field '{field}' is {_json_kind(record[field])}, not a string; "
+                    f"{source.path}:{number}: the field '{field}' is {json_kind(record[field])}, not a string; "
                     "each document's text must be one JSON string (set data.text_field to the field that holds it)."
                 )
             if not isinstance(record, dict) or not isinstance(record.get(field), str):
@@ -101,15 +101,15 @@ def jsonl_documents(source: SourceFile, field: str) -> Iterator[tuple[str, bytes
                 yield f"{source.name}:{number}", record[field].encode("utf-8")
 
 
-def _json_kind(value: object) -> str:
-    """What a parsed JSON value was, in JSON's words."""
+def json_kind(value: object) -> str:
+    """What a parsed JSON value was, in JSON's words (a number with its value)."""
     if value is None:
         return "null"
     if isinstance(value, bool):
         return "a boolean"
     if isinstance(value, (int, float)):
-        return "a number"
-    return "an array" if isinstance(value, list) else "an object"
+        return f"the number {value}"
+    return {list: "an array", str: "a string", dict: "an object"}.get(type(value), type(value).__name__)
 
 
 def instruction_examples(

@@ -190,6 +190,11 @@ class HealthWatch:
         self.interval_tokens, self.interval_start, self.data_seconds = tokens, time.perf_counter(), 0.0
         self.interval_losses.clear()
 
+    def paused(self, seconds: float) -> None:
+        """`seconds` just spent not training (an evaluation): left out of the interval's time, so
+        tokens/s, MFU and the data-wait share measure training alone."""
+        self.interval_start += seconds
+
     def nonfinite(self, record: dict) -> None:
         """A non-finite step and what it caused (skip, rollback, stop): part of the run's events."""
         self.events.write(record)
@@ -263,6 +268,9 @@ class NullWatch:
         pass
 
     def restart_interval(self, tokens: int) -> None:
+        pass
+
+    def paused(self, seconds: float) -> None:
         pass
 
     def nonfinite(self, record: dict) -> None:

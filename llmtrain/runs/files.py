@@ -9,6 +9,7 @@ A run dir (`out_dir`, by default Hydra's `outputs/<date>/<time>`):
     model.pt           the final weights (the unwrapped model's state dict), for sample/export
     checkpoints/       step_NNNNNNNN/ folders and `latest` (see checkpoint/format.py)
     report.md, report.html, report/   the post-run review (`llmtrain report`)
+    eval.json          `llmtrain eval`'s results per task (and harness-TASK.json, the harness's own)
     train.log, .hydra/ the CLI's log and Hydra's record of the command (written on acceptance;
                        runs/rundir.py names them)
 
@@ -29,6 +30,7 @@ CHECKPOINTS = "checkpoints"
 TRAINER_STATE = "trainer_state.json"  # inside a checkpoint folder
 REPORT_MD = "report.md"
 REPORT_HTML = "report.html"
+EVAL_RESULTS = "eval.json"  # `llmtrain eval`: the latest metrics of every task evaluated
 
 
 class Kind:
@@ -38,6 +40,7 @@ class Kind:
     SEQ_LEN = "seq_len"  # a sequence-length stage begins
     TRAIN = "train"  # every log_interval: loss, lr, grad norm, tokens/s
     EVAL = "eval"  # every eval_interval: validation loss and perplexity
+    EVAL_TASK = "eval_task"  # every eval_interval, one per eval.tasks entry: its metrics
     TIMING = "timing"  # every timing_interval: where one step's time went
     HEALTH = "health"  # every monitor.interval: the monitor's sample
     ALARM = "alarm"  # the monitor raised an alarm

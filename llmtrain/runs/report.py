@@ -16,7 +16,9 @@ Seven questions, each answered with a verdict (ok / warn / fail / n/a) and the n
                   causes) and the actions taken, non-finite steps, failed saves
 
 The section over the health plots carries the monitor's verdict too (ok only without alarms), and
-the loss plot draws the unigram baseline and marks the steps where alarms fired.
+the loss plot draws the unigram baseline and marks the steps where alarms fired. An Evaluation
+section (information, no verdict) lists the evaluation tasks' results: `llmtrain eval`'s eval.json
+in the run dir, and the eval.tasks evaluated during training (eval_tasks.png: one panel per task).
 
 Everything comes from the run dir, so a run that was interrupted or crashed gets its report too:
 the logs through runs/records.py (the run as it finally went: a resume's redone steps replace the
@@ -48,8 +50,19 @@ from llmtrain.config.hydra import config_from_dict
 from llmtrain.errors import ConfigError, UserError
 from llmtrain.health.detectors import SPIKE_MIN_RISE, SPIKE_MIN_SHARE, is_spike, robust_z
 from llmtrain.runs.compare import summarize
-from llmtrain.runs.files import CONFIG, EVENTS, METRICS, REPORT_HTML, REPORT_MD, TOKENIZER, TRAINER_STATE, Kind
+from llmtrain.runs.files import (
+    CONFIG,
+    EVAL_RESULTS,
+    EVENTS,
+    METRICS,
+    REPORT_HTML,
+    REPORT_MD,
+    TOKENIZER,
+    TRAINER_STATE,
+    Kind,
+)
 from llmtrain.runs.records import Record, Records, number, read_records
+from llmtrain.sinks import TASK_COUNTS, TASK_HEADLINE, task_metrics_text
 
 OK, WARN, FAIL, NA = "ok", "warn", "fail", "n/a"
 SPIKE_WINDOW = 20  # logged points a loss value is compared with
@@ -84,6 +97,18 @@ class Verdict:
 
 
 @dataclass
+class Evaluation:
+    """The Evaluation section: what the evaluation tasks measured, as information (no verdict: a
+    task's score has no threshold that holds for every model and data set)."""
+
+    summary: str  # one line, for the terminal
+    saved: str | None = None  # what eval.json is (or why it cannot be read); its tasks are the rows
+    rows: list[tuple[str, str, str, str]] = field(default_factory=list)  # eval.json: (task, kind, metrics, scored)
+    training: str | None = None  # the tasks evaluated during training: their latest figures; the plots
+    plots: list[str] = field(default_factory=list)  # eval_tasks.png: the tasks over the run's steps
+
+
+@dataclass
 class Report:
     run_dir: Path
     title: str
@@ -92,6 +117,7 @@ class Report:
     plots: dict[str, Path]
     markdown: Path | None = None
     html: Path | None = None
+    evaluation: Evaluation | None = None  # eval.tasks results: during training, and `llmtrain eval`'s eval.json
 
 
 # ---------------------------------------------------------------------------------------------
@@ -849,6 +875,124 @@ def _plots(records: Records, folder: Path, spikes: list[int], baseline: float | 
 
 
 # ---------------------------------------------------------------------------------------------
+# evaluation tasks
+# ---------------------------------------------------------------------------------------------
+
+TaskPoints = dict[str, list[Record]]  # task entry -> its eval_task records, one per step, in step order
+
+
+def eval_task_points(records: Records) -> TaskPoints:
+    """The eval_task records per task, the last take of each step (a resume redoes the steps after
+    its checkpoint), in step order; tasks in the order first evaluated."""
+    by_task: dict[str, dict[int, Record]] = {}
+    for record in records.of(Kind.EVAL_TASK):
+        if record.get("task") is not None and record.get("step") is not None:
+            by_task.setdefault(str(record["task"]), {})[int(record["step"])] = record
+    return {task: [steps[s] for s in sorted(steps)] for task, steps in by_task.items()}
+
+
+def main_metrics(record: Record) -> list[str]:
+    """What a task's panel plots: acc and acc_norm (multiple choice), bits per byte, else the loss
+    (perplexity), else a harness task's first own metric."""
+    if "acc" in record:
+        return [key for key in ("acc", "acc_norm") if key in record]
+    for key in ("bits_per_byte", "loss"):
+        if key in record:
+            return [key]
+    skip = {"kind", "step", "task", "seconds", *TASK_COUNTS}
+    other = next((k for k, v in record.items() if k not in skip and "stderr" not in k and _is_number(v)), None)
+    return [other] if other else []
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _eval_tasks_plot(points: TaskPoints, folder: Path) -> dict[str, Path]:
+    """eval_tasks.png: one panel per task, its main metrics against the step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    folder.mkdir(parents=True, exist_ok=True)
+    fig, axes = plt.subplots(len(points), 1, figsize=(8, 2.6 * len(points)), squeeze=False)
+    for ax, (task, records) in zip(axes[:, 0], points.items()):
+        keys = main_metrics(records[-1])
+        for key in keys:
+            steps = [int(r["step"]) for r in records if key in r]
+            ax.plot(steps, [number(r[key]) for r in records if key in r], "o-", ms=3, label=key.replace("_", " "))
+        ax.set(xlabel="step", ylabel=" / ".join(k.replace("_", " ") for k in keys), title=task)
+        if len(keys) > 1:
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(folder / "eval_tasks.png", dpi=90)
+    plt.close(fig)
+    return {"eval_tasks.png": folder / "eval_tasks.png"}
+
+
+def evaluation(run_dir: Path, points: TaskPoints, plots: list[str]) -> Evaluation | None:
+    """The Evaluation section: eval.json's results (`llmtrain eval`) when the run dir has one, and
+    the tasks evaluated during training; None when there is neither."""
+    saved = _eval_results(run_dir / EVAL_RESULTS)
+    if saved is None and not points:
+        return None
+    section, summary = Evaluation(""), []
+    if isinstance(saved, str):  # unreadable
+        section.saved = saved
+        summary.append(saved)
+    elif saved is not None:
+        # only this run's entries: `llmtrain eval OTHER --out RUN_DIR` may have added another model's
+        own = str(run_dir.resolve())
+        saved["tasks"] = {t: m for t, m in saved["tasks"].items() if m.get("model") in (None, own)}
+        section.rows = [(task, str(m.get("kind", "?")), _metrics_cell(m), _scored(m)) for task, m in saved["tasks"].items()]
+        when = saved.get("updated") or saved.get("created")
+        section.saved = (f"{EVAL_RESULTS} (`llmtrain eval`): {len(section.rows)} task(s)"
+                         + (f" of {saved['model']}" if saved.get("model") else "")
+                         + (f", written {when}" if when else "") + ".")
+        summary.append(f"{EVAL_RESULTS}: " + "; ".join(f"{task} {task_metrics_text(m, ', ')}".rstrip()
+                                                        for task, m in saved["tasks"].items()))
+    if points:
+        # each task at its own last step (a resume may have dropped a task that ran before)
+        latest = "; ".join(f"{task} at step {records[-1]['step']}: {task_metrics_text(records[-1], ', ')}".rstrip()
+                           for task, records in points.items())
+        section.training = f"During training (eval.tasks, at every evaluation): {len(points)} task(s); {latest}."
+        section.plots = plots
+        summary.append(f"during training: {latest}")
+    section.summary = " | ".join(summary)
+    return section
+
+
+def _eval_results(path: Path) -> dict | str | None:
+    """eval.json as a dict with a "tasks" dict; a sentence when it cannot be read; None without one."""
+    if not path.is_file():
+        return None
+    try:
+        document = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        return f"{path.name} could not be read ({type(err).__name__}: {str(err)[:200]})."
+    if not isinstance(document, dict) or not isinstance(document.get("tasks"), dict):
+        return f"{path.name} has no \"tasks\" object: not a file `llmtrain eval` wrote."
+    document["tasks"] = {str(k): v for k, v in document["tasks"].items() if isinstance(v, dict)}
+    return document
+
+
+def _metrics_cell(metrics: dict[str, Any]) -> str:
+    """The headline metrics, each with its standard error when the task gave one; a harness task's
+    own metrics when it has none of them."""
+    parts = [f"{label} {fmt.format(number(metrics[key]))}"
+             + (f" ± {number(metrics[key + '_stderr']):.4f}" if _is_number(metrics.get(key + "_stderr")) else "")
+             for key, label, fmt in TASK_HEADLINE if _is_number(metrics.get(key))]
+    return ", ".join(parts) if parts else task_metrics_text(metrics, ", ")
+
+
+def _scored(metrics: dict[str, Any]) -> str:
+    """'1,500 tokens, 1,500 bytes, 1 document'."""
+    return ", ".join(f"{metrics[key]:,} {key if metrics[key] != 1 else key.removesuffix('s')}"
+                     for key in TASK_COUNTS if isinstance(metrics.get(key), int) and not isinstance(metrics[key], bool))
+
+
+# ---------------------------------------------------------------------------------------------
 # the report
 # ---------------------------------------------------------------------------------------------
 
@@ -891,7 +1035,11 @@ def build_report(run_dir: Path, inference_check: bool = True) -> Report:
         verdict.plots = [p for p in verdict.plots if p in plots]
     extra = [name for name in ("lr.png", "grad_norm.png", "param_norm.png", "activations.png") if name in plots]
     verdicts.append(health_quantities(records, extra))
-    return Report(run_dir, f"Run report: {run_dir.name}", facts, verdicts, plots)
+    task_points = eval_task_points(records)
+    if task_points:
+        plots.update(_eval_tasks_plot(task_points, run_dir / "report"))
+    return Report(run_dir, f"Run report: {run_dir.name}", facts, verdicts, plots,
+                  evaluation=evaluation(run_dir, task_points, [name for name in ("eval_tasks.png",) if name in plots]))
 
 
 def write_report(run_dir: Path, inference: bool = True) -> Report:
@@ -923,7 +1071,21 @@ def to_markdown(report: Report) -> str:
         lines += ["", f"## {verdict.question}", "", f"**{verdict.status}**: {verdict.finding}", ""]
         lines += [f"- {d}" for d in verdict.details]
         lines += ["", *[f"![{p}](report/{p})" for p in verdict.plots]]
+    if report.evaluation is not None:
+        lines += _evaluation_markdown(report.evaluation)
     return "\n".join(lines) + "\n"
+
+
+def _evaluation_markdown(section: Evaluation) -> list[str]:
+    lines = ["", "## Evaluation"]
+    if section.saved:
+        lines += ["", section.saved]
+    if section.rows:
+        lines += ["", "| task | kind | metrics | scored |", "|---|---|---|---|"]
+        lines += [f"| {' | '.join(cell.replace('|', '/') for cell in row)} |" for row in section.rows]
+    if section.training:
+        lines += ["", section.training]
+    return lines + ["", *[f"![{p}](report/{p})" for p in section.plots]]
 
 
 def to_html(report: Report) -> str:
@@ -957,6 +1119,18 @@ def to_html(report: Report) -> str:
         if verdict.details:
             parts.append("<ul>" + "".join(f"<li>{esc(d)}</li>" for d in verdict.details) + "</ul>")
         parts += [image(p) for p in verdict.plots]
+    section = report.evaluation
+    if section is not None:
+        parts.append("<h2 id='evaluation'>Evaluation</h2>")
+        if section.saved:
+            parts.append(f"<p>{esc(section.saved)}</p>")
+        if section.rows:
+            parts.append("<table><tr><th>task</th><th>kind</th><th>metrics</th><th>scored</th></tr>"
+                         + "".join("<tr>" + "".join(f"<td>{esc(cell)}</td>" for cell in row) + "</tr>"
+                                   for row in section.rows) + "</table>")
+        if section.training:
+            parts.append(f"<p>{esc(section.training)}</p>")
+        parts += [image(p) for p in section.plots]
     parts.append("</body></html>")
     return "\n".join(parts) + "\n"
 
@@ -994,5 +1168,7 @@ def render_summary(report: Report, console: Any) -> None:
         if verdict.key != "curves":
             table.add_row(verdict.question, f"[{style[verdict.status]}]{verdict.status}[/]", escape(verdict.finding))
     console.print(table)
+    if report.evaluation is not None:
+        console.print(f"evaluation: {escape(report.evaluation.summary)}", highlight=False)
     if report.html is not None:
         console.print(f"report: {report.html} (plots inside), {report.markdown}")

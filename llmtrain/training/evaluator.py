@@ -1,16 +1,27 @@
-"""Evaluation on the run's fixed validation batches, at its cadence: every eval_interval steps,
-at the last step and before every save (so a checkpoint knows its val loss, for keep_best)."""
+"""Evaluation at the run's cadence: every eval_interval steps, at the last step and before every
+save (so a checkpoint knows its val loss, for keep_best). First the loss on the run's fixed
+validation batches, then every eval.tasks entry (held-out perplexity, multiple choice, harness
+tasks), one `eval_task` record each.
+
+Evaluation must not change training: the model's mode is restored (the scorer's and evaluate()'s
+job), and the tasks run between saved and restored RNG states, so dropout and anything else that
+draws from a global generator (the harness seeds Python's, NumPy's and torch's) draw the same
+numbers as in a run without tasks. The samplers have generators of their own. Its time is not
+training time: the health watch's interval leaves it out (the loop restarts the tokens/s clock).
+"""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager as ContextManager
 from typing import Any
 
 import torch
 
 from llmtrain.checkpoint.policy import CheckpointPolicy
+from llmtrain.evaluation.scoring import Scorer, random_states_kept
 from llmtrain.runs.files import Kind
 from llmtrain.sinks import ConsoleSink
 from llmtrain.training.state import TrainResult
@@ -20,20 +31,39 @@ from llmtrain.training.step import Batch, evaluate
 class Evaluator:
     def __init__(self, eval_interval: int, model: torch.nn.Module, batches: list[Batch], device: torch.device,
                  autocast: Callable[[], ContextManager], sink: ConsoleSink, metrics: Any, result: TrainResult,
-                 saver: CheckpointPolicy) -> None:
+                 saver: CheckpointPolicy, tasks: Sequence[Any] = (), scorer: Scorer | None = None,
+                 watch: Any = None) -> None:
         # model: the plain model (not the DDP wrapper): evaluation needs no gradient sync
         self.eval_interval, self.model, self.batches, self.device, self.autocast = (
             eval_interval, model, batches, device, autocast)
         self.sink, self.metrics, self.result, self.saver = sink, metrics, result, saver
+        # tasks: encoded eval.tasks (llmtrain.evaluation.tasks.Task), scored by `scorer` on the plain model
+        self.tasks, self.scorer, self.watch = list(tasks), scorer, watch
 
     def maybe_run(self, step: int, forced: bool) -> bool:
         """Evaluate after `step` when due, or when `forced` (the last step, a save); True if it ran."""
         if not self.eval_interval or not (step % self.eval_interval == 0 or forced):
             return False
+        started = time.perf_counter()
         val_loss = evaluate(self.model, self.batches, self.device, self.autocast)
         record = {"kind": Kind.EVAL, "step": step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
         self.result.val_losses[step] = val_loss
         self.metrics.write(record)
         self.sink.log_eval(record)
         self.saver.evaluated(step, val_loss)
+        self.run_tasks(step)
+        if self.watch is not None:
+            self.watch.paused(time.perf_counter() - started)
         return True
+
+    def run_tasks(self, step: int) -> None:
+        """Every task on the current weights: an `eval_task` record and a console line each. Every
+        rank runs them (a sharded model needs all ranks in each forward); rank 0's sinks write."""
+        if not self.tasks:
+            return
+        assert self.scorer is not None, "tasks need a scorer"
+        with random_states_kept():
+            for task in self.tasks:
+                record = {"kind": Kind.EVAL_TASK, "step": step, "task": task.spec.name, **task.run(self.scorer)}
+                self.metrics.write(record)
+                self.sink.log_eval_task(record)

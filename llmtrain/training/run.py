@@ -93,6 +93,7 @@ class Run:
     tokens_per_step: int
     peak_lr: float
     faults: Faults
+    eval_tasks: list[Any]  # eval.tasks, encoded (llmtrain.evaluation.tasks.Task): run at every evaluation
     # The loop's parts, built after the banner (the sinks open files, and W&B prints):
     metrics: MetricsSink | NullSink = field(init=False)
     flops_per_token: float = field(init=False)

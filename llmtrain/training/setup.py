@@ -3,6 +3,8 @@
 Each part has a builder of its own, called in this order (the order decides the RNG stream, and
 which error a user sees first: everything that can fail on user input fails before any compute):
 
+    eval tasks   eval.tasks' files read and checked (before the run dir is touched); tokenized with
+                 the data's tokenizer once the data is prepared
     runtime      device, process group, seed, threads, deterministic kernels, subnormals, precision
     data         prepared (rank 0 first), long enough for the longest stage; the pre-flight check
     resume       which checkpoint (resume=auto|never|PATH), and whether it fits this config and data
@@ -88,6 +90,9 @@ from llmtrain.distributed.wrapping import (
     zero_redundancy,
 )
 from llmtrain.errors import ConfigError
+from llmtrain.evaluation.scoring import Scorer, random_states_kept
+from llmtrain.evaluation.specs import VALIDATION, parse_task_specs
+from llmtrain.evaluation.tasks import Task, TaskSource, read_tasks
 from llmtrain.health.diagnosis import run_facts
 from llmtrain.health.probes import device_memory_mb
 from llmtrain.health.watch import HealthWatch, NullWatch
@@ -122,6 +127,7 @@ def build_run(cfg: Config, console: ConsoleSink | None, layout: Layout,
     validate(cfg)
     if cfg.out_dir is None:
         raise ConfigError("'out_dir' is not set; give a run directory, e.g. out_dir=runs/first.")
+    task_sources = read_training_tasks(cfg)  # the files' formats: before the run dir, the data and the model
     run_dir = Path(cfg.out_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     runtime = build_runtime(cfg, layout)
@@ -133,6 +139,8 @@ def build_run(cfg: Config, console: ConsoleSink | None, layout: Layout,
     data = build_data(cfg, layout, lambda msg: sink.print(f"[dim]{escape(msg)}[/]"), progress=layout.is_main)
     vocab_size = model_vocab_size(cfg, data.vocab_size)
     check = refuse_failed_check(cfg, data, sink)
+    eval_tasks = encode_training_tasks(cfg, task_sources, data, max(stage.seq_len for stage in stages),
+                                       lambda msg: sink.print(f"[dim]{escape(msg)}[/]"))
     config_dict = config_to_dict(cfg)
     checkpoint = choose_resume(cfg, run_dir, warn, device, layout, config_dict, data.tokenizer())
     model = build_model(cfg, vocab_size, runtime, layout, fresh_start=checkpoint is None)
@@ -160,7 +168,8 @@ def build_run(cfg: Config, console: ConsoleSink | None, layout: Layout,
               autocast=autocast, scaler=scaler, params=params, train_batches=train_batches, val_batches=val_batches,
               state=state, steps_total=steps_total, schedule_steps=schedule_steps(cfg),
               micro_total=total_micro_batches(cfg), accum=accumulation_steps(cfg), seq_len=seq_len, stage_plan=stages,
-              tokens_per_step=cfg.global_batch_size * seq_len, peak_lr=effective_lr(cfg), faults=Faults.from_env())
+              tokens_per_step=cfg.global_batch_size * seq_len, peak_lr=effective_lr(cfg), faults=Faults.from_env(),
+              eval_tasks=eval_tasks)
     print_banner(run)
     build_loop_parts(run, checkpoint)
     return run
@@ -243,6 +252,41 @@ def refuse_failed_check(cfg: Config, data: PreparedData, sink: ConsoleSink) -> C
         render_check(check, sink.console, estimates=True)
         raise CheckFailed(check.refusal(), check)
     return check
+
+
+# ---- evaluation tasks --------------------------------------------------------------------------
+
+def read_training_tasks(cfg: Config) -> list[TaskSource | None]:
+    """eval.tasks read and checked (files, formats, labels, harness task names): no model, no
+    tokenizer, nothing written, so a bad file is refused before the data is prepared. None holds
+    the place of perplexity:validation, the run's own validation split: read once the data is."""
+    if not cfg.eval.tasks:
+        return []
+    if not cfg.eval_interval:
+        raise ConfigError(f"eval.tasks is set ({', '.join(cfg.eval.tasks)}) but eval_interval is 0, so the run never "
+                          "evaluates; set eval_interval (e.g. eval_interval=100) to run the tasks at every evaluation, "
+                          "or leave eval.tasks empty and run `llmtrain eval` on the run afterwards.")
+    specs = parse_task_specs(cfg.eval.tasks)
+    read = iter(read_tasks([spec for spec in specs if spec != VALIDATION], cfg.eval))
+    return [None if spec == VALIDATION else next(read) for spec in specs]
+
+
+def encode_training_tasks(cfg: Config, sources: list[TaskSource | None], data: PreparedData, window: int,
+                          log: Callable[[str], None]) -> list[Task]:
+    """The tasks tokenized once, with the run's tokenizer, for `window` tokens of context (the
+    longest sequence the run trains on). The global RNGs are left as they were: the model is
+    initialized from torch's next."""
+    if not sources:
+        return []
+    tokenizer = data.tokenizer()
+    eos_id = tokenizer.eos_id
+    if eos_id is None:  # what precedes a document, and the context of an empty one
+        raise ConfigError("eval.tasks needs the tokenizer's end-of-text token (it precedes every document scored), and "
+                          "this run's tokenizer has none (a char tokenizer prepared by an older llmtrain); leave "
+                          "eval.tasks empty, or prepare the data afresh.")
+    with random_states_kept():
+        sources = [source or read_tasks([VALIDATION], cfg.eval, data)[0] for source in sources]
+        return [source.encode(tokenizer, window, eos_id, cfg.eval.truncate, log) for source in sources]
 
 
 # ---- resume ------------------------------------------------------------------------------------
@@ -391,8 +435,11 @@ def build_loop_parts(run: Run, checkpoint: Checkpoint | None) -> None:
     run.faults.slow_backward(run.model.model, lambda: run.state.step)
     run.watch = build_watch(run, checkpoint)
     run.saver = build_saver(run)
+    # The tasks score the plain model, as the val loss does; the window is the longest the run trains on.
+    scorer = Scorer(run.model.model, max(stage.seq_len for stage in run.stage_plan), cfg.eval.batch_size,
+                    run.autocast) if run.eval_tasks else None
     run.evaluator = Evaluator(cfg.eval_interval, run.model.model, run.val_batches, run.device, run.autocast, run.sink,
-                              run.metrics, run.result, run.saver)
+                              run.metrics, run.result, run.saver, run.eval_tasks, scorer, run.watch)
     run.stages = SeqLenStages(run.stage_plan, run.train_batches, run.sink, run.metrics, run.accum * layout.world_size)
     run.progress = Progress(cfg.log_interval, StepTimer(cfg.timing_interval, run.device), run.sink,
                             run.metrics, run.result, run.flops_per_token, run.scaler, run.train_batches, run.stages)
