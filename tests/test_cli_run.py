@@ -6,10 +6,8 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import pytest
 import torch
 
 from .conftest import TINY_CORPUS
@@ -35,18 +33,16 @@ def test_help_lists_commands_without_importing_torch(tmp_path: Path) -> None:
     assert out.strip().endswith("False"), "--help must not import torch"
 
 
-def test_help_is_fast(tmp_path: Path) -> None:
-    exe = Path(sys.executable).with_name("llmtrain")
-    if not exe.exists():
-        pytest.skip("console script not installed next to this interpreter")
-    best = min(_timed([str(exe), "--help"], tmp_path) for _ in range(3))
-    assert best < 0.3, f"`llmtrain --help` took {best:.2f}s"
-
-
-def _timed(cmd: list[str], cwd: Path) -> float:
-    start = time.perf_counter()
-    subprocess.run(cmd, cwd=cwd, capture_output=True, check=True)
-    return time.perf_counter() - start
+def test_help_imports_only_the_standard_library(tmp_path: Path) -> None:
+    """What keeps `llmtrain --help` instant: no third-party module is imported for it (torch alone
+    takes ~2 s). Asserted as imports, not as a time: a busy machine makes any time limit flaky; the
+    start-up time itself is measured by benchmarks/harness.py (docs/performance.md)."""
+    code = ("import sys\nbefore = set(sys.modules)\nfrom llmtrain.cli import main\nmain(['--help'])\n"
+            "new = {m.split('.')[0] for m in set(sys.modules) - before}\n"
+            "print(sorted(new - set(sys.stdlib_module_names) - {'llmtrain'}))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True).stdout
+    third_party = out.strip().splitlines()[-1]
+    assert third_party == "[]", f"`llmtrain --help` imported {third_party}"
 
 
 def test_train_help_shows_groups_and_options(tmp_path: Path) -> None:
