@@ -27,7 +27,7 @@ from llmtrain.errors import UserError
 from llmtrain.evaluation.scoring import Scorer
 from llmtrain.evaluation.tasks import Task
 from llmtrain.runs.files import EVAL_RESULTS
-from llmtrain.sinks import is_plain
+from llmtrain.sinks import is_plain, scored_text
 
 # The table's columns: (metric key, heading, format); other metrics of a task go into "other".
 COLUMNS = (("loss", "loss", "{:.4f}"), ("perplexity", "perplexity", "{:.3f}"), ("bits_per_byte", "bits/byte", "{:.4f}"),
@@ -74,7 +74,7 @@ def render_results(results: dict[str, dict[str, Any]], console: Console) -> None
     rows = []
     for name, metrics in results.items():
         cells = [_cell(metrics.get(key), fmt) for key, _, fmt in columns]
-        rows.append((name, cells, _scored(metrics), _other(metrics, {c[0] for c in columns})))
+        rows.append((name, cells, scored_text(metrics, COUNTS, at_most=2), _other(metrics, {c[0] for c in columns})))
     if is_plain(console):
         for name, cells, scored, other in rows:
             parts = [f"{heading} {cell}" for (_, heading, _), cell in zip(columns, cells) if cell]
@@ -93,12 +93,6 @@ def _cell(value: Any, fmt: str) -> str:
     if value is None:
         return ""
     return fmt.format(value) if isinstance(value, (int, float)) and math.isfinite(value) else str(value)
-
-
-def _scored(metrics: dict[str, Any]) -> str:
-    counts = [f"{metrics[key]:,} {key if metrics[key] != 1 else key[:-1]}" for key in COUNTS
-              if isinstance(metrics.get(key), int) and not isinstance(metrics.get(key), bool)]
-    return ", ".join(counts[:2])
 
 
 def _other(metrics: dict[str, Any], shown: set[str]) -> str:

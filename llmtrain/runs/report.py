@@ -62,7 +62,7 @@ from llmtrain.runs.files import (
     Kind,
 )
 from llmtrain.runs.records import Record, Records, number, read_records
-from llmtrain.sinks import TASK_COUNTS, TASK_HEADLINE, task_metrics_text
+from llmtrain.sinks import TASK_COUNTS, TASK_HEADLINE, is_number, scored_text, task_metrics_text
 
 OK, WARN, FAIL, NA = "ok", "warn", "fail", "n/a"
 SPIKE_WINDOW = 20  # logged points a loss value is compared with
@@ -900,12 +900,8 @@ def main_metrics(record: Record) -> list[str]:
         if key in record:
             return [key]
     skip = {"kind", "step", "task", "seconds", *TASK_COUNTS}
-    other = next((k for k, v in record.items() if k not in skip and "stderr" not in k and _is_number(v)), None)
+    other = next((k for k, v in record.items() if k not in skip and "stderr" not in k and is_number(v)), None)
     return [other] if other else []
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _eval_tasks_plot(points: TaskPoints, folder: Path) -> dict[str, Path]:
@@ -945,7 +941,7 @@ def evaluation(run_dir: Path, points: TaskPoints, plots: list[str]) -> Evaluatio
         # only this run's entries: `llmtrain eval OTHER --out RUN_DIR` may have added another model's
         own = str(run_dir.resolve())
         saved["tasks"] = {t: m for t, m in saved["tasks"].items() if m.get("model") in (None, own)}
-        section.rows = [(task, str(m.get("kind", "?")), _metrics_cell(m), _scored(m)) for task, m in saved["tasks"].items()]
+        section.rows = [(task, str(m.get("kind", "?")), _metrics_cell(m), scored_text(m)) for task, m in saved["tasks"].items()]
         when = saved.get("updated") or saved.get("created")
         section.saved = (f"{EVAL_RESULTS} (`llmtrain eval`): {len(section.rows)} task(s)"
                          + (f" of {saved['model']}" if saved.get("model") else "")
@@ -981,15 +977,9 @@ def _metrics_cell(metrics: dict[str, Any]) -> str:
     """The headline metrics, each with its standard error when the task gave one; a harness task's
     own metrics when it has none of them."""
     parts = [f"{label} {fmt.format(number(metrics[key]))}"
-             + (f" ± {number(metrics[key + '_stderr']):.4f}" if _is_number(metrics.get(key + "_stderr")) else "")
-             for key, label, fmt in TASK_HEADLINE if _is_number(metrics.get(key))]
+             + (f" ± {number(metrics[key + '_stderr']):.4f}" if is_number(metrics.get(key + "_stderr")) else "")
+             for key, label, fmt in TASK_HEADLINE if is_number(metrics.get(key))]
     return ", ".join(parts) if parts else task_metrics_text(metrics, ", ")
-
-
-def _scored(metrics: dict[str, Any]) -> str:
-    """'1,500 tokens, 1,500 bytes, 1 document'."""
-    return ", ".join(f"{metrics[key]:,} {key if metrics[key] != 1 else key.removesuffix('s')}"
-                     for key in TASK_COUNTS if isinstance(metrics.get(key), int) and not isinstance(metrics[key], bool))
 
 
 # ---------------------------------------------------------------------------------------------
