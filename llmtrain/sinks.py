@@ -14,7 +14,7 @@ from typing import Any, BinaryIO, TextIO
 from rich.console import Console, Group
 from rich.live import Live
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from llmtrain.errors import UserError
@@ -289,11 +289,12 @@ class ConsoleSink:
             MofNCompleteColumn(),
             TextColumn("{task.fields[status]}"),
             TimeElapsedColumn(),
-            TextColumn("ETA"),
-            TimeRemainingColumn(),
+            # Our own ETA (training/eta.py): from the start-up estimate before the first step ends,
+            # then from the steps' durations, evaluations and saves kept out (rich's needs two samples).
+            TextColumn("{task.fields[eta]}"),
             console=self.console,
         )
-        self.task = self.progress.add_task("train", total=self.total_steps, status="")
+        self.task = self.progress.add_task("train", total=self.total_steps, status="", eta="ETA -:--")
         self.live = Live(self._dashboard(), console=self.console, refresh_per_second=4)
         self.live.start()
 
@@ -309,19 +310,29 @@ class ConsoleSink:
             table.add_row(metric, value, f"[{color}]{state}[/]")
         return Group(self.progress, table)
 
-    def advance(self, step: int) -> None:
+    def advance(self, step: int, eta: str | None = None) -> None:
+        """The bar at `step`; `eta` its ETA text ("ETA 2:31", "ETA ~6:48")."""
         if self.progress is not None:
-            self.progress.update(self.task, completed=step)
+            if eta is None:
+                self.progress.update(self.task, completed=step)
+            else:
+                self.progress.update(self.task, completed=step, eta=eta)
 
-    def log_train(self, record: dict[str, Any]) -> None:
+    def log_train(self, record: dict[str, Any], timing: str = "", above_bar: bool = False) -> None:
+        """A log line: loss, lr, grad norm, tokens/s, then `timing` ("12.3 s/step  1:02 elapsed,
+        ETA 2:31"). On a terminal the bar's status shows it (the bar has its own clock), and
+        `above_bar` prints the whole line above the bar too (slow steps: every step's time stays)."""
         status = (
             f"loss {record['loss']:.4f}  lr {record['lr']:.2e}  gnorm {record['grad_norm']:.2f}  "
             f"{record['tokens_per_s']:,.0f} tok/s"
         )
+        line = f"step {record['step']:>6}/{self.total_steps}  {status}" + (f"  {timing}" if timing else "")
         if self.progress is not None:
             self.progress.update(self.task, completed=record["step"], status=status)
+            if above_bar:
+                self.console.print(line, highlight=False)
         else:
-            self.console.print(f"step {record['step']:>6}/{self.total_steps}  {status}", highlight=False)
+            self.console.print(line, highlight=False)
 
     def alarm(self, alarm: Any) -> None:
         """An alarm, printed once with its explanation (the monitor re-raises only after it cleared)."""

@@ -42,3 +42,20 @@ def test_bench_eval_runs_both_paths(tmp_path: Path) -> None:
     assert figures["tokens"] == 2 * 256 and figures["parameters_with_grad"] == 0
     assert figures["loss_difference"] < 1e-4  # both paths scored the same windows
     assert figures["tokens_per_s"]["bare"] > 0 and figures["tokens_per_s"]["llmtrain"] > 0
+
+
+@pytest.mark.slow
+def test_bench_sample_runs_both_loops_and_the_command(tmp_path: Path) -> None:
+    """The sampling benchmark still drives generate, its bare cached loop (past the 256-token
+    window: the refill too) and `llmtrain sample`, on a default-shaped run it writes itself."""
+    out = tmp_path / "bench.json"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_sample.py"), "--tokens", "270", "--reps", "1",
+         "--wall-reps", "1", "--json", str(out)],
+        capture_output=True, text=True, cwd=tmp_path, timeout=600,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    figures = json.loads(out.read_text())
+    assert figures["context"] == 256 and [r["temperature"] for r in figures["generation"]] == [0.0, 1.0]
+    assert all(r["same_tokens"] and r["ratio"] > 0 for r in figures["generation"])  # same tokens: same refills
+    assert all(len(times) == 1 and times[0] > 0 for times in figures["wall_s"].values())

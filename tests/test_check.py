@@ -4,9 +4,7 @@ exit codes; `train` refusing on FAIL; the presets composing and `stable` passing
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +14,7 @@ from llmtrain.cli.compose import compose_config
 from llmtrain.config.schema import NormPosition, OptimizerName, Precision, ResidualInit, ScheduleName
 from llmtrain.preflight.check import Status, run_check
 
-from .conftest import TINY_CORPUS, tiny_config
+from .conftest import TINY_CORPUS, run_cli, tiny_config
 
 PRESETS = sorted(p.stem for p in (Path(__file__).parents[1] / "conf" / "preset").glob("*.yaml"))
 
@@ -147,6 +145,7 @@ def test_stable_preset_passes_every_item() -> None:
     assert [(r.item, r.status.value, r.seen) for r in report.rows if r.status is not Status.PASS] == []
 
 
+@pytest.mark.slow  # trains until the loss is near zero
 def test_debug_overfit_preset_drives_the_loss_near_zero(tmp_path: Path) -> None:
     """The seed's sanity check on the real model: one repeated batch is memorized."""
     from llmtrain.training.loop import train
@@ -163,9 +162,8 @@ def test_debug_overfit_preset_drives_the_loss_near_zero(tmp_path: Path) -> None:
 
 
 def llmtrain(tmp_path: Path, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "COLUMNS": "200"}
-    return subprocess.run([sys.executable, "-m", "llmtrain", *args], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    """`llmtrain ARGS` in this process (conftest.run_cli); `timeout` is kept for its callers."""
+    return run_cli(*args, cwd=tmp_path, columns=200)
 
 
 def bad_config_dir(tmp_path: Path) -> Path:

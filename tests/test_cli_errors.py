@@ -1,7 +1,8 @@
 """Bad configurations through the real CLI: exit code 2 and one readable paragraph, never a traceback.
 
-Every case runs `python -m llmtrain ...` in a subprocess with its own empty working directory and
-data cache, so nothing is written into the repository or the user's cache. Most cases add
+Every case runs `llmtrain ...` with its own empty working directory and data cache, so nothing is
+written into the repository or the user's cache: in this process (what the CLI prints is the same,
+without a new interpreter per case), and a few cases through `python -m llmtrain` in a subprocess. Most cases add
 `--cfg job`: validation must refuse them before Hydra prints (or runs) anything.
 """
 
@@ -15,17 +16,24 @@ from pathlib import Path
 
 import pytest
 
+from .conftest import run_cli
+
 EXIT_USER_ERROR = 2
 MODEL_OPTIONS = "gpt2, gpt2_medium, gpt_small, gpt_tiny, llama_tiny, modern_tiny, smollm_135m"
 
 
-def run_llmtrain(tmp_path: Path, *argv: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    """`python -m llmtrain ARGV` with cwd and LLMTRAIN_CACHE inside tmp_path (cwd is tmp_path/'cwd')."""
+def run_llmtrain(tmp_path: Path, *argv: str, timeout: float = 120,
+                 in_process: bool = True) -> subprocess.CompletedProcess[str]:
+    """`llmtrain ARGV` with cwd and LLMTRAIN_CACHE inside tmp_path (cwd is tmp_path/'cwd'): in this
+    process (conftest.run_cli), or as `python -m llmtrain` in a subprocess for the cases that keep
+    the whole interpreter in the loop (what the console script prints, with nothing imported yet)."""
     cwd = tmp_path / "cwd"
     cwd.mkdir(exist_ok=True)
-    env = dict(os.environ)
-    env["LLMTRAIN_CACHE"] = str(tmp_path / "cache")
-    env.pop("HYDRA_FULL_ERROR", None)  # the paragraph must come without Hydra's full-error mode
+    # the paragraph must come without Hydra's full-error mode
+    changes: dict[str, str | None] = {"LLMTRAIN_CACHE": str(tmp_path / "cache"), "HYDRA_FULL_ERROR": None}
+    if in_process:
+        return run_cli(*argv, cwd=cwd, env=changes)
+    env = {k: v for k, v in {**os.environ, **changes}.items() if v is not None}
     return subprocess.run(
         [sys.executable, "-m", "llmtrain", *argv],
         cwd=cwd,
@@ -153,10 +161,21 @@ BAD_CONFIGS = [
 @pytest.mark.parametrize(("overrides", "expected"), BAD_CONFIGS)
 def test_bad_config_exits_2_with_one_paragraph(tmp_path: Path, overrides: list[str], expected: list[str]) -> None:
     proc = run_llmtrain(tmp_path, "train", *overrides, "--cfg", "job")
+    check_one_paragraph(proc, tmp_path, expected)
+
+
+def check_one_paragraph(proc: subprocess.CompletedProcess[str], tmp_path: Path, expected: list[str]) -> None:
     assert_user_error(proc, *expected)
     assert proc.stdout == "", "nothing may be printed (no config dump) when validation fails"
     assert len(proc.stderr.strip().splitlines()) == 1, f"expected one paragraph:\n{proc.stderr}"
     assert list((tmp_path / "cwd").iterdir()) == [], "validation must fail before Hydra writes anything"
+
+
+def test_a_bad_config_through_the_console_script_is_the_same_one_paragraph(tmp_path: Path) -> None:
+    """The whole interpreter in the loop once: `python -m llmtrain` prints the same paragraph."""
+    overrides, expected = BAD_CONFIGS[0].values
+    proc = run_llmtrain(tmp_path, "train", *overrides, "--cfg", "job", in_process=False)
+    check_one_paragraph(proc, tmp_path, expected)
 
 
 def test_n_embd_not_divisible_by_n_head_suggests_a_divisor(tmp_path: Path) -> None:
@@ -221,7 +240,7 @@ def test_empty_or_missing_text_file_fails_before_any_run_dir(tmp_path: Path) -> 
 
 
 def test_unknown_command_lists_valid_commands(tmp_path: Path) -> None:
-    proc = run_llmtrain(tmp_path, "bogus")
+    proc = run_llmtrain(tmp_path, "bogus", in_process=False)
     assert_user_error(proc, "'bogus'", "train, prepare, check, sample")
 
 

@@ -1,4 +1,6 @@
-"""The real CLI, end to end, in subprocesses started from a temporary working directory."""
+"""The real CLI, end to end, from a temporary working directory: in this process (conftest.run_cli,
+the same arguments and output as the console script), and in subprocesses where what matters is
+the process itself (what `--help` imports, shell completion reading its environment)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from .conftest import TINY_CORPUS
+from .conftest import TINY_CORPUS, run_cli
 
 TINY = [
     "data=text", f"data.path={TINY_CORPUS}", "data.tokenizer=char",
@@ -20,10 +22,8 @@ TINY = [
 
 
 def llmtrain(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "COLUMNS": "160"}
-    return subprocess.run(
-        [sys.executable, "-m", "llmtrain", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
-    )
+    """`llmtrain ARGS` in this process (`timeout` is kept for the callers that pass one)."""
+    return run_cli(*args, cwd=cwd)
 
 
 def test_help_lists_commands_without_importing_torch(tmp_path: Path) -> None:

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from .conftest import TINY_CORPUS
+from .conftest import TINY_CORPUS, run_cli
 
 TINY = ["data=text", f"data.path={TINY_CORPUS}", "data.tokenizer=char", "model.n_layer=1", "model.n_embd=32",
         "model.n_head=2", "model.block_size=32", "micro_batch_size=4", "global_batch_size=8", "max_steps=20",
@@ -19,8 +17,8 @@ TINY = ["data=text", f"data.path={TINY_CORPUS}", "data.tokenizer=char", "model.n
 
 
 def llmtrain(cwd: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "llmtrain", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "COLUMNS": "200", **(env or {})})
+    """`llmtrain ARGS` in this process (conftest.run_cli: the same output, no new interpreter)."""
+    return run_cli(*args, cwd=cwd, env=env, columns=200)
 
 
 def test_a_learning_rate_sweep_ends_with_the_comparison(tmp_path: Path) -> None:

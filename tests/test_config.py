@@ -109,7 +109,12 @@ def test_default_config_composes_to_the_schema_defaults() -> None:
     assert cfg == expected, "config.yaml's defaults drifted from the dataclass defaults"
 
 
-@pytest.mark.parametrize(("group", "option"), GROUP_OPTIONS, ids=[f"{g}={o}" for g, o in GROUP_OPTIONS])
+# Seconds to build (hundreds of MB of weights): the quick tier builds the others of the group.
+BIG_MODELS = {("model", "gpt2_medium"), ("model", "smollm_135m")}
+
+
+@pytest.mark.parametrize(("group", "option"), [
+    pytest.param(g, o, id=f"{g}={o}", marks=[pytest.mark.slow] if (g, o) in BIG_MODELS else []) for g, o in GROUP_OPTIONS])
 def test_option_composes_converts_and_builds(group: str, option: str, tmp_path: Path) -> None:
     cfg = load_option(group, option, tmp_path)
     section = getattr(cfg, group)

@@ -30,7 +30,7 @@ from llmtrain.doctor import (
 )
 from llmtrain.errors import UserError
 from llmtrain.model import GPT
-from tests.conftest import TINY_CORPUS, tiny_config
+from tests.conftest import TINY_CORPUS, run_cli, tiny_config
 
 # The best peak LR of tiny_config among 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1 (AdamW, 200 steps, warmup 10,
 # cosine): val loss 3.26, 2.78, 2.50, 2.68, 2.80, 3.04. conftest trains it with 3e-3 too.
@@ -293,8 +293,7 @@ def test_cli_overfit_writes_a_png_and_exits_0(tmp_path: Path) -> None:
     import matplotlib.image
 
     out = tmp_path / "doctor"
-    proc = subprocess.run([sys.executable, "-m", "llmtrain", "doctor", "overfit", *TINY_OVERRIDES, "--out", str(out)],
-                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    proc = run_cli("doctor", "overfit", *TINY_OVERRIDES, "--out", str(out), cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "PASS" in proc.stdout and "Traceback" not in proc.stderr
     image = matplotlib.image.imread(out / "overfit.png")
@@ -305,8 +304,7 @@ def test_cli_overfit_writes_a_png_and_exits_0(tmp_path: Path) -> None:
 def test_cli_user_mistake_is_one_paragraph(tmp_path: Path) -> None:
     not_a_folder = tmp_path / "file.txt"
     not_a_folder.write_text("x")
-    proc = subprocess.run([sys.executable, "-m", "llmtrain", "doctor", "grad-check", *TINY_OVERRIDES,
-                           "--out", str(not_a_folder)], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    proc = run_cli("doctor", "grad-check", *TINY_OVERRIDES, "--out", str(not_a_folder), cwd=tmp_path)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.startswith("llmtrain: error: --out is") and "not a folder" in proc.stderr
 

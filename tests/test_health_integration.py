@@ -81,6 +81,7 @@ def test_a_schedule_hitting_zero_mid_run(tmp_path: Path, monkeypatch: pytest.Mon
     assert 12 <= alarms(run).get("lr_zero", 99) <= 16
 
 
+@pytest.mark.slow  # a fresh process; the detector itself: test_monitor.py
 def test_a_memory_leak(tmp_path: Path) -> None:
     """In a fresh process: inside pytest, memory freed by earlier tests can absorb the leak without
     the resident size growing (glibc reuses it), which is not what a real run sees."""
@@ -195,6 +196,7 @@ def test_non_finite_values_nested_in_records_stay_strict_json(tmp_path: Path) ->
     assert record["block_grad_norms"] == ["inf", 1.0] and record["nested"] == {"x": "nan"}
 
 
+@pytest.mark.slow  # wandb starts its service process
 def test_wandb_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("wandb")
     from llmtrain.config.schema import WandbMode

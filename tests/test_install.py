@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow  # pip installs into a folder
 def test_non_editable_install_runs_from_any_directory(tmp_path: Path) -> None:
     # Build from a copy: an in-tree build would leave build/ and *.egg-info in the repository.
     source = tmp_path / "source"

@@ -19,7 +19,7 @@ from llmtrain.data.prepare import prepare_data
 from llmtrain.data.tokenizers import BPETokenizer, load_tokenizer
 from llmtrain.errors import ConfigError
 
-from .conftest import TINY_CORPUS
+from .conftest import TINY_CORPUS, run_cli
 
 
 def corpus_folder(root: Path, n: int = 6) -> Path:
@@ -193,10 +193,9 @@ def test_gpt2_without_its_files_is_a_clear_error_before_anything_runs(tmp_path: 
     (tmp_path / "c.txt").write_text("hello world\n" * 100)
     env_cache = tmp_path / "empty-cache"
     env_cache.mkdir()
-    proc = subprocess.run([sys.executable, "-m", "llmtrain", "train", "data=text", f"data.path={tmp_path / 'c.txt'}",
-                           "data.tokenizer=gpt2", f"out_dir={tmp_path / 'run'}"], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=120, env={**os.environ, "TIKTOKEN_CACHE_DIR": str(env_cache),
-                                                       "LLMTRAIN_CACHE": str(tmp_path / "cache")})
+    proc = llmtrain(tmp_path, "train", "data=text", f"data.path={tmp_path / 'c.txt'}", "data.tokenizer=gpt2",
+                    f"out_dir={tmp_path / 'run'}",
+                    env={"TIKTOKEN_CACHE_DIR": str(env_cache), "LLMTRAIN_CACHE": str(tmp_path / "cache")})
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "data.gpt2_dir" in proc.stderr and "openaipublic" in proc.stderr and not (tmp_path / "run").exists()
     bad = gpt2_format_files(tmp_path / "bad", GPT2_MERGES)
@@ -246,8 +245,15 @@ def test_an_hf_builder_reads_the_files_in_data_path(tmp_path: Path) -> None:
 
 def test_hf_mistakes_are_one_paragraph_errors(tmp_path: Path, monkeypatch) -> None:
     datasets = pytest.importorskip("datasets")
+    import huggingface_hub
+
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # Both libraries read these when imported: an import before this test (another test's) would
+    # otherwise try the network, which waits ~20 s for a timeout on a machine without one.
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(ConfigError, match="data.hf_name=nobody/no-such-dataset .* could not be loaded"):
         prepare_data(hf_config(tmp_path, "nobody/no-such-dataset"), log=lambda m: None)
     datasets.Dataset.from_dict({"body": ["x"] * 4}).save_to_disk(str(tmp_path / "saved"))
@@ -415,10 +421,9 @@ def test_a_corpus_smaller_than_one_sequence_is_refused_before_training(tmp_path:
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
-def llmtrain(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "COLUMNS": "200"}
-    return subprocess.run([sys.executable, "-m", "llmtrain", *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=300)
+def llmtrain(cwd: Path, *args: str, env: dict[str, str | None] | None = None) -> subprocess.CompletedProcess[str]:
+    """`llmtrain ARGS` in this process (conftest.run_cli: the same output, no new interpreter)."""
+    return run_cli(*args, cwd=cwd, env=env, columns=200)
 
 
 def test_cli_prepare_then_train_and_sample_with_bpe(tmp_path: Path) -> None:
@@ -519,7 +524,9 @@ def test_sigkill_mid_epoch_then_resume_through_the_cli_sees_the_uninterrupted_ba
             "model.block_size=32", "model.dropout=0.1", "micro_batch_size=2", "global_batch_size=8", "max_steps=30",
             "eval_interval=0", "log_interval=1", "threads=1", "checkpoint.every_steps=1", "checkpoint.keep_last=2"]
     env = {**os.environ, "LLMTRAIN_CACHE": str(tmp_path / "cache")}
-    subprocess.run([*args, f"hydra.run.dir={tmp_path / 'ref'}"], cwd=tmp_path, env=env, check=True, capture_output=True)
+    # The uninterrupted reference and the resume run in this process (the same CLI); the killed one in its own.
+    ref = run_cli(*args[3:], f"hydra.run.dir={tmp_path / 'ref'}", cwd=tmp_path, env={"LLMTRAIN_CACHE": env["LLMTRAIN_CACHE"]})
+    assert ref.returncode == 0, ref.stderr
     run = tmp_path / "run"
     proc = subprocess.Popen([*args, f"hydra.run.dir={run}"], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
@@ -528,7 +535,7 @@ def test_sigkill_mid_epoch_then_resume_through_the_cli_sees_the_uninterrupted_ba
         time.sleep(0.005)
     proc.kill()
     proc.wait()
-    resumed = subprocess.run([*args, f"hydra.run.dir={run}"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    resumed = run_cli(*args[3:], f"hydra.run.dir={run}", cwd=tmp_path, env={"LLMTRAIN_CACHE": env["LLMTRAIN_CACHE"]})
     assert resumed.returncode == 0, resumed.stderr
 
     def train_records(folder: Path) -> dict[int, dict]:

@@ -19,19 +19,27 @@ from llmtrain.data.prepare import cached_meta
 from llmtrain.runs.records import Records, read_records
 from llmtrain.runs.report import NA, OK, WARN, alarms, build_report, overfitting, smoothness, step_time
 
-from .conftest import TINY_CORPUS
+from .conftest import TINY_CORPUS, run_cli
 
 RUN = [
     "data=text", f"data.path={TINY_CORPUS}", "data.tokenizer=char", "model.n_layer=2", "model.n_embd=32",
     "model.n_head=2", "model.block_size=32", "model.dropout=0.1", "micro_batch_size=4", "global_batch_size=8",
     "max_steps=40", "schedule.warmup_steps=4", "eval_interval=10", "log_interval=5", "timing_interval=5",
     "monitor.interval=5", "monitor.activation_interval=10", "checkpoint.every_steps=10", "threads=1",
+    "report.console=full",  # the whole table: a 40-step run prints only what is not ok by default
 ]
 QUESTIONS = ["Did the model learn?", "Is the loss curve smooth?", "Does validation track training?", "Does inference behave like training?",
              "Peak memory and headroom?", "Where does a step's time go?", "Which alarms were raised, and what was done?"]
 
 
 def llmtrain(cwd: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess[str]:
+    """`llmtrain ARGS` in this process (conftest.run_cli: the same output, no new interpreter)."""
+    return run_cli(*args, cwd=cwd, env=env, columns=200)
+
+
+def llmtrain_process(cwd: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess[str]:
+    """`python -m llmtrain ARGS` in a subprocess: the healthy run whose own process's memory the
+    report judges."""
     return subprocess.run([sys.executable, "-m", "llmtrain", *args], cwd=cwd, capture_output=True, text=True,
                           timeout=300, env={**os.environ, "COLUMNS": "200", **(env or {})})
 
@@ -41,7 +49,7 @@ def finished(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     tmp = tmp_path_factory.mktemp("report")
     # Module fixtures start before conftest's per-test cache isolation: give the run the same cache.
     cache = {"LLMTRAIN_CACHE": str(tmp_path_factory.getbasetemp() / "cache")}
-    proc = llmtrain(tmp, "train", *RUN, f"hydra.run.dir={tmp / 'run'}", env=cache)
+    proc = llmtrain_process(tmp, "train", *RUN, f"hydra.run.dir={tmp / 'run'}", env=cache)
     assert proc.returncode == 0, proc.stderr
     return tmp / "run", proc.stdout
 

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from llmtrain.config.schema import CompileMode, Precision
@@ -106,6 +107,7 @@ FLUSH_PROBE = (
 )
 
 
+@pytest.mark.slow  # two fresh processes
 def test_subnormals_are_flushed_on_every_thread_before_any_compute() -> None:
     import subprocess
     import sys

@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import torch
 
+from llmtrain.model import KVCache
 from llmtrain.runs.sample import generate
 
 
@@ -22,6 +23,14 @@ class CountingModel(torch.nn.Module):
         logits = torch.full((*idx.shape, self.vocab), -1e9)
         logits.scatter_(2, ((idx + 1) % self.vocab).unsqueeze(-1), 0.0)
         return logits
+
+    # generate's cache interface (GPT.new_cache / GPT.decode): no layers, only the count of tokens read
+    def new_cache(self, capacity: int) -> KVCache:
+        return KVCache(0, capacity)
+
+    def decode(self, idx: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        cache.length += idx.shape[1]
+        return self(idx)[:, -1]
 
 
 def test_generation_ends_after_end_of_text_and_only_then() -> None:

@@ -452,6 +452,21 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
 
 def verify(path: Path) -> dict:
     """Check every file against the manifest (returned); raises CheckpointError naming the bad file."""
+    manifest = read_manifest(path)
+    files = manifest["files"]
+    sharded = manifest.get("layout") == "sharded"
+    required = SHARDED_FILES + (f"{SHARDS}/.metadata",) if sharded else STATE_FILES
+    for name in required:
+        if name not in files:
+            raise CheckpointError(f"{path}: the manifest does not list {name}")
+    for name, entry in files.items():
+        check_file(path, name, entry)
+    return manifest
+
+
+def read_manifest(path: Path) -> dict:
+    """A checkpoint's manifest.json, its file table checked for form (the files themselves are not
+    looked at); CheckpointError when it is missing, unreadable or malformed."""
     manifest_path = path / MANIFEST
     try:
         manifest = json.loads(manifest_path.read_text())
@@ -461,27 +476,26 @@ def verify(path: Path) -> dict:
             raise ValueError("its file table is malformed")
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise CheckpointError(f"{path}: {MANIFEST} is missing or unreadable ({err})") from None
-    sharded = manifest.get("layout") == "sharded"
-    required = SHARDED_FILES + (f"{SHARDS}/.metadata",) if sharded else STATE_FILES
-    for name in required:
-        if name not in files:
-            raise CheckpointError(f"{path}: the manifest does not list {name}")
-    for name, entry in files.items():
-        if Path(name).is_absolute() or ".." in Path(name).parts:  # only files inside the folder are read
-            raise CheckpointError(f"{path}: the manifest lists {name!r}, which is not inside the checkpoint folder")
-        target = path / name
-        if not target.is_file():
-            raise CheckpointError(f"{path}: {name} is missing")
-        size = target.stat().st_size
-        if size != entry["bytes"]:
-            raise CheckpointError(f"{path}: {name} is {size} bytes, the manifest says {entry['bytes']} (truncated?)")
-        digest = hashlib.sha256()
-        with open(target, "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 22), b""):
-                digest.update(chunk)
-        if digest.hexdigest() != entry["sha256"]:
-            raise CheckpointError(f"{path}: {name} does not match its sha256 in the manifest (corrupted)")
     return manifest
+
+
+def check_file(path: Path, name: str, entry: dict) -> None:
+    """One file of checkpoint `path` against its manifest entry: inside the folder, there, of the
+    listed size and sha256; CheckpointError naming it otherwise."""
+    if Path(name).is_absolute() or ".." in Path(name).parts:  # only files inside the folder are read
+        raise CheckpointError(f"{path}: the manifest lists {name!r}, which is not inside the checkpoint folder")
+    target = path / name
+    if not target.is_file():
+        raise CheckpointError(f"{path}: {name} is missing")
+    size = target.stat().st_size
+    if size != entry["bytes"]:
+        raise CheckpointError(f"{path}: {name} is {size} bytes, the manifest says {entry['bytes']} (truncated?)")
+    digest = hashlib.sha256()
+    with open(target, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 22), b""):
+            digest.update(chunk)
+    if digest.hexdigest() != entry["sha256"]:
+        raise CheckpointError(f"{path}: {name} does not match its sha256 in the manifest (corrupted)")
 
 
 def _is_size(value: Any) -> bool:
@@ -652,14 +666,25 @@ def load_checkpoint(path: Path, device: torch.device | str = "cpu", verify_files
 
 
 def read_model_weights(path: Path) -> dict[str, torch.Tensor]:
-    """The whole model state_dict of a verified checkpoint folder, in either layout, on the CPU
-    (of a sharded one, the weights alone: not the optimizer's moments)."""
-    checkpoint = load_checkpoint(path)
-    if checkpoint.sharded:
+    """The whole model state_dict of a checkpoint folder, in either layout, on the CPU. Only the
+    files that hold the weights are read (model.pt, or shards/ of a sharded one: not the optimizer's
+    state, the RNG or the trainer state, which sampling and export never use), each checked against
+    the manifest's sha256 once before it is loaded; CheckpointError naming a bad one."""
+    manifest = read_manifest(path)
+    files = manifest["files"]
+    if manifest.get("layout") == "sharded":
+        if f"{SHARDS}/.metadata" not in files:
+            raise CheckpointError(f"{path}: the manifest does not list {SHARDS}/.metadata")
+        for name, entry in files.items():
+            if Path(name).parts[:1] == (SHARDS,):  # model and optimizer tensors share these files
+                check_file(path, name, entry)
         from llmtrain.checkpoint.shards import read_full
 
-        return read_full(path / SHARDS, checkpoint.shards, model_only=True)[0]
-    return checkpoint.model
+        return read_full(path / SHARDS, {}, model_only=True)[0]
+    if "model.pt" not in files:
+        raise CheckpointError(f"{path}: the manifest does not list model.pt")
+    check_file(path, "model.pt", files["model.pt"])
+    return read_weights_file(path / "model.pt")
 
 
 def save_weights(weights: dict, path: Path) -> None:

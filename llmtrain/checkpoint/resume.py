@@ -160,10 +160,12 @@ def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
 def config_changes(saved: dict, current: dict) -> list[tuple[str, Any, Any]]:
     """(key, saved value, current value) for every key that differs, ignored keys left out. A key
     the saved config lacks (it was added to llmtrain after the checkpoint was written) counts as
-    its schema default, which is what that older run used."""
+    its schema default, which is what that older run used; a key renamed since is read in today's
+    spelling (`report: true` is report.enabled)."""
+    from llmtrain.config.hydra import migrate_config_dict
     from llmtrain.config.schema import Config, config_to_dict
 
-    old = {**_flatten(config_to_dict(Config())), **_flatten(saved)}
+    old = {**_flatten(config_to_dict(Config())), **_flatten(migrate_config_dict(saved))}
     new = _flatten(current)
     keys = sorted(set(old) | set(new))
     return [(k, old.get(k), new.get(k)) for k in keys if old.get(k) != new.get(k) and k not in IGNORED_KEYS]

@@ -5,6 +5,7 @@ command runs: `llmtrain --help`, `--version` and shell completion answer instant
 pays for another's imports (torch, hydra, rich).
 
     train                  llmtrain.cli.train (composed and checked by llmtrain.cli.compose)
+    configs                llmtrain.cli.configs (the catalogue of llmtrain.config.catalog)
     eval                   llmtrain.cli.evaluate
     prepare, check, ...    llmtrain.cli.commands
     -sc / --shell-completion   llmtrain.cli.completion
@@ -12,8 +13,10 @@ pays for another's imports (torch, hydra, rich).
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 COMMANDS: dict[str, str] = {
     "train": "Train a model from the composed config groups (Hydra overrides, -m sweeps).",
@@ -25,6 +28,7 @@ COMMANDS: dict[str, str] = {
     "compare": "The runs of a sweep side by side: a table sorted by val loss, a CSV and a PNG of the loss curves.",
     "report": "Post-run review of a run dir: report.md + report.html with plots, a verdict per question.",
     "doctor": "Diagnostic experiments that find bugs fast: overfit, lr-range, grad-check, eval-consistency.",
+    "configs": "Browse the config groups: options with descriptions, model sizes, presets; GROUP=OPTION prints its YAML.",
 }
 
 USAGE = """usage: llmtrain <command> [args]
@@ -49,7 +53,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     if not args or args[0] in ("-h", "--help", "help"):
         width = max(len(c) for c in COMMANDS)
-        print(USAGE.format(commands="\n".join(f"  {c:<{width}}  {h}" for c, h in COMMANDS.items())), end="")
+        try:
+            print(USAGE.format(commands="\n".join(f"  {c:<{width}}  {h}" for c, h in COMMANDS.items())), end="")
+            sys.stdout.flush()
+        except BrokenPipeError:
+            _reader_gone()
         return
     if args[0] == "--version":
         from llmtrain import __version__
@@ -80,6 +88,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(EXIT_ABORTED)
     except RunStopped as stopped:  # a SIGTERM while setting up, outside the run itself (composing the config)
         fail(str(stopped), stopped.exit_code, label="stopped")
+    except BrokenPipeError:  # `llmtrain configs | head`: the reader has what it wanted
+        _reader_gone()
+
+
+def _reader_gone() -> NoReturn:
+    """Stop quietly when stdout's reader closed the pipe, instead of a traceback: stdout is pointed at
+    /dev/null first, since the interpreter's flush at exit would hit the closed pipe again. Exit 1,
+    as Python itself does on EPIPE."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    sys.exit(1)
 
 
 def _handler(command: str) -> Callable[[list[str]], None]:
@@ -93,6 +112,10 @@ def _handler(command: str) -> Callable[[list[str]], None]:
         from llmtrain.cli import evaluate
 
         return evaluate.eval_command
+    if command == "configs":
+        from llmtrain.cli import configs
+
+        return configs.configs_command
     from llmtrain.cli import commands
 
     return {

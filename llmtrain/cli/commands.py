@@ -217,8 +217,8 @@ def compare_command(args: list[str]) -> None:
     console = default_console()
     console.print(table)
     write_csv(summaries, opts.sweep_dir, csv_path)
-    plot_curves(summaries, png_path, title + (f"\ncommon: {' '.join(common)}" if common else ""))
-    console.print(f"wrote {csv_path} and {png_path}")
+    left_out = plot_curves(summaries, png_path, title + (f"\ncommon: {' '.join(common)}" if common else ""))
+    console.print(f"wrote {csv_path} and {png_path}" if left_out is None else f"wrote {csv_path}; {left_out}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -240,10 +240,13 @@ def report_command(args: list[str]) -> None:
     parser.add_argument("run_dir", type=Path, help="a run dir written by `llmtrain train`")
     parser.add_argument("--no-inference", action="store_true",
                         help="skip reloading the weights for the inference-vs-training check")
+    parser.add_argument("--short", action="store_true",
+                        help="print only the verdicts that are not ok, a line each, and the report's path (as "
+                        "train does with report.console=short) instead of the table")
     opts = parser.parse_args(args)
 
     from llmtrain.errors import UserError
-    from llmtrain.runs.report import render_summary, write_report
+    from llmtrain.runs.report import render_console, write_report
     from llmtrain.sinks import default_console
 
     console = default_console()
@@ -251,7 +254,7 @@ def report_command(args: list[str]) -> None:
         report = write_report(opts.run_dir, inference=not opts.no_inference)
     except UserError as err:
         fail(str(err))
-    render_summary(report, console)
+    render_console(report, console, "short" if opts.short else "full")  # asked for: the table unless --short
 
 
 # ---------------------------------------------------------------------------------------------

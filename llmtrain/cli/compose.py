@@ -23,7 +23,7 @@ def validate_overrides(
     preflight: bool = False,
 ) -> None:
     """Compose every configuration the command line asks for and validate it; raises ConfigError,
-    or CheckFailed (after printing the check's table) when `preflight` finds FAIL rows.
+    or CheckFailed (after printing the check's FAIL rows) when `preflight` finds any.
 
     A sweep (`-m a=1,2 b=x,y`) is expanded the way Hydra's basic sweeper does, so a bad value in
     any job fails before the first job starts. `extra_dir` is `--config-dir`: searched like Hydra does.
@@ -40,19 +40,38 @@ def validate_overrides(
 
             hf_dataset(cfg.data)  # loaded (or refused) now, before any run dir; the run reuses it
         if preflight:
-            from llmtrain.preflight.check import CheckFailed, render, run_check
+            from llmtrain.preflight.check import CheckFailed, check_command_line, render_refusal, run_check
 
             report = run_check(cfg, measure_compute=False)
             if report.failures and not cfg.allow_check_failures:
                 from llmtrain.sinks import default_console
 
-                render(report, default_console(stderr=True), estimates=True)
+                render_refusal(report, default_console(stderr=True), check_command_line(job, extra_dir))
                 raise CheckFailed(report.refusal(), report)
+
+
+# Keys that became sections: the old spelling `KEY=VALUE` on the command line means `NEW=VALUE`.
+RENAMED_OVERRIDES = {"report": "report.enabled"}
+
+
+def upgrade_overrides(args: list[str]) -> list[str]:
+    """The command line with the old spellings rewritten before Hydra sees them: `report=false`
+    (report was a boolean before it had its own keys) is `report.enabled=false`, a sweep
+    `report=true,false` likewise. Everything else, flags included, is passed as it was. Every
+    command that composes a config goes through here (compose_config; train for Hydra's own parse)."""
+    upgraded = []
+    for arg in args:
+        key, equals, value = arg.partition("=")
+        if equals and key in RENAMED_OVERRIDES and not value.lstrip().startswith("{"):
+            arg = f"{RENAMED_OVERRIDES[key]}={value}"
+        upgraded.append(arg)
+    return upgraded
 
 
 def compose_config(overrides: list[str], extra_dir: str | None = None, config_name: str | None = None) -> Config:
     """Compose the shipped config (plus `extra_dir`, like --config-dir) with `overrides` and validate
     it, without starting Hydra's job machinery (no run dir); raises ConfigError."""
+    overrides = upgrade_overrides(overrides)
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 

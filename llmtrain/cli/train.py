@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from llmtrain.cli.commands import compare_command
 from llmtrain.cli.common import check_config_dir, conf_dir, fail, flush_denormals_first, given
-from llmtrain.cli.compose import validate_overrides
+from llmtrain.cli.compose import upgrade_overrides, validate_overrides
 from llmtrain.distributed.launch import RanksStopped, ranks_from_submitit_tasks, run_local_ranks, shared_run_dir
 from llmtrain.errors import EXIT_INTERRUPTED, EXIT_USER_ERROR, RunStopped, StoppedBeforeStart, UserError
 from llmtrain.runs import files
@@ -36,9 +36,10 @@ def train_command(args: list[str]) -> None:
     job, then hand ARGS to Hydra; a sweep ends with its comparison table."""
     from hydra._internal.utils import get_args_parser
 
+    args = upgrade_overrides(args)  # `report=false` and the like, before Hydra parses them
     parsed = get_args_parser().parse_args(args)
     if parsed.help:
-        print(train_help())
+        print(train_help(parsed.config_dir))
         return
     if parsed.multirun and (parsed.cfg or parsed.info):
         fail("-m/--multirun cannot be combined with --cfg or --info; drop -m to print one job's config.")
@@ -262,33 +263,27 @@ def _train_on_local_ranks(cfg: Config, resume_hint: Callable[[object], str], des
 
 
 def _report_after_run(cfg: Config) -> None:
-    """`train` ends with the post-run review (report=true), written by rank 0. The run's own results
-    are on disk by then: a report that fails is a warning, never a failed run."""
-    if not cfg.report or os.environ.get("RANK", "0") != "0" or not (Path(cfg.out_dir) / files.METRICS).is_file():
+    """`train` ends with the post-run review (report.enabled), written by rank 0 and printed as
+    report.console says. The run's own results are on disk by then: a report that fails is a
+    warning, never a failed run."""
+    if not cfg.report.enabled or os.environ.get("RANK", "0") != "0" or not (Path(cfg.out_dir) / files.METRICS).is_file():
         return
-    from llmtrain.runs.report import render_summary, write_report
+    from llmtrain.runs.report import render_console, write_report
     from llmtrain.sinks import default_console
 
     try:
-        render_summary(write_report(Path(cfg.out_dir)), default_console())
+        render_console(write_report(Path(cfg.out_dir)), default_console(), cfg.report.console.value)
     except Exception as err:  # noqa: BLE001 - see the docstring
         print(f"llmtrain: warning: the post-run report could not be written ({type(err).__name__}: {err}); "
               f"`llmtrain report {cfg.out_dir}` retries it.", file=sys.stderr)
 
 
-def train_help() -> str:
-    """Groups with their options, then every key with its default and one-line doc."""
-    import dataclasses
+def train_help(config_dir: str | None = None) -> str:
+    """Groups with their options (llmtrain.config.catalog, as `llmtrain configs` lists them, with
+    `config_dir`'s own), then every key with its default and one-line doc."""
+    from llmtrain.config.catalog import catalog, schema_keys
 
-    import yaml
-
-    from llmtrain.config.schema import GROUPS, Config, config_to_dict, field_type, schema_fields
-
-    root = conf_dir()
-    defaults = {}
-    for entry in yaml.safe_load((root / "config.yaml").read_text())["defaults"]:
-        if isinstance(entry, dict):
-            defaults.update(entry)
+    groups = catalog(conf_dir(), Path(config_dir).expanduser() if config_dir else None)
     lines = [
         "usage: llmtrain train [GROUP=OPTION ...] [KEY=VALUE ...] [-m] [--cfg job|hydra|all] [--info] [--hydra-help]",
         "",
@@ -298,25 +293,15 @@ def train_help() -> str:
         "  llmtrain train data=text data.path=corpus.txt data.tokenizer=char --cfg job",
         "  llmtrain train preset=[stable,fast]                     # presets: checklist items switched on",
         "",
-        "Config groups (default marked *):",
+        "Config groups (default marked *; `llmtrain configs` describes each option, `llmtrain configs model=gpt_small` "
+        "prints its YAML):",
     ]
-    for group in (*GROUPS, "preset"):
-        options = sorted(p.stem for p in (root / group).glob("*.yaml"))
-        shown = ", ".join(f"{o}*" if o == defaults.get(group) else o for o in options)
-        lines.append(f"  {group:<11} {shown}")
+    width = max(len(g.name) for g in groups)
+    for group in groups:
+        shown = ", ".join(f"{o.name}{'*' if o.is_default else ''}" for o in group.options if not o.shadowed)
+        lines.append(f"  {group.name:<{width}} {shown}")
     lines += ["", "Keys (defaults of the schema; a group option sets its own values):"]
-
-    def walk(schema: type, prefix: str, values: dict) -> None:
-        for name, fld in schema_fields(schema).items():
-            tp = field_type(fld.type)
-            if dataclasses.is_dataclass(tp):
-                walk(tp, f"{prefix}{name}.", values[name])
-                continue
-            value = values[name]
-            shown = "null" if value is None else str(value)
-            lines.append(f"  {prefix + name:<33} {shown:<12} {fld.metadata.get('help', '')}")
-
-    walk(Config, "", config_to_dict(Config()))
+    lines += [f"  {key:<33} {default:<12} {doc}" for key, default, doc in schema_keys()]
     lines += [
         "",
         "Hydra: -m/--multirun, --cfg job, --info, hydra.run.dir=PATH, -sc install=bash (shell completion),",

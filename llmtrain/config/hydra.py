@@ -43,10 +43,25 @@ def to_config(node: Any, resolve: typing.Callable[[Config], None] | None = None)
 
 
 def config_from_dict(data: dict) -> Config:
-    """Rebuild a `Config` from `config_to_dict` output (e.g. a run dir's config.yaml)."""
+    """Rebuild a `Config` from `config_to_dict` output (e.g. a run dir's config.yaml), one written by
+    an older llmtrain too (migrate_config_dict)."""
     from omegaconf import OmegaConf
 
-    return to_config(OmegaConf.create(data))
+    return to_config(OmegaConf.create(migrate_config_dict(data)))
+
+
+def migrate_config_dict(data: Any) -> Any:
+    """A saved config (config.yaml, a checkpoint's) in today's keys: `report: true` (report was a
+    boolean before it had its own keys) becomes `report: {enabled: true}`, and `threads: null` (what
+    auto was called before it had a name) `threads: auto`. A copy; anything else as it was."""
+    if not isinstance(data, dict):
+        return data
+    data = dict(data)
+    if isinstance(data.get("report"), bool):
+        data["report"] = {"enabled": data["report"]}
+    if "threads" in data and data["threads"] is None:
+        data["threads"] = "auto"
+    return data
 
 
 def model_config_from_dict(data: dict) -> ModelConfig:
@@ -89,6 +104,11 @@ def describe_omegaconf_error(err: Exception) -> str:
         return f"Missing required value '{key}': set it on the command line, e.g. {key}=<value>."
     if isinstance(err, (ConfigKeyError, ConfigAttributeError)) and key:
         return unknown_key_message(key)
+    if isinstance(err, ValidationError) and "subclass of ReportConfig" in msg:
+        # a YAML file (-cd DIR) with the spelling from before report had keys of its own
+        return ("'report' is a section of its own now, not true/false: write `report: {enabled: false}` (or "
+                "report.enabled=false on the command line; `report=false` there still works), and report.console: "
+                "auto|short|full for what the terminal shows.")
     if isinstance(err, ValidationError):
         described = _value_type_message(key, getattr(err, "value", None), _key_type(key))
         return described or f"Bad value{f' for {key!r}' if key else ''}: {msg.rstrip('.')}."

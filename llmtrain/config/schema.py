@@ -160,6 +160,12 @@ class WandbMode(str, Enum):
     online = "online"
 
 
+class ReportConsole(str, Enum):
+    auto = "auto"  # short for a run under REPORT_FULL_AFTER_S of wall time, full otherwise
+    short = "short"
+    full = "full"
+
+
 class ParallelMode(str, Enum):
     single = "single"
     ddp = "ddp"
@@ -340,7 +346,8 @@ class CheckpointConfig:
 class MonitorConfig:
     enabled: bool = _f(True, "Watch the run's health (the health bands of docs/monitoring.md) and raise alarms.")
     interval: int = _f(10, "Check every this many optimizer steps (a few host syncs per check).")
-    activation_interval: int = _f(20, "Sample block-output activations every this many steps (hooks only then).")
+    activation_interval: int = _f(20, "Sample block-output activations every this many steps (hooks only then); "
+                                  "a run too short for 5 samples that way samples denser, at most every check.")
     warmup_checks: int = _f(5, "Checks before the memory-leak trend is watched (allocator warm-up).")
     patience: int = _f(3, "Consecutive checks outside a band before an alarm (grad norm, LR).")
     grad_norm_high: float = _f(100.0, "Alarm when the gradient norm stays above this.")
@@ -393,6 +400,19 @@ class EvalConfig:
     harness_include: str | None = _f(None, "A folder of your own lm-evaluation-harness task YAML files, for harness:TASK.")
 
 
+# report.console=auto prints the whole verdict table only after a run of at least this many seconds:
+# a shorter one is a try-out, whose reader wants what is wrong, not seven rows.
+REPORT_FULL_AFTER_S = 300.0
+
+
+@dataclass
+class ReportConfig:
+    enabled: bool = _f(True, "Write report.md and report.html (the post-run review) into the run dir when train ends.")
+    console: ReportConsole = _f(
+        ReportConsole.auto, "What train prints of the review: short (a line per verdict that is not ok, and the "
+        "report's path), full (the verdict table), auto (short for a run under 5 minutes, full otherwise).")
+
+
 @dataclass
 class Config:
     model: ModelConfig = _f(ModelConfig(), "Model shape and initialization.")
@@ -428,10 +448,19 @@ class Config:
         50, "Time the phases (data, forward, backward, optimizer, other) of every this-many-th step for the report; "
         "on CUDA those steps synchronize at each phase. 0 disables."
     )
-    report: bool = _f(True, "Write report.md and report.html (the post-run review) into the run dir when train ends.")
+    report: ReportConfig = _f(ReportConfig(), "The post-run review: written (report.enabled), printed (report.console).")
     out_dir: str | None = _f(None, "Run directory; null uses Hydra's run dir.")
     device: str = _f("auto", "auto, cpu, cuda, cuda:N or mps.")
-    threads: int | None = _f(None, "CPU threads per process; null = usable cores / local processes.")
+    # int | "auto" | None, typed Any so that every value (2.5, true, "many") reaches the validator's
+    # paragraph (config/validate.py) instead of OmegaConf's type error.
+    threads: Any = _f(
+        "auto", "CPU threads per process: auto (measure the cores other processes leave free at start-up and use "
+        "those, shared among the local processes), or a count; null (older configs) means auto.")
+
+    def __post_init__(self) -> None:
+        # `Config(report=False)`, the spelling from before report had its own keys
+        if isinstance(self.report, bool):
+            self.report = ReportConfig(enabled=self.report)
 
 
 def config_to_dict(cfg: Any) -> Any:
@@ -464,8 +493,13 @@ def field_type(tp: Any) -> Any:
     return args[0] if is_union and len(args) == 1 else tp
 
 
+# Sections of Config set by their keys alone: no conf/<name>/ folder of options to pick from.
+PLAIN_SECTIONS = ("report",)
+
+
 def _group_names() -> tuple[str, ...]:
-    return tuple(f.name for f in dataclasses.fields(Config) if dataclasses.is_dataclass(field_type(f.type)))
+    return tuple(f.name for f in dataclasses.fields(Config)
+                 if dataclasses.is_dataclass(field_type(f.type)) and f.name not in PLAIN_SECTIONS)
 
 
 # The config groups: the fields of Config that are sections (one conf/<group>/ folder each).

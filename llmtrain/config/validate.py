@@ -44,6 +44,7 @@ from llmtrain.config.schema import (
     TokenizerKind,
     WandbMode,
 )
+from llmtrain.distributed.cores import threads_error  # standard library only (torch lazily, to time a fallback)
 from llmtrain.errors import ConfigError
 from llmtrain.evaluation.specs import parse_task_specs  # standard library only: the config package stays torch-free
 
@@ -387,7 +388,8 @@ def _validate_sinks(cfg: Config) -> None:
 
 def _validate_resume_and_threads(cfg: Config) -> None:
     _require(cfg.resume.strip() != "", "'resume' is empty; use auto, never, or the path of a checkpoint or run dir.")
-    _require(cfg.threads is None or cfg.threads >= 1, f"'threads' is {cfg.threads}; use a positive count or null.")
+    problem = threads_error(cfg.threads)
+    _require(problem is None, problem or "")
 
 
 def _validate_eval(e: EvalConfig) -> None:

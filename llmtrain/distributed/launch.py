@@ -188,14 +188,15 @@ def free_port() -> int:
 def spawn_local(nproc: int, target: Any, payload: Any) -> None:
     """Start `nproc` worker processes on this machine, as torchrun would (RANK, WORLD_SIZE, ... set),
     each calling `target(payload)`. Returns when all succeed. When one fails, the others are
-    stopped and torch's ProcessExitedException / ProcessRaisedException names the rank."""
+    stopped and torch's ProcessExitedException / ProcessRaisedException names the rank. When this
+    process dies, even by SIGKILL, the workers stop with it (`die_with_launcher`)."""
     import torch.multiprocessing as mp
 
     from llmtrain.training.interrupts import StopRequest
 
     port = free_port()
-    context = mp.start_processes(_worker, args=(nproc, port, target, pickle.dumps(payload)), nprocs=nproc,
-                                 start_method="spawn", join=False)
+    context = mp.start_processes(_worker, args=(nproc, port, target, pickle.dumps(payload), os.getpid()),
+                                 nprocs=nproc, start_method="spawn", join=False)
     # SIGTERM or Ctrl-C to this parent is passed on to the ranks, which decide (finish the step and
     # save, or abort on a second one; a rank that got it directly too counts it once); this parent
     # waits for them rather than dying first (their exit codes say what happened).
@@ -204,7 +205,32 @@ def spawn_local(nproc: int, target: Any, payload: Any) -> None:
             pass
 
 
-def _worker(rank: int, nproc: int, port: int, target: Any, payload: bytes) -> None:
+def _worker(rank: int, nproc: int, port: int, target: Any, payload: bytes, launcher_pid: int) -> None:
+    die_with_launcher(launcher_pid)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     target(pickle.loads(payload))
+
+
+def die_with_launcher(launcher_pid: int) -> None:
+    """Make this rank end when the process that started it does, however that one ends (SIGKILL
+    and the OOM killer run no handler that could stop the ranks). Linux sends the kernel's
+    parent-death signal (prctl PR_SET_PDEATHSIG) to this process then: SIGINT, as torch's spawn
+    wrapper also asks for, so the rank stops as on Ctrl-C (one in the train loop finishes its step
+    and saves a checkpoint, one still setting up stops at once). The signal only comes for a death
+    after the call, and a rank takes seconds to get here (importing torch): a launcher already
+    gone means this rank exits now, before its rendezvous could pair it with the other orphans
+    for a whole run. Elsewhere than Linux nothing is done."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # no prctl in this libc: nothing to ask for
+        return
+    pr_set_pdeathsig = 1
+    prctl(pr_set_pdeathsig, signal.SIGINT, 0, 0, 0)
+    if os.getppid() != launcher_pid:  # re-parented already: the launcher is gone
+        os._exit(EXIT_INTERRUPTED)

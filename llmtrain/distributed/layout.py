@@ -1,5 +1,6 @@
-"""Process layout: device choice, CPU threads per process, and the torch.distributed side of a
-run of several processes (process group, the few collectives the loop needs). How the processes
+"""Process layout: device choice, CPU threads per process (threads=auto measures the free cores:
+distributed/cores.py), and the torch.distributed side of a run of several processes (process
+group, the few collectives the loop needs). How the processes
 start is llmtrain.distributed.launch; how the model is wrapped, llmtrain.distributed.wrapping.
 
 A distributed run is several processes that each run the whole train loop on their own slice of
@@ -10,11 +11,14 @@ from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from llmtrain.distributed.cores import ThreadChoice, auto_threads, cgroup_cpu_quota, parse_threads, usable_cores
 
 
 def local_world_size() -> int:
@@ -22,20 +26,34 @@ def local_world_size() -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
-def usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS, Windows
-        return os.cpu_count() or 1
-
-
 def default_threads() -> int:
-    """Cores divided among the local processes: more threads than cores only slows matmuls. A
-    SLURM task (hydra/launcher=slurm) has cpus_per_task cores of its own, shared with nobody."""
-    slurm_cores = os.environ.get("SLURM_CPUS_PER_TASK")
-    if slurm_cores and os.environ.get("SUBMITIT_EXECUTOR") == "slurm":
-        return max(1, min(usable_cores(), int(slurm_cores)))
+    """Cores divided among the local processes, not measured: more threads than cores only slows
+    matmuls. A SLURM task (hydra/launcher=slurm) has cpus_per_task cores of its own, shared with nobody."""
+    slurm_cores = slurm_task_cores()
+    if slurm_cores:
+        return max(1, min(usable_cores(), slurm_cores))
     return max(1, usable_cores() // local_world_size())
+
+
+def slurm_task_cores() -> int | None:
+    """cpus_per_task of a SLURM task started by hydra/launcher=slurm (None elsewhere)."""
+    slurm_cores = os.environ.get("SLURM_CPUS_PER_TASK")
+    if slurm_cores and slurm_cores.isdigit() and os.environ.get("SUBMITIT_EXECUTOR") == "slurm":
+        return int(slurm_cores)
+    return None
+
+
+def resolve_threads(setting: object, layout: Layout,
+                    measure: Callable[[int], ThreadChoice] | None = None) -> ThreadChoice:
+    """The thread count per process: the config's count, or (threads=auto, or null from an older
+    config) the free cores measured now, divided among the local processes. Rank 0 measures while
+    the others wait, and every rank takes its answer: the ranks agree, and a rank's own start-up
+    work cannot count as another process's."""
+    count = parse_threads(setting)
+    if count is not None:
+        return ThreadChoice(count)
+    measure = measure or (lambda procs: auto_threads(procs, quota=cgroup_cpu_quota(), slurm_cores=slurm_task_cores()))
+    return broadcast_from_main(measure(local_world_size()) if layout.is_main else None, layout)
 
 
 def resolve_device(name: str) -> torch.device:

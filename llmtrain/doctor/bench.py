@@ -24,6 +24,7 @@ from llmtrain.config.derived import model_vocab_size, seq_len_of
 from llmtrain.config.schema import Config
 from llmtrain.config.validate import validate
 from llmtrain.data.prepare import PreparedData
+from llmtrain.distributed.cores import parse_threads
 from llmtrain.distributed.layout import Layout
 from llmtrain.errors import ConfigError, UserError
 from llmtrain.model import GPT
@@ -91,12 +92,13 @@ def make_bench(cfg: Config, console: Console, build_model: ModelFactory | None =
 
 def fastest_threads(bench: Bench, model: nn.Module, batch: Batch, autocast: Callable[[], Any],
                     console: Console) -> int:
-    """On CPU, with `threads` unset: keep the default thread count or drop to 1, whichever runs this
-    experiment's forward/backward faster (timed, gradients discarded). OpenMP threads spin-wait for
-    each other, so when another process holds a core a small step slows down many times (measured on
-    2 cores next to a training run: 1.2 s per overfit step with 2 threads, 17 ms with 1)."""
+    """On CPU, with threads=auto: keep the thread count auto picked from the free cores or drop to 1,
+    whichever runs this experiment's forward/backward faster (timed, gradients discarded): the cores
+    can fill up after start-up, and this times the experiment's own op sizes. OpenMP threads spin-wait
+    for each other, so when another process holds a core a small step slows down many times (measured
+    on 2 cores next to a training run: 1.2 s per overfit step with 2 threads, 17 ms with 1)."""
     current = torch.get_num_threads()
-    if bench.device.type != "cpu" or bench.cfg.threads is not None or current == 1:
+    if bench.device.type != "cpu" or parse_threads(bench.cfg.threads) is not None or current == 1:
         return current
     timings = {}
     for threads in (current, 1):

@@ -450,26 +450,26 @@ class _Adapter:
 
     def _generate(self, prompt: list[int], stops: list[str], max_new: int, temperature: float, top_k: int | None,
                   generator: Any) -> str:
-        """In doubling chunks, so a stop string ends the work soon after it appears; greedy (and
-        seeded sampling) gives the same tokens as one call of max_new (each step reads the same window)."""
-        from llmtrain.runs.sample import generate
+        """One cached generation (runs/sample.py's stream_tokens), read as it comes: the text is
+        checked for a stop string after 8, 16, 32, ... tokens and at the end, so a stop ends the work
+        soon after it appears; the tokens are those of one `generate` call of max_new."""
+        from llmtrain.runs.sample import stream_tokens
 
         ids: list[int] = []
-        chunk = 8
-        while len(ids) < max_new:
-            n = min(chunk, max_new - len(ids))
-            with self.scorer.autocast():
-                new = generate(self.scorer.model, prompt + ids, n, temperature, top_k, generator, context=self.window,
-                               vocab_limit=self.tokenizer.vocab_size, stop_id=self.eos_id)
-            ids += new
-            text = self.tokenizer.decode(ids)
-            cut = _first_stop(text, stops)
-            if cut is not None:
-                return text[:cut]
-            if len(new) < n or (new and new[-1] == self.eos_id):  # end-of-text
-                return text
-            chunk *= 2
-        return self.tokenizer.decode(ids)
+        check_at = 8
+        with self.scorer.autocast():
+            for token in stream_tokens(self.scorer.model, prompt, max_new, temperature, top_k, generator,
+                                       context=self.window, vocab_limit=self.tokenizer.vocab_size, stop_id=self.eos_id):
+                ids.append(token)
+                if len(ids) == check_at:
+                    text = self.tokenizer.decode(ids)
+                    cut = _first_stop(text, stops)
+                    if cut is not None:
+                        return text[:cut]
+                    check_at *= 2
+        text = self.tokenizer.decode(ids)
+        cut = _first_stop(text, stops)
+        return text if cut is None else text[:cut]
 
     @staticmethod
     def _sampling(kwargs: dict[str, Any]) -> tuple[float, int | None]:

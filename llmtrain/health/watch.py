@@ -2,8 +2,8 @@
 
 On a check step (every `monitor.interval` steps) the loop asks `HealthWatch` to take its numbers:
 per-block gradient and parameter norms, the applied vs scheduled LR, memory, the share of time
-spent waiting for data, and (every `activation_interval` steps) block-output activation stats from
-hooks installed for that step only. All of it becomes floats in one host sync; `HealthMonitor`
+spent waiting for data, and (every `activation_interval` steps, denser on a short run: health/
+cadence.py) block-output activation stats from hooks installed for that step only. All of it becomes floats in one host sync; `HealthMonitor`
 judges them; new alarms are printed once with their explanation, written to `events.jsonl`, and
 returned so the loop can act on them. After the optimizer step, the update-to-parameter ratio
 completes the step's `health` record in `metrics.jsonl`.
@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from llmtrain.config.schema import MonitorConfig
+from llmtrain.health.cadence import activation_every
 from llmtrain.health.detectors import Alarm, HealthMonitor, Sample
 from llmtrain.health.diagnosis import RunFacts
 from llmtrain.health.probes import (
@@ -44,10 +45,11 @@ class HealthWatch:
     def __init__(self, cfg: MonitorConfig, model: torch.nn.Module, run_dir: Path, sink: ConsoleSink,
                  metrics: MetricsSink | NullSink, steps_total: int, fp16_without_scaler: bool = False,
                  flops_per_token: float = 0.0, write_events: bool = True, world_size: int = 1,
-                 facts: RunFacts | None = None) -> None:
+                 facts: RunFacts | None = None, peak_flops: float | None = None) -> None:
         self.flops_per_token = flops_per_token
         self.world_size = world_size  # tokens/s counts all ranks; the peak is one device's
-        self.peak_flops: float | None = None  # measured at the first check, for MFU
+        # The MFU reference: the run's start-up measurement when given (measured once), else at the first check.
+        self.peak_flops: float | None = peak_flops
         self.cfg, self.sink, self.metrics = cfg, sink, metrics
         self.fp16_without_scaler = fp16_without_scaler
         # Test-only hook (faults.py): keep this many MB alive per step, a leak the monitor must see.
@@ -58,6 +60,9 @@ class HealthWatch:
         self.monitor = HealthMonitor(cfg, facts)
         self.events = JsonlSink(run_dir / files.EVENTS) if write_events else NullSink()
         self.steps_total = steps_total
+        # From the planned total, not the resume point: a resumed run samples the steps the
+        # uninterrupted one does (sampling itself draws no random numbers).
+        self.activation_every = activation_every(cfg, steps_total)
         self.probe: ActivationProbe | None = None
         self.before: list[torch.Tensor] | None = None
         self.record: dict | None = None
@@ -79,7 +84,7 @@ class HealthWatch:
     def before_forward(self, step: int) -> None:
         if self.leak_mb:
             self.leaked.append(bytearray(b"\1" * int(self.leak_mb * 2**20)))
-        if self.is_check(step) and step % self.cfg.activation_interval == 0:
+        if self.is_check(step) and step % self.activation_every == 0:
             self.probe = ActivationProbe(self.blocks)
 
     def waited_for_data(self, seconds: float) -> None:
@@ -155,7 +160,7 @@ class HealthWatch:
             self.sink.alarm(alarm)
         if act_mean is not None:
             self.last_activations = {"activation_mean": act_mean, "activation_var": act_var}
-        # The dashboard shows the latest activation sample until the next one (every activation_interval).
+        # The dashboard shows the latest activation sample until the next one (every activation_every steps).
         self.sink.health({**self.last_activations, **self.record}, sorted(self.monitor.active))
         self.before = [p.detach().clone() for p in self.params]  # for the update-to-parameter ratio
         return alarms

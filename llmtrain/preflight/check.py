@@ -15,12 +15,14 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-from collections.abc import Callable
+import shlex
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
 import torch
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from llmtrain.config.derived import (
@@ -147,7 +149,7 @@ class CheckReport:
         fixes = "; ".join(f"{r.item}: {r.fix}" for r in self.failures if r.fix)
         return (
             f"the pre-flight check failed on {len(self.failures)} item(s): {names}. Fix: {fixes}. "
-            "To train anyway, add allow_check_failures=true (the table above says what will go wrong)."
+            "To train anyway, add allow_check_failures=true (the rows above say what will go wrong)."
         )
 
 
@@ -646,6 +648,34 @@ def render(report: CheckReport, console: Console | None = None, estimates: bool 
     counts = {s: sum(r.status is s for r in report.rows) for s in Status}
     console.print(f"{counts[Status.PASS]} pass, {counts[Status.WARN]} warn, {counts[Status.FAIL]} fail "
                   f"-> exit {report.exit_code}")
+
+
+def render_refusal(report: CheckReport, console: Console, full_table: str) -> None:
+    """What a refused start prints: the FAIL rows only, how many rows were not shown, and
+    `full_table`, the command that prints them all with the estimates (`check_command_line`). The
+    whole table is ~180 columns of mostly passing rows; the refusal is about the failing ones."""
+    failures, warnings = report.failures, report.warnings
+    passed = len(report.rows) - len(failures) - len(warnings)
+    hidden = ", ".join(f"{n} {label}" for n, label in ((len(warnings), "warn"), (passed, "pass")) if n)
+    console.print(f"[bold]pre-flight check[/]: [{_STYLE[Status.FAIL]}]FAIL[/] on {len(failures)} of {len(report.rows)} "
+                  f"items{f' ({hidden} not shown)' if hidden else ''}")
+    for r in failures:
+        console.print(f"  [{_STYLE[Status.FAIL]}]FAIL[/] [bold]{escape(r.item)}[/]: {escape(r.seen)}")
+        console.print(f"       why: {escape(r.why)}")
+        if r.fix:
+            console.print(f"       fix: {escape(r.fix)}")
+    console.print(f"  the full table{' (the warnings too)' if warnings else ''}, with the memory and compute estimate:")
+    console.print(f"    {escape(full_table)}", highlight=False)
+
+
+def check_command_line(overrides: Sequence[str] | None, config_dir: str | None = None) -> str:
+    """`llmtrain check` with a run's overrides, which composes the config the run was refused for:
+    its run dir (hydra.*, out_dir) dropped, since check writes nothing. `overrides` None (a config
+    built in code, not from a command line): the bare command, with a word on what to add."""
+    if overrides is None:
+        return "llmtrain check  (with the overrides that make this config)"
+    kept = [o for o in overrides if not o.lstrip("+~").startswith(("hydra.", "hydra/", "out_dir="))]
+    return shlex.join(["llmtrain", "check", *(["-cd", config_dir] if config_dir else []), *kept])
 
 
 def estimate_summary(facts: Facts) -> str:

@@ -54,11 +54,14 @@ from llmtrain.model import GPT, flops_per_token, mlp_width, uninitialized
 MB = 2**20
 LAYOUTS = ("single", "ddp", "zero1", "fsdp")
 # Model FLOPs utilization assumed for the time estimate (the health records in metrics.jsonl carry
-# the measured one, "mfu"). CPU, measured here against the same 1024^2 matmul probe: 0.33 for the
-# 4x128 default (small matmuls, per-op overhead), 0.6 for 6x384; in between, linear in log2(width).
+# the measured one, "mfu"). CPU, measured on this project's 2-core machine against the same 1024^2
+# matmul probe (fp32, fused AdamW, 2 threads; 1 thread by CPU time agrees within 0.05): 0.64-0.66
+# for the 4x128 default (T 256, batch 16: small matmuls, per-op overhead), 0.77 for 6x256, 0.84-0.88
+# for 6x384 and 0.87 for 12x768 (T 128, batch 4); in between linear in log2(width), flat outside.
+# (An earlier table said 0.33 and 0.6: the default run then took 202 ms/step against ~405 estimated.)
 # CUDA and MPS: typical figures for small models, not measured here.
 ASSUMED_MFU = {"cuda": 0.4, "mps": 0.3}
-CPU_MFU_BY_WIDTH = ((128, 0.33), (384, 0.6))
+CPU_MFU_BY_WIDTH = ((128, 0.65), (384, 0.85))
 # Memory the allocator holds beyond the live activations: forward temporaries already freed but not
 # yet reused, and backward's gradients of activations. Measured on CPU (glibc malloc): resident
 # memory peaks 1.2-1.4x above the saved activations, on models from 4x128 to 6x768 wide. Not

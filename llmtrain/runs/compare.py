@@ -5,7 +5,8 @@ Every run dir under the sweep dir (a folder with a `metrics.jsonl`, e.g. Hydra's
 final train and validation loss, the best validation loss and its step, the health alarms raised,
 the median tokens/s and whether the run finished. Rows are sorted by final validation loss (runs
 without one last). The table goes to the terminal, `compare.csv` and a PNG of the loss curves next
-to it.
+to it; runs too short for curves (at most 2 logged losses each) get no PNG, and the line that says
+why and which log_interval gives curves.
 
 A run's row comes from its metrics.jsonl as written (runs/records.py's `written` view): a record of
 a step that a resume took again drops the first take's later points from the curve. `summarize` is
@@ -24,7 +25,8 @@ from pathlib import Path
 import yaml
 
 from llmtrain.errors import UserError
-from llmtrain.runs.files import CHECKPOINTS, FINAL_WEIGHTS, METRICS, Kind
+from llmtrain.runs.files import CHECKPOINTS, CONFIG, FINAL_WEIGHTS, METRICS, Kind
+from llmtrain.runs.leftout import denser, enough
 from llmtrain.runs.records import Records, number, read_records
 from llmtrain.runs.rundir import HYDRA_SUBDIR
 
@@ -147,8 +149,14 @@ def write_csv(summaries: list[RunSummary], sweep_dir: Path, path: Path) -> None:
                              s.status, str(s.run_dir)])
 
 
-def plot_curves(summaries: list[RunSummary], path: Path, title: str) -> None:
-    """Train loss (lines) and validation loss (dashed, dots) against step, one colour per run."""
+def plot_curves(summaries: list[RunSummary], path: Path, title: str) -> str | None:
+    """Train loss (lines) and validation loss (dashed, dots) against step, one colour per run.
+    Returns None when written; when no run has a curve of CURVE_MIN_POINTS points, writes nothing
+    (and removes an older PNG at `path`) and returns the line that says why."""
+    longest = max((max(len(s.train_curve), len(s.val_curve)) for s in summaries), default=0)
+    if not enough(longest):
+        path.unlink(missing_ok=True)
+        return too_few_text(summaries, path.name, longest)
     import matplotlib  # here, not at the top: only the PNG needs it, and it is slow to import
 
     matplotlib.use("Agg")  # files only: no display needed
@@ -172,3 +180,26 @@ def plot_curves(summaries: list[RunSummary], path: Path, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+    return None
+
+
+def too_few_text(summaries: list[RunSummary], name: str, longest: int) -> str:
+    """'compare.png: left out: at most 2 logged losses per run (log_interval=10; runs of 20 steps):
+    too few for curves; log_interval=4 gives 5', from the runs' config.yaml."""
+    intervals = sorted({i for i in map(_log_interval, summaries) if i is not None})
+    steps = min(s.steps for s in summaries)
+    text = (f"{name}: left out: {'no logged losses' if longest == 0 else f'at most {longest} logged losses per run'} "
+            f"({'log_interval=' + '/'.join(map(str, intervals)) + '; ' if intervals else ''}"
+            f"{'runs of ' if len(summaries) > 1 else 'a run of '}{steps}"
+            f"{'+' if any(s.steps > steps for s in summaries) else ''} steps)")
+    return text + (": too few for curves" if longest else "") + (denser("log_interval", min(intervals), steps)
+                                                                    if intervals else "")
+
+
+def _log_interval(summary: RunSummary) -> int | None:
+    """The run's log_interval, from its config.yaml (None when it cannot be read)."""
+    try:
+        value = (yaml.safe_load((summary.run_dir / CONFIG).read_text()) or {}).get("log_interval")
+    except (OSError, yaml.YAMLError, AttributeError):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None

@@ -50,3 +50,4 @@ class Kind:
     CHECKPOINT = "checkpoint"  # a checkpoint was saved
     CHECKPOINT_ERROR = "checkpoint_error"  # a save failed (the previous checkpoints are intact)
     END = "end"  # the run's end (also on a stop or failure): peak memory
+    SLOWDOWN = "slowdown"  # tokens/s collapsed mid-run (the machine became busy): the figures, warned once

@@ -47,6 +47,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from llmtrain.config.hydra import config_from_dict
+from llmtrain.config.schema import REPORT_FULL_AFTER_S
 from llmtrain.errors import ConfigError, UserError
 from llmtrain.health.detectors import SPIKE_MIN_RISE, SPIKE_MIN_SHARE, is_spike, robust_z
 from llmtrain.runs.compare import summarize
@@ -61,6 +62,7 @@ from llmtrain.runs.files import (
     TRAINER_STATE,
     Kind,
 )
+from llmtrain.runs.leftout import Reasons, enough
 from llmtrain.runs.records import Record, Records, number, read_records
 from llmtrain.sinks import TASK_COUNTS, TASK_HEADLINE, is_number, scored_text, task_metrics_text
 
@@ -118,6 +120,8 @@ class Report:
     markdown: Path | None = None
     html: Path | None = None
     evaluation: Evaluation | None = None  # eval.tasks results: during training, and `llmtrain eval`'s eval.json
+    left_out: dict[str, str] = field(default_factory=dict)  # plot name -> the line that says why it was not drawn
+    seconds: float | None = None  # the run's wall time (run_seconds), for report.console=auto
 
 
 # ---------------------------------------------------------------------------------------------
@@ -777,7 +781,12 @@ def draw_loss(ax: Any, records: Records, spikes: list[int], baseline: float | No
         ax.legend(fontsize=8)
 
 
-def _plots(records: Records, folder: Path, spikes: list[int], baseline: float | None) -> dict[str, Path]:
+def _plots(records: Records, folder: Path, spikes: list[int], baseline: float | None,
+           reasons: Reasons) -> tuple[dict[str, Path], dict[str, str]]:
+    """Draw the plots that have something to show (a curve of CURVE_MIN_POINTS points or more, a
+    timed step); the others are left out, each with its one-line reason, and a PNG of that name
+    from an earlier report is removed (it would show the run as it was then). Returns (the PNGs
+    written, by name; the reasons, by name)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -785,6 +794,7 @@ def _plots(records: Records, folder: Path, spikes: list[int], baseline: float | 
 
     folder.mkdir(parents=True, exist_ok=True)
     written: dict[str, Path] = {}
+    left_out: dict[str, str] = {}
 
     def save(fig: Any, name: str) -> None:
         fig.tight_layout()
@@ -792,53 +802,61 @@ def _plots(records: Records, folder: Path, spikes: list[int], baseline: float | 
         plt.close(fig)
         written[name] = folder / name
 
-    def empty(ax: Any, what: str) -> None:
-        ax.text(0.5, 0.5, f"no {what} recorded", ha="center", va="center", transform=ax.transAxes, color="grey")
+    def count(kind: str, key: str) -> int:
+        return len(records.series(kind, key)[0])
 
-    fig, ax = plt.subplots(figsize=(8, 4))
-    draw_loss(ax, records, spikes, baseline, alarm_marks(records))
-    if not records.series(Kind.TRAIN, "loss")[0]:
-        empty(ax, "train loss")
-    save(fig, "loss.png")
+    train_losses, val_losses = count(Kind.TRAIN, "loss"), count(Kind.EVAL, "val_loss")
+    if enough(train_losses, val_losses):
+        fig, ax = plt.subplots(figsize=(8, 4))
+        draw_loss(ax, records, spikes, baseline, alarm_marks(records))
+        save(fig, "loss.png")
+    else:
+        left_out["loss.png"] = reasons.logged("loss.png", train_losses, "train loss", "train losses")
 
-    fig, ax = plt.subplots(figsize=(8, 3))
-    ax.plot(*records.series(Kind.TRAIN, "lr"), label="applied")
     sched = records.series(Kind.HEALTH, "lr_schedule")
-    if sched[0]:
-        ax.plot(*sched, "--", label="schedule (health checks)")
-    ax.set(xlabel="step", ylabel="learning rate", title="Learning rate")
-    ax.legend()
-    save(fig, "lr.png")
+    if enough(count(Kind.TRAIN, "lr"), len(sched[0])):
+        fig, ax = plt.subplots(figsize=(8, 3))
+        ax.plot(*records.series(Kind.TRAIN, "lr"), label="applied")
+        if sched[0]:
+            ax.plot(*sched, "--", label="schedule (health checks)")
+        ax.set(xlabel="step", ylabel="learning rate", title="Learning rate")
+        ax.legend()
+        save(fig, "lr.png")
+    else:
+        left_out["lr.png"] = reasons.logged("lr.png", count(Kind.TRAIN, "lr"), "learning rate")
 
-    fig, ax = plt.subplots(figsize=(8, 3))
     g_steps, g = records.series(Kind.TRAIN, "grad_norm")
     finite = [(s, v) for s, v in zip(g_steps, g) if math.isfinite(v) and v > 0]
-    if finite:
+    if enough(len(finite)):
+        fig, ax = plt.subplots(figsize=(8, 3))
         ax.semilogy(*zip(*finite), lw=1)
         ax.axhspan(0.1, 10, color="green", alpha=0.08, label="healthy band (0.1-10)")
         ax.legend()
+        ax.set(xlabel="step", ylabel="gradient norm (pre-clip)", title="Gradient norm")
+        save(fig, "grad_norm.png")
     else:
-        empty(ax, "gradient norm")
-    ax.set(xlabel="step", ylabel="gradient norm (pre-clip)", title="Gradient norm")
-    save(fig, "grad_norm.png")
+        left_out["grad_norm.png"] = reasons.logged("grad_norm.png", len(finite), "finite gradient norm")
 
-    def lines(name: str, title: str, ylabel: str, curves: list[tuple[str, str, str]], missing: str) -> None:
-        """One plot of record fields against the step: (kind, key, legend label) per curve."""
+    def lines(name: str, title: str, ylabel: str, curves: list[tuple[str, str, str]]) -> bool:
+        """One plot of record fields against the step: (kind, key, legend label) per curve; False
+        (nothing drawn) when no curve has enough points."""
+        if not enough(*(count(kind, key) for kind, key, _ in curves)):
+            return False
         fig, ax = plt.subplots(figsize=(8, 3))
         drawn = [label for kind, key, label in curves if _plot_series(ax, records.series(kind, key), label)]
         if any(drawn):  # named curves (memory's) get a legend
             ax.legend()
-        if not drawn:
-            empty(ax, missing)
         ax.set(xlabel="step", ylabel=ylabel, title=title)
         save(fig, name)
+        return True
 
-    lines("param_norm.png", "Parameter norm", "parameter norm", [(Kind.HEALTH, "param_norm", "")],
-          "parameter norm (monitor off?)")
+    if not lines("param_norm.png", "Parameter norm", "parameter norm", [(Kind.HEALTH, "param_norm", "")]):
+        left_out["param_norm.png"] = reasons.monitored("param_norm.png", count(Kind.HEALTH, "param_norm"),
+                                                       "parameter norm")
 
-    fig, (ax_mean, ax_var) = plt.subplots(1, 2, figsize=(10, 3.5))
     samples = [r for r in records.of(Kind.HEALTH) if r.get("activation_mean")]
-    if samples:
+    if enough(len(samples)):
+        fig, (ax_mean, ax_var) = plt.subplots(1, 2, figsize=(10, 3.5))
         blocks = len(samples[0]["activation_mean"])
         for b in range(blocks):
             steps_b = [r["step"] for r in samples]
@@ -846,20 +864,24 @@ def _plots(records: Records, folder: Path, spikes: list[int], baseline: float | 
             ax_var.plot(steps_b, [number(r["activation_var"][b]) for r in samples], label=f"block {b}")
         if blocks <= 12:
             ax_var.legend(fontsize=7)
+        ax_mean.set(xlabel="step", ylabel="mean", title="Block output mean")
+        ax_var.set(xlabel="step", ylabel="variance", title="Block output variance")
+        save(fig, "activations.png")
     else:
-        empty(ax_mean, "activation samples")
-        empty(ax_var, "activation samples")
-    ax_mean.set(xlabel="step", ylabel="mean", title="Block output mean")
-    ax_var.set(xlabel="step", ylabel="variance", title="Block output variance")
-    save(fig, "activations.png")
+        left_out["activations.png"] = reasons.activations("activations.png", [int(r["step"]) for r in samples])
 
-    lines("memory.png", "Memory", "MB", [(Kind.HEALTH, "rss_mb", "process RSS"), (Kind.HEALTH, "cuda_allocated_mb",
-          "GPU allocated"), (Kind.HEALTH, "cuda_peak_mb", "GPU peak")], "memory (monitor off?)")
-    lines("throughput.png", "Throughput", "tokens/s", [(Kind.TRAIN, "tokens_per_s", "")], "throughput")
+    memory_curves = [(Kind.HEALTH, "rss_mb", "process RSS"), (Kind.HEALTH, "cuda_allocated_mb", "GPU allocated"),
+                     (Kind.HEALTH, "cuda_peak_mb", "GPU peak")]
+    if not lines("memory.png", "Memory", "MB", memory_curves):
+        left_out["memory.png"] = reasons.monitored(
+            "memory.png", max(count(kind, key) for kind, key, _ in memory_curves), "memory")
+    if not lines("throughput.png", "Throughput", "tokens/s", [(Kind.TRAIN, "tokens_per_s", "")]):
+        left_out["throughput.png"] = reasons.logged("throughput.png", count(Kind.TRAIN, "tokens_per_s"),
+                                                    "throughput figure")
 
-    fig, ax = plt.subplots(figsize=(8, 2.6))
     timings = records.of(Kind.TIMING)
-    if timings:
+    if timings:  # one bar of medians: a single timed step is something to show
+        fig, ax = plt.subplots(figsize=(8, 2.6))
         left = 0.0
         for phase in PHASE_NAMES:
             value = statistics.median(number(t[f"{phase}_s"]) for t in timings) * 1000
@@ -867,11 +889,19 @@ def _plots(records: Records, folder: Path, spikes: list[int], baseline: float | 
             left += value
         ax.set_yticks([])
         ax.legend(ncol=5, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.35))
+        ax.set(xlabel="ms per step (median of the timed steps)", title="Time per step")
+        save(fig, "step_time.png")
     else:
-        empty(ax, "timed step")
-    ax.set(xlabel="ms per step (median of the timed steps)", title="Time per step")
-    save(fig, "step_time.png")
-    return written
+        left_out["step_time.png"] = reasons.timed("step_time.png")
+    _remove_stale(folder, left_out)
+    return written, left_out
+
+
+def _remove_stale(folder: Path, left_out: dict[str, str]) -> None:
+    """An earlier report's PNG of a plot left out now (a report of the run while it was longer, or
+    of a run dir reused): it would be read as this run's."""
+    for name in left_out:
+        (folder / name).unlink(missing_ok=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -904,8 +934,14 @@ def main_metrics(record: Record) -> list[str]:
     return [other] if other else []
 
 
-def _eval_tasks_plot(points: TaskPoints, folder: Path) -> dict[str, Path]:
-    """eval_tasks.png: one panel per task, its main metrics against the step."""
+def _eval_tasks_plot(points: TaskPoints, folder: Path, reasons: Reasons) -> tuple[dict[str, Path], dict[str, str]]:
+    """eval_tasks.png: one panel per task, its main metrics against the step; left out (with the
+    reason) when no task was evaluated often enough for a curve."""
+    evaluations = max(len(records) for records in points.values())
+    if not enough(evaluations):
+        left_out = {"eval_tasks.png": reasons.evaluated("eval_tasks.png", evaluations)}
+        _remove_stale(folder, left_out)
+        return {}, left_out
     import matplotlib
 
     matplotlib.use("Agg")
@@ -924,7 +960,7 @@ def _eval_tasks_plot(points: TaskPoints, folder: Path) -> dict[str, Path]:
     fig.tight_layout()
     fig.savefig(folder / "eval_tasks.png", dpi=90)
     plt.close(fig)
-    return {"eval_tasks.png": folder / "eval_tasks.png"}
+    return {"eval_tasks.png": folder / "eval_tasks.png"}, {}
 
 
 def evaluation(run_dir: Path, points: TaskPoints, plots: list[str]) -> Evaluation | None:
@@ -1004,8 +1040,9 @@ def build_report(run_dir: Path, inference_check: bool = True) -> Report:
     verdicts.append(inference(run_dir, cfg) if inference_check
                     else Verdict("inference", "Does inference behave like training?", NA, "skipped (--no-inference)."))
     verdicts += [memory(records), step_time(records), alarms(records)]
-    plots = _plots(records, run_dir / "report", smooth.marks, baseline)
     start = records.last(Kind.START) or {}
+    reasons = Reasons(cfg, summary.steps, summary.planned_steps)
+    plots, left_out = _plots(records, run_dir / "report", smooth.marks, baseline, reasons)
     facts = [
         ("run dir", str(run_dir)),
         ("status", summary.status),
@@ -1021,15 +1058,18 @@ def build_report(run_dir: Path, inference_check: bool = True) -> Report:
     if cfg is not None:
         m = cfg.model
         facts.append(("model", f"{m.n_layer} layers x {m.n_embd} wide, {m.n_head} heads, context {m.block_size}"))
+    # A plot left out keeps its place in its section, which says why it is not there.
     for verdict in verdicts:
-        verdict.plots = [p for p in verdict.plots if p in plots]
-    extra = [name for name in ("lr.png", "grad_norm.png", "param_norm.png", "activations.png") if name in plots]
-    verdicts.append(health_quantities(records, extra))
+        verdict.plots = [p for p in verdict.plots if p in plots or p in left_out]
+    verdicts.append(health_quantities(records, ["lr.png", "grad_norm.png", "param_norm.png", "activations.png"]))
     task_points = eval_task_points(records)
     if task_points:
-        plots.update(_eval_tasks_plot(task_points, run_dir / "report"))
+        drawn, missing = _eval_tasks_plot(task_points, run_dir / "report", reasons)
+        plots.update(drawn)
+        left_out.update(missing)
     return Report(run_dir, f"Run report: {run_dir.name}", facts, verdicts, plots,
-                  evaluation=evaluation(run_dir, task_points, [name for name in ("eval_tasks.png",) if name in plots]))
+                  evaluation=evaluation(run_dir, task_points, ["eval_tasks.png"] if task_points else []),
+                  left_out=left_out, seconds=run_seconds(records))
 
 
 def write_report(run_dir: Path, inference: bool = True) -> Report:
@@ -1060,13 +1100,24 @@ def to_markdown(report: Report) -> str:
     for verdict in report.verdicts:
         lines += ["", f"## {verdict.question}", "", f"**{verdict.status}**: {verdict.finding}", ""]
         lines += [f"- {d}" for d in verdict.details]
-        lines += ["", *[f"![{p}](report/{p})" for p in verdict.plots]]
+        lines += ["", *_plots_markdown(report, verdict.plots)]
     if report.evaluation is not None:
-        lines += _evaluation_markdown(report.evaluation)
+        lines += _evaluation_markdown(report, report.evaluation)
     return "\n".join(lines) + "\n"
 
 
-def _evaluation_markdown(section: Evaluation) -> list[str]:
+def _plots_markdown(report: Report, names: list[str]) -> list[str]:
+    """An image per plot drawn; the one line of a plot left out, in italics (its own paragraph)."""
+    out = []
+    for name in names:
+        if name in report.plots:
+            out.append(f"![{name}](report/{name})")
+        elif name in report.left_out:
+            out += [f"*{report.left_out[name]}*", ""]
+    return out
+
+
+def _evaluation_markdown(report: Report, section: Evaluation) -> list[str]:
     lines = ["", "## Evaluation"]
     if section.saved:
         lines += ["", section.saved]
@@ -1075,7 +1126,7 @@ def _evaluation_markdown(section: Evaluation) -> list[str]:
         lines += [f"| {' | '.join(cell.replace('|', '/') for cell in row)} |" for row in section.rows]
     if section.training:
         lines += ["", section.training]
-    return lines + ["", *[f"![{p}](report/{p})" for p in section.plots]]
+    return lines + ["", *_plots_markdown(report, section.plots)]
 
 
 def to_html(report: Report) -> str:
@@ -1086,6 +1137,8 @@ def to_html(report: Report) -> str:
         return f'<span class="badge" style="background:{colours.get(status, "#666")}">{esc(status)}</span>'
 
     def image(name: str) -> str:
+        if name not in report.plots:  # left out: the line that says why
+            return f"<p class='left-out'>{esc(report.left_out.get(name, name + ': left out'))}</p>"
         data = base64.b64encode(report.plots[name].read_bytes()).decode()
         return f'<img alt="{esc(name)}" src="data:image/png;base64,{data}">'
 
@@ -1095,7 +1148,8 @@ def to_html(report: Report) -> str:
         "<style>body{font-family:system-ui,sans-serif;max-width:1000px;margin:2em auto;padding:0 1em;color:#222}"
         "table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ddd;padding:4px 8px;text-align:left;"
         "vertical-align:top}.badge{color:#fff;border-radius:4px;padding:1px 6px;font-size:90%}"
-        "img{max-width:100%;display:block;margin:0.5em 0}li{margin:0.2em 0}</style></head><body>",
+        "img{max-width:100%;display:block;margin:0.5em 0}li{margin:0.2em 0}.left-out{color:#666;font-style:italic}"
+        "</style></head><body>",
         f"<h1>{esc(report.title)}</h1><table>",
         *[f"<tr><th>{esc(k)}</th><td>{esc(v)}</td></tr>" for k, v in report.facts],
         "</table><h2>Verdicts</h2><table><tr><th>question</th><th>verdict</th><th>finding</th></tr>",
@@ -1145,6 +1199,56 @@ def tokens_text(records: Records, run_dir: Path, steps: int) -> str:
     if last and int(last["step"]) < steps:
         return f"{tokens:,} by step {last['step']}, the last logged one"
     return f"{tokens:,}"
+
+
+def run_seconds(records: Records) -> float | None:
+    """The run's wall time in seconds: the last train record's elapsed_s (from the loop's start in
+    the process that took the last steps, so a resume counts from its own start); None without one."""
+    last = records.last(Kind.TRAIN) or {}
+    seconds = last.get("elapsed_s")
+    return float(seconds) if is_number(seconds) else None
+
+
+def console_mode(report: Report, setting: str) -> str:
+    """report.console as it applies to this run: short or full; auto is short for a run of under
+    REPORT_FULL_AFTER_S (a run without a train record took no time worth a table)."""
+    if setting != "auto":
+        return setting
+    return "full" if report.seconds is not None and report.seconds >= REPORT_FULL_AFTER_S else "short"
+
+
+def render_console(report: Report, console: Any, setting: str = "full") -> None:
+    """The review in the terminal as report.console says: the table (full), or the verdicts that
+    are not ok, a line each (short)."""
+    if console_mode(report, setting) == "full":
+        render_summary(report, console)
+    else:
+        render_short(report, console)
+
+
+def render_short(report: Report, console: Any) -> None:
+    """One line per verdict that is not ok (warn, fail), then where the report is; a single line when
+    every question is ok. An n/a is not a finding (a question this run cannot answer yet: too short
+    to judge, no step timed) and is only counted, by name, in the first line."""
+    style = {WARN: "bold yellow", FAIL: "bold red"}
+    questions = [v for v in report.verdicts if v.key != "curves"]
+    bad = [v for v in questions if v.status in (WARN, FAIL)]
+    unjudged = [v.key.replace("_", " ") for v in questions if v.status == NA]
+    where = f"report: {escape(str(report.html))}" if report.html is not None else ""
+    if not bad and not unjudged:
+        console.print(f"post-run review: all {len(questions)} questions ok" + (f"; {where}" if where else ""),
+                      highlight=False, soft_wrap=True)  # soft: a path broken by the console is no path to copy
+    else:
+        counts = [f"{sum(v.status == s for v in questions)} {s}" for s in (FAIL, WARN, OK) if any(v.status == s for v in questions)]
+        if unjudged:
+            counts.append(f"{len(unjudged)} n/a ({', '.join(unjudged)})")
+        console.print(f"post-run review: {', '.join(counts)}" + (f"; {where}" if where else ""), highlight=False,
+                      soft_wrap=True)
+    for verdict in bad:
+        console.print(f"  [{style[verdict.status]}]{verdict.status}[/] {escape(verdict.question)} "
+                      f"{escape(verdict.finding)}", highlight=False, soft_wrap=True)
+    if report.evaluation is not None:
+        console.print(f"evaluation: {escape(report.evaluation.summary)}", highlight=False, soft_wrap=True)
 
 
 def render_summary(report: Report, console: Any) -> None:

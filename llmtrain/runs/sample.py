@@ -1,21 +1,23 @@
 """Text generation from a trained run: `llmtrain sample <run dir or export folder>`.
 
-`generate` is the sampling loop (the report's inference check uses it too); `sample_text` loads the
-run through runs/artifacts.py and decodes what `generate` returns.
+`generate` is the sampling loop (the report's inference check and the evaluation harness use it
+too): a prefill of the prompt, then one token per forward through the model's KV cache
+(`GPT.decode`); `stream_tokens` gives the same tokens as they come. `sample_text` loads the run
+through runs/artifacts.py and decodes what `generate` returns.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 from llmtrain.errors import UserError
-from llmtrain.model import GPT
+from llmtrain.model import GPT, param_count
 from llmtrain.runs.artifacts import load_run
 
 
-@torch.no_grad()
 def generate(
     model: GPT,
     prompt: list[int],
@@ -27,32 +29,92 @@ def generate(
     vocab_limit: int | None = None,
     stop_id: int | None = None,
 ) -> list[int]:
-    """Autoregressive sampling; the same generator seed gives the same tokens.
+    """Autoregressive sampling with a KV cache (`stream_tokens`); the same generator seed gives the
+    same tokens, temperature <= 0 the greedy ones.
 
-    `context` crops the input to the length the model was trained on; `vocab_limit` keeps ids the
-    tokenizer can decode (a model's vocabulary may be padded beyond the tokenizer's, e.g. 50304);
-    generation ends after `stop_id` (end-of-text) if it comes.
+    `context` is the window the model reads (default and most: its block_size; give the length it
+    was trained on): a longer prompt is cut to its last `context` tokens. While prompt and text fit
+    the window the tokens are those of recomputing the whole sequence for every token (to float
+    rounding). Past it the window moves in jumps, by design: when the cache is full it is refilled
+    with the last context // 2 tokens (one forward of them), so each token reads between half and
+    all of a window instead of exactly the last `context` tokens, and positions never go past the
+    trained window. Splitting one call into several therefore gives other tokens past the window.
+    `vocab_limit` keeps ids the tokenizer can decode (a model's vocabulary may be padded beyond the
+    tokenizer's, e.g. 50304); generation ends after `stop_id` (end-of-text) if it comes.
     """
+    with torch.no_grad():  # not inference_mode: FSDP2's unshard hooks fail on inference tensors
+        return list(_tokens(model, prompt, max_new_tokens, temperature, top_k, generator, context, vocab_limit,
+                            stop_id))
+
+
+@torch.no_grad()  # entered at each step of the iteration only, never around the caller's code; not
+# inference_mode: FSDP2's unshard hooks fail on inference tensors (an eval task during fsdp training)
+def stream_tokens(
+    model: GPT,
+    prompt: list[int],
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    generator: torch.Generator | None = None,
+    context: int | None = None,
+    vocab_limit: int | None = None,
+    stop_id: int | None = None,
+) -> Iterator[int]:
+    """`generate`'s tokens one at a time, as they come (a caller may stop early, e.g. at a stop string)."""
+    yield from _tokens(model, prompt, max_new_tokens, temperature, top_k, generator, context, vocab_limit, stop_id)
+
+
+def _tokens(
+    model: GPT,
+    prompt: list[int],
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    generator: torch.Generator | None = None,
+    context: int | None = None,
+    vocab_limit: int | None = None,
+    stop_id: int | None = None,
+) -> Iterator[int]:
+    """The loop of generate and stream_tokens (which turn gradients off around it)."""
+    if not prompt:
+        raise ValueError("generation needs a prompt of at least one token (e.g. the end-of-text id)")
+    if max_new_tokens < 1:
+        return
     device = next(model.parameters()).device
-    context = min(context or model.cfg.block_size, model.cfg.block_size)
-    idx = torch.tensor([prompt], dtype=torch.long, device=device)
-    for _ in range(max_new_tokens):
-        logits = model(idx[:, -context:])[:, -1, :].float()
-        if vocab_limit is not None:
-            logits[:, vocab_limit:] = float("-inf")
-        if temperature <= 0:
-            next_id = logits.argmax(dim=-1, keepdim=True)
+    window = min(context or model.cfg.block_size, model.cfg.block_size)
+    keep = max(1, window // 2)
+    cache = model.new_cache(window)
+    tokens = list(prompt[-window:])  # what a refill may need: the last window of the sequence
+    logits = model.decode(torch.tensor([tokens], dtype=torch.long, device=device), cache)
+    for produced in range(1, max_new_tokens + 1):
+        next_id = _pick(logits if logits.dtype == torch.float32 else logits.float(), temperature, top_k,
+                        generator, vocab_limit)
+        yield next_id
+        if produced == max_new_tokens or next_id == stop_id:
+            return
+        if cache.length == cache.capacity:  # full: start again from the last half window
+            tokens = tokens[-(keep - 1):] + [next_id] if keep > 1 else [next_id]
+            cache.reset()
+            step = torch.tensor([tokens], dtype=torch.long, device=device)
         else:
-            logits = logits / temperature
-            if top_k is not None and top_k < logits.size(-1):
-                kth = torch.topk(logits, top_k).values[:, -1:]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            probs = torch.softmax(logits, dim=-1)
-            next_id = torch.multinomial(probs.cpu(), 1, generator=generator).to(device)
-        idx = torch.cat([idx, next_id], dim=1)
-        if stop_id is not None and int(next_id) == stop_id:
-            break
-    return idx[0, len(prompt) :].tolist()
+            tokens.append(next_id)
+            step = torch.tensor([[next_id]], dtype=torch.long, device=device)
+        logits = model.decode(step, cache)
+
+
+def _pick(logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None,
+          vocab_limit: int | None) -> int:
+    """The next token from the logits (1, vocab): the likeliest at temperature <= 0, else sampled."""
+    if vocab_limit is not None:
+        logits[:, vocab_limit:] = float("-inf")
+    if temperature <= 0:
+        return int(logits.argmax(dim=-1))
+    logits = logits / temperature
+    if top_k is not None and top_k < logits.size(-1):
+        kth = torch.topk(logits, top_k).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
 
 
 def sample_text(
@@ -65,15 +127,36 @@ def sample_text(
     stop_at_end_of_text: bool = True,
 ) -> str:
     """`max_new_tokens` sampled after `prompt` (seeded: the same seed gives the same text), decoded."""
-    run = load_run(run_dir)
+    saved_threads = torch.get_num_threads()
+    # Loading is small copies (tensor by tensor) that a second thread only slows, much so on busy cores.
+    torch.set_num_threads(1)
     try:
-        prompt_ids = run.tokenizer.encode(prompt) if prompt else [0]
-    except ValueError as err:
-        raise UserError(f"The prompt {prompt!r} cannot be encoded: {err}.") from None
-    generator = torch.Generator().manual_seed(seed)
-    ids = generate(
-        run.model, prompt_ids, max_new_tokens, temperature, top_k, generator,
-        context=run.context, vocab_limit=run.tokenizer.vocab_size,
-        stop_id=run.tokenizer.eos_id if stop_at_end_of_text else None,
-    )
+        run = load_run(run_dir)
+        try:
+            prompt_ids = run.tokenizer.encode(prompt) if prompt else [0]
+        except ValueError as err:
+            raise UserError(f"The prompt {prompt!r} cannot be encoded: {err}.") from None
+        generator = torch.Generator().manual_seed(seed)
+        torch.set_num_threads(generation_threads(run.model, saved_threads))
+        ids = generate(
+            run.model, prompt_ids, max_new_tokens, temperature, top_k, generator,
+            context=run.context, vocab_limit=run.tokenizer.vocab_size,
+            stop_id=run.tokenizer.eos_id if stop_at_end_of_text else None,
+        )
+    finally:
+        torch.set_num_threads(saved_threads)
     return run.tokenizer.decode(ids)
+
+
+# Below this many parameters a model generates on one CPU thread (see generation_threads).
+ONE_THREAD_BELOW = 20_000_000
+
+
+def generation_threads(model: GPT, threads: int) -> int:
+    """CPU threads to generate with: 1 for a model under ONE_THREAD_BELOW parameters, else `threads`.
+    One token's matmuls of a small model take microseconds, less than handing each of the ~15 ops
+    per layer to a second thread and waiting for it, which is far worse when other work holds the
+    cores: 500 tokens of gpt_tiny took 12-15 s with 2 threads on 2 busy cores and 0.5 s with 1."""
+    if next(model.parameters()).device.type != "cpu":
+        return threads
+    return 1 if param_count(model) < ONE_THREAD_BELOW else threads

@@ -7,16 +7,18 @@ import torch
 from llmtrain.config.derived import SeqLenStage, describe_lr, micro_batch_size_derived, resolved_warmup_steps
 from llmtrain.config.schema import Config, ParallelMode, Precision, SeqLenKeep
 from llmtrain.model import param_count
+from llmtrain.preflight.estimate import ComputeEstimate, estimate_compute, format_seconds
 from llmtrain.training.run import Run
 from llmtrain.training.schedule import final_lr, held_lr_text, lr_at
 
 
 def print_banner(run: Run) -> None:
-    """The banner on the console: model, batch, stages, accumulation, steps, optimizer, device,
-    data, checkpoints and the pre-flight verdicts, one row each."""
+    """The banner on the console: model, batch, stages, accumulation, steps, the estimated time,
+    optimizer, device, data, checkpoints and the pre-flight verdicts, one row each."""
     cfg, layout, device, data, check = run.cfg, run.layout, run.device, run.data, run.check
     model, optimizer, seq_len = run.model.model, run.optim.optimizer, run.seq_len
     accum, steps_total, peak_lr, tokens_per_step = run.accum, run.steps_total, run.peak_lr, run.tokens_per_step
+    estimate = run_estimate(run)
     scaled = "" if peak_lr == cfg.optim.lr else (
         f" -> {peak_lr:g} ({cfg.schedule.lr_scaling.value} scaling from batch {cfg.schedule.reference_batch_size} "
         f"to {cfg.global_batch_size})")
@@ -34,10 +36,12 @@ def print_banner(run: Run) -> None:
             ("steps", f"{steps_total:,} (warmup {resolved_warmup_steps(cfg.schedule, run.schedule_steps)}, "
                       f"{describe_schedule(cfg, steps_total, run.schedule_steps, peak_lr)}), "
                       f"{run.micro_total * cfg.micro_batch_size * seq_len * layout.world_size:,} tokens"),
+            *([("time", time_text(estimate, steps_total - run.state.step, steps_total))] if estimate else []),
             ("optimizer", f"{cfg.optim.name.value} lr {describe_lr(cfg)}{scaled}, {type(optimizer).__name__}"
                           f"{' (fused)' if optimizer.defaults.get('fused') else ''}"),
             ("device", f"{device}, {run.runtime.precision.name.value}{' (auto)' if cfg.precision.name is Precision.auto else ''}, "
-                       f"{threads_text(run.runtime.threads, layout.world_size)}, seed {run.runtime.seed}"
+                       f"{threads_text(run.runtime.threads, layout.world_size, run.runtime.threads_reason)}, "
+                       f"seed {run.runtime.seed}"
                        f"{' (drawn)' if cfg.seed is None else ''}{', deterministic' if cfg.deterministic else ''}"),
             ("data", f"{data.meta['train_tokens']:,} train / {data.meta['val_tokens']:,} val tokens, "
                      f"vocab {data.vocab_size}{_padded_vocab(cfg, run.vocab_size, data.vocab_size)}, "
@@ -70,11 +74,33 @@ def describe_schedule(cfg: Config, steps_total: int, schedule_steps: int, peak_l
     return f"{name} over {schedule_steps:,} steps: the run ends at step {steps_total:,}, at LR {last_lr:.3g}"
 
 
-def threads_text(threads: int, world_size: int) -> str:
+def threads_text(threads: int, world_size: int, reason: str = "") -> str:
     """The banner's CPU threads: "1 thread", "4 threads"; "... per process" when several processes
-    each set their own."""
-    text = f"{threads} thread{'s' if threads != 1 else ''}"
-    return text + " per process" if world_size > 1 else text
+    each set their own; with threads=auto what was measured: "2 threads (auto: 2.0 of 2 cores free)"."""
+    text = f"{threads} thread{'s' if threads != 1 else ''}" + (" per process" if world_size > 1 else "")
+    return f"{text} ({reason})" if reason else text
+
+
+def run_estimate(run: Run) -> ComputeEstimate | None:
+    """The run's compute estimate per process: its FLOPs against the matmul rate measured at start-up
+    (with the run's threads) times the assumed MFU; None when no rate was measured."""
+    if run.runtime.matmul_flops is None:
+        return None
+    return estimate_compute(run.cfg, run.check.facts.shape, run.device, run.runtime.matmul_flops,
+                            run.layout.world_size)
+
+
+def time_text(estimate: ComputeEstimate, steps_left: int, steps_total: int) -> str:
+    """The banner's time row: "~410 ms/step, ~6.8 min for 1,000 steps (estimate: 200 GFLOP/s
+    measured x 33% assumed MFU)"; a resumed run's figure is for the steps it has left."""
+    source = (f"(estimate: {estimate.matmul_flops / 1e9:,.0f} GFLOP/s measured x {estimate.assumed_mfu:.0%} "
+              "assumed MFU)")
+    if steps_left <= 0:
+        return f"~{format_seconds(estimate.step_seconds)}/step; no step left of {steps_total:,} {source}"
+    plural = "s" if steps_left != 1 else ""
+    steps = (f"{steps_total:,} step{plural}" if steps_left == steps_total
+             else f"the {steps_left:,} step{plural} left of {steps_total:,}")
+    return f"~{format_seconds(estimate.step_seconds)}/step, ~{format_seconds(estimate.step_seconds * steps_left)} for {steps} {source}"
 
 
 def _padded_vocab(cfg: Config, model_vocab: int, data_vocab: int) -> str:

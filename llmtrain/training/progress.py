@@ -1,13 +1,17 @@
 """The loop's account of itself: the `train` record every log_interval (loss, lr, grad norm,
-tokens/s), the `timing` record of sampled steps, the progress bar, and the closing summary.
+tokens/s), the `timing` record of sampled steps, the progress bar and its ETA (eta.py), the
+slowdown warning (throughput.py), and the closing summary.
 
 tokens/s measures training only: its clock restarts after an evaluation and after a save.
-Loss and grad norm are read from the device here, at log steps only (their one host sync).
+Loss and grad norm are read from the device here, at log steps only (their one host sync), and on
+the steps shown besides: every step when steps are slow (> 10 s: eta.SLOW_STEP_S), and the first
+step when the first log line would otherwise be more than 30 s away.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -15,55 +19,85 @@ import torch
 from llmtrain.data.sampler import EpochOrder
 from llmtrain.runs.files import Kind
 from llmtrain.sinks import ConsoleSink
+from llmtrain.training.eta import StepClock
 from llmtrain.training.stages import SeqLenStages
 from llmtrain.training.state import TrainResult, TrainState
+from llmtrain.training.throughput import SlowdownWatch
 from llmtrain.training.timing import StepTimer
 
 
 class Progress:
     def __init__(self, log_interval: int, timer: StepTimer, sink: ConsoleSink, metrics: Any,
                  result: TrainResult, flops_per_token: float, scaler: torch.amp.GradScaler | None, sampler: Any,
-                 stages: SeqLenStages) -> None:
+                 stages: SeqLenStages, eta: StepClock | None = None, slowdown: SlowdownWatch | None = None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.log_interval = log_interval
         self.timer, self.sink, self.metrics, self.result = timer, sink, metrics, result
         self.flops_per_token, self.scaler, self.sampler, self.stages = flops_per_token, scaler, sampler, stages
-        self.start = self.last_log_time = time.perf_counter()
-        self.start_tokens = self.last_log_tokens = 0
+        self.clock = clock
+        self.eta = eta or StepClock(sink.total_steps, clock=clock)
+        self.slowdown = slowdown
+        self.start = self.last_log_time = clock()
+        self.start_tokens = self.last_log_tokens = self.step_tokens = 0
+        self.clean = False  # the interval since the last log line had no evaluation, save or rollback (nor the warm-up)
 
     def begin(self, state: TrainState) -> None:
         """The loop starts (from step 0, or where a resume left off): the bar and the clocks."""
         self.sink.start()
-        self.sink.advance(state.step)
-        self.start = self.last_log_time = time.perf_counter()
-        self.start_tokens = self.last_log_tokens = state.tokens
+        self.eta.begin(state.step)
+        self.sink.advance(state.step, self.eta.eta_text())
+        if self.eta.slow():  # predicted: say so now, before a first step that may take minutes
+            per_step, _ = self.eta.per_step()
+            self.sink.print(f"[dim]steps are estimated at ~{per_step:.0f} s each: every step is logged with its "
+                            "time[/]", highlight=False)
+        self.start = self.last_log_time = self.clock()
+        self.start_tokens = self.last_log_tokens = self.step_tokens = state.tokens
+        self.clean = False  # the first interval holds the warm-up step
 
     def restart_clock(self, tokens: int | None = None) -> None:
         """Time spent since was not training (an evaluation, a save): tokens/s starts over here,
-        and counts from `tokens` when given."""
-        self.last_log_time = time.perf_counter()
+        and counts from `tokens` when given; the ETA leaves the pause out of the steps' time."""
+        self.last_log_time = self.clock()
+        self.eta.paused()
+        self.clean = False
         if tokens is not None:
-            self.last_log_tokens = tokens
+            self.last_log_tokens = self.step_tokens = tokens
 
     def moved_to(self, state: TrainState) -> None:
         """After a rollback: the bar back at the checkpoint's step, and tokens/s counting from the
         checkpoint's tokens (against the count before it, the next rate came out negative)."""
-        self.sink.advance(state.step)
+        self.eta.moved_to(state.step)
+        self.sink.advance(state.step, self.eta.eta_text())
         self.restart_clock(state.tokens)
 
     def step_done(self, state: TrainState, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float,
                   applied: bool, last_step: bool) -> None:
         """A step that counts: the result, the bar, the train record when due (a step whose update
-        was not applied has its own record), and the timing record of a sampled step."""
+        was not applied has its own record), a console line for a slow or first step, and the
+        timing record of a sampled step."""
         self.result.steps, self.result.tokens = state.step, state.tokens
-        self.sink.advance(state.step)
+        duration = self.eta.step_done(state.step)
+        step_tokens, self.step_tokens = state.tokens - self.step_tokens, state.tokens
+        self.sink.advance(state.step, self.eta.eta_text())
+        slow = self.eta.slow(duration)
         if applied and (state.step % self.log_interval == 0 or last_step):
-            self._log(state, loss, grad_norm, lr)
+            self._log(state, loss, grad_norm, lr, self._timing_text(duration, slow), slow)
+        elif applied and (slow or self.eta.first_line_due(state.step, self.log_interval)):
+            # shown only (metrics.jsonl keeps its train records at log_interval, which the report reads)
+            shown = {"step": state.step, "loss": loss.item(), "lr": lr, "grad_norm": grad_norm.item(),
+                     "tokens_per_s": step_tokens / max(duration, 1e-9)}
+            self.sink.log_train(shown, self._timing_text(duration, slow), above_bar=slow)
         timing = self.timer.finish(state.step)
         if timing is not None:
             self.metrics.write(timing)
 
-    def _log(self, state: TrainState, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float) -> None:
-        now = time.perf_counter()
+    def _timing_text(self, duration: float, slow: bool) -> str:
+        """'12.3 s/step  0:37 elapsed, ETA 3:24:10' (the step's own time when steps are slow)."""
+        return (f"{duration:.1f} s/step  " if slow else "") + self.eta.status_text()
+
+    def _log(self, state: TrainState, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float, timing: str,
+             slow: bool) -> None:
+        now = self.clock()
         record = {
             "kind": Kind.TRAIN,
             "step": state.step,
@@ -84,12 +118,16 @@ class Progress:
         self.last_log_time, self.last_log_tokens = now, state.tokens
         self.result.train_losses[state.step] = record["loss"]
         self.metrics.write(record)
-        self.sink.log_train(record)
+        self.sink.log_train(record, timing, above_bar=slow)
+        if self.slowdown is not None:
+            self.slowdown.interval(state.step, record["tokens_per_s"], self.clean,
+                                   self.stages.current.seq_len if self.stages.staged else None)
+        self.clean = True
 
     def summary(self, state: TrainState, unigram_entropy: float) -> str:
         """The closing line's figures: steps, tokens and their rate, the final val loss against the
         unigram entropy, and what was skipped or rolled back."""
-        elapsed = time.perf_counter() - self.start
+        elapsed = self.clock() - self.start
         trained = state.tokens - self.start_tokens
         summary = (f"[bold]done[/]: step {state.step}, {trained:,} tokens in {elapsed:.1f}s "
                    f"({trained / max(elapsed, 1e-9):,.0f} tok/s)")

@@ -37,6 +37,8 @@ class Runtime:
     seed: int  # the run's seed: cfg.seed, or one drawn (by rank 0, for all)
     threads: int
     precision: PrecisionConfig  # with the name resolved (auto -> what the device does)
+    threads_reason: str = ""  # threads=auto: what was measured ("auto: 2.0 of 2 cores free"); "" when set
+    matmul_flops: float | None = None  # this device's matmul rate, measured with the run's threads (the estimate, MFU)
 
 
 @dataclass

@@ -5,8 +5,10 @@ which error a user sees first: everything that can fail on user input fails befo
 
     eval tasks   eval.tasks' files read and checked (before the run dir is touched); tokenized with
                  the data's tokenizer once the data is prepared
-    runtime      device, process group, seed, threads, deterministic kernels, subnormals, precision
-    data         prepared (rank 0 first), long enough for the longest stage; the pre-flight check
+    runtime      device, process group, seed, threads (auto: the free cores, measured by rank 0),
+                 deterministic kernels, subnormals, precision
+    data         prepared (rank 0 first), long enough for the longest stage; the pre-flight check;
+                 the device's matmul rate (the banner's time estimate, the monitor's MFU)
     resume       which checkpoint (resume=auto|never|PATH), and whether it fits this config and data
     model        initialized (from torch's RNG, as the runtime seeded it; model.init_from on a
                  fresh start: the folder's weights), compiled per block, sharded (FSDP2) or
@@ -72,14 +74,15 @@ from llmtrain.config.validate import validate
 from llmtrain.data import EpochSampler, InstructionSampler, RandomWindowSampler, prepare_data
 from llmtrain.data.prepare import PreparedData
 from llmtrain.data.tokenizers import Tokenizer
+from llmtrain.distributed.cores import CoreMeter
 from llmtrain.distributed.layout import (
     Layout,
     all_reduce_sum,
     barrier,
     broadcast_from_main,
-    default_threads,
     local_world_size,
     resolve_device,
+    resolve_threads,
     start_process_group,
 )
 from llmtrain.distributed.wrapping import (
@@ -94,17 +97,17 @@ from llmtrain.evaluation.scoring import Scorer, random_states_kept
 from llmtrain.evaluation.specs import VALIDATION, parse_task_specs
 from llmtrain.evaluation.tasks import Task, TaskSource, read_tasks
 from llmtrain.health.diagnosis import run_facts
-from llmtrain.health.probes import device_memory_mb
+from llmtrain.health.probes import device_memory_mb, matmul_peak_flops
 from llmtrain.health.watch import HealthWatch, NullWatch
 from llmtrain.hf.folder import load_weights
 from llmtrain.hf.init import apply_init_from, open_folder
 from llmtrain.model import GPT, flops_per_token, uninitialized
-from llmtrain.preflight.check import CheckFailed, CheckReport, run_check
-from llmtrain.preflight.check import render as render_check
+from llmtrain.preflight.check import CheckFailed, CheckReport, check_command_line, render_refusal, run_check
 from llmtrain.runs import files
 from llmtrain.runs.files import Kind
 from llmtrain.sinks import ConsoleSink, MetricsSink, NullSink
-from llmtrain.training.banner import print_banner
+from llmtrain.training.banner import print_banner, run_estimate
+from llmtrain.training.eta import StepClock
 from llmtrain.training.evaluator import Evaluator
 from llmtrain.training.faults import Faults
 from llmtrain.training.optim import build_optimizer
@@ -115,6 +118,7 @@ from llmtrain.training.schedule import lr_at
 from llmtrain.training.stages import SeqLenStages
 from llmtrain.training.state import TrainResult, TrainState
 from llmtrain.training.step import Batch
+from llmtrain.training.throughput import SlowdownWatch
 from llmtrain.training.timing import StepTimer
 
 ModelFactory = Callable[[ModelConfig, int], torch.nn.Module]
@@ -139,6 +143,9 @@ def build_run(cfg: Config, console: ConsoleSink | None, layout: Layout,
     data = build_data(cfg, layout, lambda msg: sink.print(f"[dim]{escape(msg)}[/]"), progress=layout.is_main)
     vocab_size = model_vocab_size(cfg, data.vocab_size)
     check = refuse_failed_check(cfg, data, sink)
+    # With the run's threads set: the banner's time estimate, and the health monitor's MFU reference
+    # (measured once). 4 repeats: ~0.1 s on 2 quiet CPU cores, within ~10% of the default 8.
+    runtime.matmul_flops = matmul_peak_flops(device, repeats=4)
     eval_tasks = encode_training_tasks(cfg, task_sources, data, max(stage.seq_len for stage in stages),
                                        lambda msg: sink.print(f"[dim]{escape(msg)}[/]"))
     config_dict = config_to_dict(cfg)
@@ -210,8 +217,8 @@ def build_runtime(cfg: Config, layout: Layout, unseeded: Callable[[], int] = lam
     # seed=null: draw one, and log it, so even an unseeded run can be repeated (rank 0 draws for all).
     seed = broadcast_from_main(cfg.seed if cfg.seed is not None else unseeded(), layout)
     seed_everything(seed)
-    threads = cfg.threads or default_threads()
-    torch.set_num_threads(threads)
+    threads = resolve_threads(cfg.threads, layout)  # threads=auto: the free cores, measured by rank 0
+    torch.set_num_threads(threads.threads)
     use_deterministic_algorithms(device, cfg.deterministic)
     # Subnormal floats (< 1.2e-38) make x86 CPU arithmetic many times slower; a run that drifts
     # into them slowed 2.8x here. The switch is per thread and torch's pools copy it when they
@@ -219,7 +226,7 @@ def build_runtime(cfg: Config, layout: Layout, unseeded: Callable[[], int] = lam
     # reaches a fresh process (parallel.nproc ranks) and this thread. CPU only.
     torch.set_flush_denormal(cfg.flush_denormal)
     precision = dataclasses.replace(cfg.precision, name=resolve_precision(cfg.precision.name, device))
-    return Runtime(device, seed, threads, precision)
+    return Runtime(device, seed, threads.threads, precision, threads.reason)
 
 
 # ---- data --------------------------------------------------------------------------------------
@@ -249,9 +256,23 @@ def refuse_failed_check(cfg: Config, data: PreparedData, sink: ConsoleSink) -> C
     (unless allow_check_failures)."""
     check = run_check(cfg, measure_compute=False, data_meta=data.meta)
     if check.failures and not cfg.allow_check_failures:
-        render_check(check, sink.console, estimates=True)
+        render_refusal(check, sink.console, check_command_line(*_command_line_of_this_run()))
         raise CheckFailed(check.refusal(), check)
     return check
+
+
+def _command_line_of_this_run() -> tuple[list[str] | None, str | None]:
+    """The overrides and --config-dir of the `llmtrain train` command that started this run, from
+    Hydra's record of the job; (None, None) for a config built in code (no Hydra job)."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+    except ImportError:
+        return None, None
+    if not HydraConfig.initialized():
+        return None, None
+    hydra = HydraConfig.get()
+    extra = [s.path for s in hydra.runtime.config_sources if "command-line" in s.provider and s.schema == "file"]
+    return list(hydra.overrides.task), extra[0] if extra else None
 
 
 # ---- evaluation tasks --------------------------------------------------------------------------
@@ -441,8 +462,14 @@ def build_loop_parts(run: Run, checkpoint: Checkpoint | None) -> None:
     run.evaluator = Evaluator(cfg.eval_interval, run.model.model, run.val_batches, run.device, run.autocast, run.sink,
                               run.metrics, run.result, run.saver, run.eval_tasks, scorer, run.watch)
     run.stages = SeqLenStages(run.stage_plan, run.train_batches, run.sink, run.metrics, run.accum * layout.world_size)
+    estimate = run_estimate(run)
+    eta = StepClock(run.steps_total, estimate.step_seconds if estimate else None)
+    meter = CoreMeter() if layout.is_main else None  # how busy the cores are, for the slowdown warning's words
+    slowdown = (SlowdownWatch(run.warn, run.metrics, run.runtime.threads, meter,
+                              sibling_cores=(local_world_size() - 1) * run.runtime.threads) if layout.is_main else None)
     run.progress = Progress(cfg.log_interval, StepTimer(cfg.timing_interval, run.device), run.sink,
-                            run.metrics, run.result, run.flops_per_token, run.scaler, run.train_batches, run.stages)
+                            run.metrics, run.result, run.flops_per_token, run.scaler, run.train_batches, run.stages,
+                            eta, slowdown)
 
 
 def build_watch(run: Run, checkpoint: Checkpoint | None) -> HealthWatch | NullWatch:
@@ -458,7 +485,7 @@ def build_watch(run: Run, checkpoint: Checkpoint | None) -> HealthWatch | NullWa
                       baseline=run.data.unigram_entropy, vocab_size=run.vocab_size, fp16_without_scaler=fp16_unscaled)
     watch = HealthWatch(cfg.monitor, run.model.model, run.run_dir, run.sink, run.metrics, run.steps_total,
                         fp16_unscaled, run.flops_per_token, write_events=run.layout.is_main,
-                        world_size=run.layout.world_size, facts=facts)
+                        world_size=run.layout.world_size, facts=facts, peak_flops=run.runtime.matmul_flops)
     watch.restart_interval(run.state.tokens)
     if checkpoint is not None:
         watch.restore(checkpoint.trainer.get("monitor"))

@@ -4,10 +4,7 @@ pre-flight check and trains: gpt_small sizes its vocabulary from the data (padde
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,6 +23,8 @@ from llmtrain.config.derived import (
 from llmtrain.config.schema import OptimizerName
 from llmtrain.model import GPT, param_count
 from llmtrain.preflight.check import Status, run_check
+
+from ..conftest import run_cli
 
 HEADLINE = ["model=gpt_small", "optim=adamw"]
 GiB = 2**30
@@ -113,8 +112,7 @@ def test_the_headline_command_trains(tmp_path: Path) -> None:
     args = [*HEADLINE, "max_steps=1", "global_batch_size=1", "micro_batch_size=1", "data.seq_len=32",
             "data.max_bytes=400000", "eval_interval=0", "report=false", "threads=2", "checkpoint=none",
             "hydra.run.dir=run"]
-    proc = subprocess.run([sys.executable, "-m", "llmtrain", "train", *args], cwd=tmp_path,
-                          env={**os.environ, "COLUMNS": "200"}, capture_output=True, text=True, timeout=900)
+    proc = run_cli("train", *args, cwd=tmp_path, columns=200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     cfg = composed(*HEADLINE)
     expected = param_count(GPT(cfg.model, 256))

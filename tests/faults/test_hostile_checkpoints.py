@@ -7,11 +7,9 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import pickle
 import shutil
 import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -27,15 +25,15 @@ from llmtrain.model import GPT
 from llmtrain.runs.artifacts import newest_weights
 from llmtrain.training.optim import build_optimizer
 
+from ..conftest import run_cli
 from ..test_cli_run import TINY
 
 STEP_2, STEP_4 = "step_00000002", "step_00000004"
 
 
 def llmtrain(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "COLUMNS": "200"}
-    return subprocess.run([sys.executable, "-m", "llmtrain", *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=300)
+    """`llmtrain ARGS` in this process (conftest.run_cli: the same output, no new interpreter)."""
+    return run_cli(*args, cwd=cwd, columns=200)
 
 
 @pytest.fixture(scope="module")
