@@ -42,9 +42,8 @@ def generate(
     `vocab_limit` keeps ids the tokenizer can decode (a model's vocabulary may be padded beyond the
     tokenizer's, e.g. 50304); generation ends after `stop_id` (end-of-text) if it comes.
     """
-    with torch.no_grad():  # not inference_mode: FSDP2's unshard hooks fail on inference tensors
-        return list(_tokens(model, prompt, max_new_tokens, temperature, top_k, generator, context, vocab_limit,
-                            stop_id))
+    return list(stream_tokens(model, prompt, max_new_tokens, temperature, top_k, generator, context, vocab_limit,
+                              stop_id))
 
 
 @torch.no_grad()  # entered at each step of the iteration only, never around the caller's code; not
@@ -61,21 +60,6 @@ def stream_tokens(
     stop_id: int | None = None,
 ) -> Iterator[int]:
     """`generate`'s tokens one at a time, as they come (a caller may stop early, e.g. at a stop string)."""
-    yield from _tokens(model, prompt, max_new_tokens, temperature, top_k, generator, context, vocab_limit, stop_id)
-
-
-def _tokens(
-    model: GPT,
-    prompt: list[int],
-    max_new_tokens: int,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    generator: torch.Generator | None = None,
-    context: int | None = None,
-    vocab_limit: int | None = None,
-    stop_id: int | None = None,
-) -> Iterator[int]:
-    """The loop of generate and stream_tokens (which turn gradients off around it)."""
     if not prompt:
         raise ValueError("generation needs a prompt of at least one token (e.g. the end-of-text id)")
     if max_new_tokens < 1:

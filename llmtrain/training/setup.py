@@ -144,7 +144,7 @@ def build_run(cfg: Config, console: ConsoleSink | None, layout: Layout,
     vocab_size = model_vocab_size(cfg, data.vocab_size)
     check = refuse_failed_check(cfg, data, sink)
     # With the run's threads set: the banner's time estimate, and the health monitor's MFU reference
-    # (measured once). 4 repeats: ~0.1 s on 2 quiet CPU cores, within ~10% of the default 8.
+    # (measured once): the fastest of 4 products, ~0.1 s on 2 CPU cores, steady within a few % there.
     runtime.matmul_flops = matmul_peak_flops(device, repeats=4)
     eval_tasks = encode_training_tasks(cfg, task_sources, data, max(stage.seq_len for stage in stages),
                                        lambda msg: sink.print(f"[dim]{escape(msg)}[/]"))
