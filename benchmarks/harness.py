@@ -44,7 +44,8 @@ from llmtrain.config.derived import seq_len_of
 from llmtrain.config.schema import Config, ModelConfig
 from llmtrain.data import prepare_data  # noqa: E402
 from llmtrain.health.probes import peak_rss_mb
-from llmtrain.model import GPT, flops_per_token  # noqa: E402
+from llmtrain.model import GPT  # noqa: E402
+from llmtrain.model_tensors import model_tensors  # noqa: E402
 
 THREADS = 2
 # name -> (model overrides, micro = global batch, steps, warm-up steps); log_interval = warm-up, so
@@ -161,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = shape_config(shape, Path("unused"))
         model = GPT(cfg.model, cfg.model.vocab_size or 256)
         tokens_per_step = cfg.global_batch_size * seq_len_of(cfg)
-        flops_step = flops_per_token(model, seq_len_of(cfg)) * tokens_per_step
+        flops_step = model_tensors(model.cfg, model.vocab_size).flops_per_token(seq_len_of(cfg)) * tokens_per_step
         bare = statistics.median(r["seconds"] for r in runs["bare"])
         ours = statistics.median(r["seconds"] for r in runs["llmtrain"])
         split = {p: statistics.median(r["split"][p] for r in runs["llmtrain"]) for p in runs["llmtrain"][0]["split"]}

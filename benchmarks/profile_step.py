@@ -24,7 +24,8 @@ from harness import SHAPES, THREADS, matmul_peak, shape_config  # noqa: E402
 
 from llmtrain.config.derived import seq_len_of
 from llmtrain.data import prepare_data  # noqa: E402
-from llmtrain.model import GPT, flops_per_token  # noqa: E402
+from llmtrain.model import GPT  # noqa: E402
+from llmtrain.model_tensors import model_tensors  # noqa: E402
 
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "aten::baddbmm")
 
@@ -69,7 +70,7 @@ def main() -> int:
     matmul_time = sum(e.self_cpu_time_total for e in events if e.key in MATMUL_OPS)
     matmul_flops = sum(e.flops for e in events if e.key in MATMUL_OPS)
     peak = matmul_peak()
-    model_flops = flops_per_token(model, seq_len) * micro * seq_len * args.steps
+    model_flops = model_tensors(model.cfg, model.vocab_size).flops_per_token(seq_len) * micro * seq_len * args.steps
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
     print(f"shape {args.shape}: {args.steps} steps, {total / 1e6 / args.steps * 1e3:,.1f} ms/step (profiled)")
     print(f"matmuls: {matmul_time / total:.0%} of the time, {matmul_flops / (matmul_time / 1e6) / 1e9:,.0f} GFLOP/s "

@@ -435,15 +435,6 @@ def param_count(model: nn.Module, exclude_positions: bool = False) -> int:
     return total
 
 
-def flops_per_token(model: GPT, seq_len: int) -> float:
-    """Training FLOPs per token: 6N for the matmuls plus causal attention (PaLM appendix B)."""
-    cfg = model.cfg
-    n = param_count(model, exclude_positions=True) - model.wte.weight.numel()
-    if cfg.tie_weights:
-        n += model.lm_head.weight.numel()  # the head's matmul runs even when its weight is tied
-    return 6.0 * n + 12.0 * cfg.n_layer * cfg.n_embd * seq_len
-
-
 # The torch.nn.init functions GPT's modules call while they are built (nn.Linear's own reset, then
 # reset_parameters above).
 _INIT_FUNCTIONS = ("normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_", "xavier_normal_",

@@ -20,7 +20,8 @@ from llmtrain.config.schema import (
     Precision,
     ResidualInit,
 )
-from llmtrain.model import GPT, flops_per_token, param_count
+from llmtrain.model import GPT, param_count
+from llmtrain.model_tensors import model_tensors
 from llmtrain.training.loop import train
 from llmtrain.training.optim import param_groups
 from llmtrain.training.step import loss_sum
@@ -97,7 +98,7 @@ def test_flops_per_token_is_6n_plus_attention() -> None:
     model = build()
     # Lookups are not matmuls, but the tied head is: minus the embedding, plus the head = same count.
     n_matmul = param_count(model, exclude_positions=True)
-    assert flops_per_token(model, 12) == 6 * n_matmul + 12 * 2 * 16 * 12
+    assert model_tensors(model.cfg, VOCAB).flops_per_token(12) == 6 * n_matmul + 12 * 2 * 16 * 12
 
 
 def test_activation_checkpointing_gives_the_same_gradients() -> None:
@@ -135,3 +136,22 @@ def test_train_loop_under_mixed_precision(tmp_path: Path, precision: Precision) 
         assert all(s is not None and s > 0 for s in scales), "fp16 logs its dynamic loss scale"
     else:
         assert scales == [None] * 4
+
+
+@pytest.mark.parametrize("overrides", [{}, {"tie_weights": False}, {"position": PositionEncoding.rope, "norm": NormKind.rmsnorm,
+                                        "mlp": MlpKind.swiglu, "n_kv_head": 1, "bias": False}])
+def test_model_tensors_are_the_built_models(overrides: dict) -> None:
+    """The shapes and counts known without building equal the built model's, for 3 layers."""
+    model = build(n_layer=3, **overrides)
+    tensors = model_tensors(model.cfg, VOCAB)
+    assert dict(tensors.items()) == {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    assert tensors.n_params == param_count(model)
+    assert tensors.n_tensors == len(model.state_dict())
+    assert tensors.build_bytes() == 4 * (param_count(model) + sum(b.numel() for b in model.buffers()))
+
+
+def test_model_tensors_of_a_billion_layers_are_known_at_once() -> None:
+    """A config read from a file may say anything: its size is counted, not built (a meta model of
+    10^9 blocks took minutes and gigabytes)."""
+    tensors = model_tensors(ModelConfig(n_layer=10**9, n_head=2, n_embd=16, block_size=8), VOCAB)
+    assert tensors.n_tensors > 10**9 and tensors.n_params > 10**9

@@ -82,14 +82,25 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _validate_eval(cfg.eval)
 
 
+def validate_model(m: ModelConfig) -> None:
+    """A model description on its own, as `validate` checks it: for one read from a file (a run's
+    config.yaml, an export's model_config.json, a Hugging Face config.json) before it is built."""
+    _model_counts(m)
+    _validate_model(m)
+
+
+def _model_counts(m: ModelConfig) -> None:
+    for key, value in [("model.n_layer", m.n_layer), ("model.n_head", m.n_head), ("model.n_embd", m.n_embd),
+                       ("model.block_size", m.block_size)]:
+        _require(value >= 1, f"'{key}' is {value}; it must be a positive integer.")
+
+
 def _validate_counts(cfg: Config) -> None:
     """The sizes and intervals later checks divide or count by (model sizes included)."""
-    m = cfg.model
+    _model_counts(cfg.model)
     for key, value in [
-        ("model.n_layer", m.n_layer), ("model.n_head", m.n_head), ("model.n_embd", m.n_embd),
-        ("model.block_size", m.block_size), ("micro_batch_size", cfg.micro_batch_size),
-        ("global_batch_size", cfg.global_batch_size), ("eval_batches", cfg.eval_batches),
-        ("log_interval", cfg.log_interval),
+        ("micro_batch_size", cfg.micro_batch_size), ("global_batch_size", cfg.global_batch_size),
+        ("eval_batches", cfg.eval_batches), ("log_interval", cfg.log_interval),
     ]:
         # micro_batch_size may still be null here: it is derived later, once the world size is known
         _require(value is None or value >= 1, f"'{key}' is {value}; it must be a positive integer.")
@@ -126,7 +137,8 @@ def _validate_model(m: ModelConfig) -> None:
                  "or null for one per query head).")
     _require(m.intermediate_size is None or m.intermediate_size >= 1,
              f"'model.intermediate_size' is {m.intermediate_size}; use a positive MLP width or null (from mlp_ratio).")
-    _require(m.rope_theta > 0, f"'model.rope_theta' is {m.rope_theta}; it must be > 0 (typical: 10000, 500000).")
+    _require(0 < m.rope_theta < math.inf, f"'model.rope_theta' is {m.rope_theta}; it must be a finite number > 0 "
+             "(typical: 10000, 500000).")
     _require(m.norm_eps is None or 0 < m.norm_eps < 1,
              f"'model.norm_eps' is {m.norm_eps}; use a small positive epsilon (1e-5, 1e-6) or null.")
     if m.position is PositionEncoding.rope:
@@ -145,10 +157,10 @@ def _validate_model(m: ModelConfig) -> None:
         "use model.tie_weights=false for a zero or tiny head, or model.head_init=plain.",
     )
     _require(
-        m.mlp_ratio > 0 and int(m.mlp_ratio * m.n_embd) >= 1,
+        0 < m.mlp_ratio < math.inf and int(m.mlp_ratio * m.n_embd) >= 1,
         f"'model.mlp_ratio' is {m.mlp_ratio}; the MLP needs a positive width (typical: 4.0).",
     )
-    _require(m.init_std > 0, f"'model.init_std' is {m.init_std}; it must be > 0.")
+    _require(0 < m.init_std < math.inf, f"'model.init_std' is {m.init_std}; it must be a finite number > 0.")
     _require(m.vocab_size is None or m.vocab_size >= 1, f"'model.vocab_size' is {m.vocab_size}; use a positive size or null.")
     _require(m.vocab_multiple >= 1, f"'model.vocab_multiple' is {m.vocab_multiple}; use 1 (no padding) or a "
              "positive multiple, e.g. 64.")
@@ -156,8 +168,8 @@ def _validate_model(m: ModelConfig) -> None:
 
 def _divisor_near(n: int, k: int) -> int:
     """The divisor of `n` closest to `k`: the head count suggested for a width it does not divide."""
-    divisors = [d for d in range(1, n + 1) if n % d == 0]
-    return min(divisors, key=lambda d: abs(d - k))
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]  # pairs (d, n // d): sqrt(n) trials, not n
+    return min(small + [n // d for d in small], key=lambda d: (abs(d - k), d))
 
 
 def _validate_optim(cfg: Config) -> None:

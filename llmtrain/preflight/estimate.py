@@ -36,7 +36,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from llmtrain.config.derived import accumulation_steps, micro_batch_size_of, seq_len_of, total_steps
 from llmtrain.config.schema import (
@@ -49,7 +48,8 @@ from llmtrain.config.schema import (
     Precision,
 )
 from llmtrain.health.probes import matmul_peak_flops, rss_mb
-from llmtrain.model import GPT, flops_per_token, mlp_width, uninitialized
+from llmtrain.model import mlp_width
+from llmtrain.model_tensors import model_tensors
 
 MB = 2**20
 LAYOUTS = ("single", "ddp", "zero1", "fsdp")
@@ -72,7 +72,7 @@ DEFAULT_ALLOCATOR_SLACK = 1.2
 
 @dataclass
 class ModelShape:
-    """Parameter shapes of the configured model, built on the meta device (no memory, no init)."""
+    """Parameter counts of the configured model, from its shapes (model_tensors.py: never built)."""
 
     n_params: int  # unique parameters (tied weights once)
     n_matmul_params: int  # weights of Linear layers: the ones autocast casts
@@ -84,24 +84,23 @@ class ModelShape:
 
 
 def model_shape(cfg: Config, vocab_size: int) -> ModelShape:
-    with torch.device("meta"), uninitialized():
-        model = GPT(cfg.model, vocab_size)
-    params = {id(p): p for p in model.parameters()}.values()
-    matmul = {id(m.weight): m.weight for m in model.modules() if isinstance(m, nn.Linear)}
-    embeddings = {id(m.weight): m.weight for m in model.modules() if isinstance(m, nn.Embedding)}
-    matmul_params = sum(w.numel() for k, w in matmul.items() if k not in embeddings)
+    tensors = model_tensors(cfg.model, vocab_size)
+    embeddings = [name for name in ("wte.weight", "wpe.weight") if name in tensors.outside]
+    state = sum(optimizer_state_elements(cfg, shape) for shape in tensors.unique_outside().values())
+    state += cfg.model.n_layer * sum(optimizer_state_elements(cfg, shape) for shape in tensors.block.values())
     return ModelShape(
-        n_params=sum(p.numel() for p in params),
-        n_matmul_params=matmul_params,
-        n_embedding_params=sum(w.numel() for w in embeddings.values()),
-        optimizer_state_elements=sum(optimizer_state_elements(cfg, p.shape) for p in params),
-        flops_per_token=flops_per_token(model, seq_len_of(cfg)),
-        largest_block_params=max(sum(p.numel() for p in b.parameters()) for b in model.blocks),
-        n_layers=len(model.blocks),
+        n_params=tensors.n_params,
+        n_matmul_params=cfg.model.n_layer * tensors.block_matmul_params
+        + (0 if cfg.model.tie_weights else tensors.head_matmul_params),
+        n_embedding_params=sum(math.prod(tensors.outside[name]) for name in embeddings),
+        optimizer_state_elements=state,
+        flops_per_token=tensors.flops_per_token(seq_len_of(cfg)),
+        largest_block_params=tensors.block_params,
+        n_layers=cfg.model.n_layer,
     )
 
 
-def optimizer_state_elements(cfg: Config, shape: torch.Size) -> int:
+def optimizer_state_elements(cfg: Config, shape: tuple[int, ...]) -> int:
     """Elements of optimizer state one parameter of this shape carries."""
     n = math.prod(shape)
     name = cfg.optim.name

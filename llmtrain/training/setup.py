@@ -101,7 +101,8 @@ from llmtrain.health.probes import device_memory_mb, matmul_peak_flops
 from llmtrain.health.watch import HealthWatch, NullWatch
 from llmtrain.hf.folder import load_weights
 from llmtrain.hf.init import apply_init_from, open_folder
-from llmtrain.model import GPT, flops_per_token, uninitialized
+from llmtrain.model import GPT, uninitialized
+from llmtrain.model_tensors import model_tensors
 from llmtrain.preflight.check import CheckFailed, CheckReport, check_command_line, render_refusal, run_check
 from llmtrain.runs import files
 from llmtrain.runs.files import Kind
@@ -441,7 +442,7 @@ def build_loop_parts(run: Run, checkpoint: Checkpoint | None) -> None:
     cfg, layout, state = run.cfg, run.layout, run.state
     run.metrics = (MetricsSink(run.run_dir, cfg.tensorboard, cfg.wandb.value, cfg.wandb_project, run.config_dict,
                                run.warn) if layout.is_main else NullSink())
-    run.flops_per_token = flops_per_token(run.model.model, run.seq_len)
+    run.flops_per_token = model_tensors(cfg.model, run.model.model.vocab_size).flops_per_token(run.seq_len)
     # Appending (never truncating) keeps earlier records (a resumed run continues the same file).
     run.metrics.write({"kind": Kind.START, "time": time.time(), "steps": run.steps_total,
                        "tokens_per_step": run.tokens_per_step,
