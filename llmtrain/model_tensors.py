@@ -76,6 +76,12 @@ class ModelTensors:
         """Memory the built model holds: its parameters and its buffers."""
         return itemsize * (self.n_params + self.buffer_elements)
 
+    def kv_cache_bytes(self, tokens: int, itemsize: int = 4) -> int:
+        """A generation cache holding `tokens` positions (model.py KVCache): keys and values per layer."""
+        from llmtrain.model import kv_heads
+
+        return itemsize * 2 * self.n_layer * kv_heads(self.cfg) * (self.cfg.n_embd // self.cfg.n_head) * tokens
+
     def items(self) -> Iterator[tuple[str, Shape]]:
         """Every state-dict name with its shape (n_layer x the block's: bound n_layer first)."""
         yield from self.outside.items()
@@ -112,6 +118,10 @@ def stored_layers(names: Sequence[str] | Mapping[str, object], pattern: re.Patte
     return max(found) + 1 if found else 0
 
 
+def _layers(n: int) -> str:
+    return f"{n:,} layer{'' if n == 1 else 's'}"
+
+
 def check_stored(tensors: ModelTensors, stored: Mapping[str, Shape], where: str, config_name: str) -> None:
     """Refuse (UserError) weights that are not exactly the model `tensors` describes: another
     number of blocks, a tensor missing, one too many, or one of another shape. `where` names the
@@ -119,7 +129,7 @@ def check_stored(tensors: ModelTensors, stored: Mapping[str, Shape], where: str,
     so a description of a billion blocks is refused before its names are listed."""
     held = stored_layers(stored)
     if held != tensors.n_layer:
-        raise UserError(f"{where}: {config_name} describes {tensors.n_layer:,} layers (n_layer), but the weights hold "
+        raise UserError(f"{where}: {config_name} describes {_layers(tensors.n_layer)} (n_layer), but the weights hold "
                         f"{held:,}; the config and the weights do not belong together.")
     expected = dict(tensors.items())
     missing = [name for name in expected if name not in stored]

@@ -1,23 +1,28 @@
-"""Where a run's progress goes: the terminal (rich) and metrics.jsonl in the run dir."""
+"""Where a run's progress goes: the terminal (rich), its plain copy in the run's train.log, and
+metrics.jsonl in the run dir."""
 
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import math
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, TextIO
 
-from rich.console import Console, Group
+from rich.console import Console, Group, NewLine
+from rich.control import Control
 from rich.live import Live
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from llmtrain.errors import UserError
+from llmtrain.runs import rundir
 from llmtrain.runs.files import METRICS, Kind
 
 
@@ -33,6 +38,7 @@ def _finite_or_string(value: Any) -> Any:
 
 def _warn_on_stderr(message: str) -> None:
     print(f"llmtrain: warning: {message}", file=sys.stderr)
+    rundir.log_console(f"llmtrain: warning: {message}")
 
 
 class JsonlSink:
@@ -119,17 +125,51 @@ class _TrimmedLines:
         return getattr(self._stream(), "encoding", None) or "utf-8"
 
 
+@dataclass
+class ShownAs:
+    """A renderable that train.log keeps as `text` (the banner's table: as the lines a pipe shows)."""
+
+    renderable: Any
+    text: str
+
+    def __rich__(self) -> Any:
+        return self.renderable
+
+
+def plain_text(*objects: Any, **kwargs: Any) -> str:
+    """What `console.print(*objects, **kwargs)` shows piped (COLUMNS unset): no colour or control
+    codes, text unwrapped, tables PIPED_TABLE_WIDTH wide, no trailing spaces."""
+    out = io.StringIO()
+    Console(file=out, width=PIPED_TABLE_WIDTH, soft_wrap=True, color_system=None, force_terminal=False,
+            force_jupyter=False, force_interactive=False).print(
+        *(o.text if isinstance(o, ShownAs) else o for o in objects), **kwargs)
+    return "\n".join(line.rstrip(" ") for line in out.getvalue().splitlines())
+
+
+class LoggedConsole(Console):
+    """A console whose prints are also copied, as plain text, into the run's train.log while
+    `llmtrain train` keeps one (rundir.log_console). A live display's redraws (control codes, and
+    the line break that ends it) are not copied; the step lines a progress bar stands for are
+    (ConsoleSink.log_train)."""
+
+    def print(self, *objects: Any, **kwargs: Any) -> None:
+        super().print(*objects, **kwargs)
+        if rundir.job_log_kept() and not (objects and all(isinstance(o, Control | NewLine) for o in objects)):
+            rundir.log_console(plain_text(*objects, **kwargs))
+
+
 def default_console(stderr: bool = False) -> Console:
-    """A rich console for stdout (or stderr). On a terminal: rich's own. Elsewhere (a file, a pipe,
+    """A rich console for stdout (or stderr), whose prints a run's train.log keeps too (LoggedConsole).
+    On a terminal: rich's own. Elsewhere (a file, a pipe,
     CI) plain lines: no colour codes, no trailing padding, and, unless COLUMNS is set (then it is the
     width, as on a terminal that wide), text that is never hard-wrapped: a message stays one line,
     whole for grep. Tables are then drawn PIPED_TABLE_WIDTH wide, their cells wrapping inside their
     column (see `is_plain`)."""
-    console = Console(stderr=stderr)
+    console = LoggedConsole(stderr=stderr)
     if console.is_terminal:
         return console
     explicit_width = "COLUMNS" in os.environ
-    return Console(
+    return LoggedConsole(
         file=_TrimmedLines((lambda: sys.stderr) if stderr else (lambda: sys.stdout)),
         width=None if explicit_width else PIPED_TABLE_WIDTH,
         soft_wrap=not explicit_width,
@@ -267,18 +307,18 @@ class ConsoleSink:
         self.health_rows: list[tuple[str, str, str]] = []
 
     def banner(self, title: str, rows: list[tuple[str, str]]) -> None:
+        width = max((len(key) for key, _ in rows), default=0)
+        lines = [title, *(f"  {key:<{width}}    {value}" for key, value in rows)]
         if is_plain(self.console):  # one line per row, however long: the table would wrap its values
-            width = max((len(key) for key, _ in rows), default=0)
-            self.console.print(title, markup=False, highlight=False)
-            for key, value in rows:
-                self.console.print(f"  {key:<{width}}    {value}", markup=False, highlight=False)
+            for line in lines:
+                self.console.print(line, markup=False, highlight=False)
             return
         table = Table(title=title, show_header=False, title_justify="left", box=None, padding=(0, 2))
         table.add_column(style="bold cyan")
         table.add_column()
         for key, value in rows:
             table.add_row(key, value)
-        self.console.print(table)
+        self.console.print(ShownAs(table, "\n".join(lines)))  # train.log: the lines a pipe shows
 
     def start(self) -> None:
         if not self.console.is_terminal:
@@ -329,10 +369,10 @@ class ConsoleSink:
         line = f"step {record['step']:>6}/{self.total_steps}  {status}" + (f"  {timing}" if timing else "")
         if self.progress is not None:
             self.progress.update(self.task, completed=record["step"], status=status)
-            if above_bar:
-                self.console.print(line, highlight=False)
-        else:
-            self.console.print(line, highlight=False)
+            if not above_bar:  # shown in the bar alone: train.log still gets the line
+                rundir.log_console(line)
+                return
+        self.console.print(line, highlight=False)
 
     def alarm(self, alarm: Any) -> None:
         """An alarm, printed once with its explanation (the monitor re-raises only after it cleared)."""

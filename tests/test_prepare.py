@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -424,6 +425,32 @@ def test_a_corpus_smaller_than_one_sequence_is_refused_before_training(tmp_path:
 def llmtrain(cwd: Path, *args: str, env: dict[str, str | None] | None = None) -> subprocess.CompletedProcess[str]:
     """`llmtrain ARGS` in this process (conftest.run_cli: the same output, no new interpreter)."""
     return run_cli(*args, cwd=cwd, env=env, columns=200)
+
+
+def test_cli_prepare_says_whether_it_built_or_reused_and_what_bpe_read(tmp_path: Path) -> None:
+    """One size per BPE line (the whole split, or the sample and the split it is cut from); a second
+    call says it reused the data, and where."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TINY_CORPUS.read_text() * 4)  # 200 KB: more than the smallest sample, 64 KiB
+    data = ["prepare", "data=text", f"data.path={corpus}", "data.tokenizer=bpe", "data.bpe_vocab_size=300"]
+
+    def bpe_line(output: str) -> str:
+        return next(line for line in output.splitlines() if line.startswith("training a byte-level BPE"))
+
+    first = run_cli(*data, cwd=tmp_path, columns=400)
+    assert first.returncode == 0, first.stderr
+    assert re.fullmatch(r"training a byte-level BPE tokenizer \(vocabulary 300\) on the whole train split "
+                        r"\(\d+\.\d KB\)", bpe_line(first.stdout))
+    directory = re.search(r"^prepared text data in (\S+)$", first.stdout, re.MULTILINE)[1]
+    again = run_cli(*data, cwd=tmp_path, columns=400)
+    assert again.stdout.startswith(f"reused the text data prepared in {directory} (its inputs are unchanged)\n")
+    assert "preparing" not in again.stdout and "training" not in again.stdout
+    os.utime(corpus, (time.time() + 10, time.time() + 10))  # touched, the same content: reused too
+    touched = run_cli(*data, cwd=tmp_path, columns=400)
+    assert touched.stdout.startswith(f"reused the text data prepared in {directory} (its inputs are unchanged)\n")
+    sampled = run_cli(*data, "data.bpe_sample_bytes=65536", cwd=tmp_path, columns=400)
+    assert re.fullmatch(r"training a byte-level BPE tokenizer \(vocabulary 300\) on about 64\.0 KB of the train "
+                        r"split's \d+\.\d KB \(data\.bpe_sample_bytes=65536\)", bpe_line(sampled.stdout))
 
 
 def test_cli_prepare_then_train_and_sample_with_bpe(tmp_path: Path) -> None:

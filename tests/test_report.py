@@ -60,10 +60,10 @@ def test_train_ends_with_a_report_that_answers_every_question(finished: tuple[Pa
     assert all(question in stdout for question in QUESTIONS)
     page = (run / "report.html").read_text()
     assert all(question.replace("'", "&#x27;") in page for question in QUESTIONS)
-    assert page.count("data:image/png;base64,") == 9, "every plot is inside the page (loss twice)"
+    assert page.count("data:image/png;base64,") == 8, "every plot is inside the page, once"
     markdown = (run / "report.md").read_text()
     for name in ("loss", "lr", "grad_norm", "param_norm", "activations", "memory", "throughput", "step_time"):
-        assert f"(report/{name}.png)" in markdown
+        assert markdown.count(f"(report/{name}.png)") == 1, name
         image = matplotlib.image.imread(run / "report" / f"{name}.png")
         assert image.ndim == 3 and image.shape[0] > 150 and image.shape[1] > 500, name
 
@@ -83,10 +83,13 @@ def test_the_verdicts_of_a_healthy_run_hold_sane_numbers(finished: tuple[Path, s
     assert memory.status == OK
     peak = float(memory.finding.split("peak ")[1].split(" of ")[0].replace(",", ""))
     assert 50 < peak < 4000, memory.finding  # MB of a tiny model's process
+    # Which phase is largest is a measurement (a busy machine may stretch any of them): the verdict's
+    # rule is held on fixed timings (test_the_bottleneck_*); here, that every phase is measured and named.
     timing = verdict["step_time"]
-    assert timing.status == OK
-    assert "bottleneck: forward" in timing.finding or "bottleneck: backward" in timing.finding
-    shares = [int(part.split()[1].rstrip("%")) for part in timing.finding.split(" of ")[0].split(", ")]
+    assert timing.status in (OK, WARN) and "bottleneck: " in timing.finding
+    phases = timing.finding.split(" of ")[0].split(", ")
+    assert [part.split()[0] for part in phases] == ["data", "forward", "backward", "optimizer", "other"], timing.finding
+    shares = [int(part.split()[1].rstrip("%")) for part in phases]
     assert 97 <= sum(shares) <= 103, timing.finding
     assert "7 timed step(s)" in timing.details[0]  # steps 6, 11, ..., 36
     assert verdict["alarms"].status == OK
@@ -160,6 +163,14 @@ def test_alarms_and_actions_are_listed() -> None:
         in verdict.details
 
 
+def test_the_bottleneck_is_compute_and_ok_when_forward_or_backward_dominate() -> None:
+    timing = [{"step": s, "total_s": 0.2, "data_s": 0.0, "forward_s": 0.07, "backward_s": 0.12, "optimizer_s": 0.006,
+               "other_s": 0.004} for s in (6, 11, 16)]
+    verdict = step_time(records(timing=timing, train=[{"step": 10 * i, "tokens_per_s": 20_000.0} for i in range(1, 6)]))
+    assert verdict.status == OK and "bottleneck: backward (compute, as it should be)" in verdict.finding
+    assert verdict.finding.startswith("data 0%, forward 35%, backward 60%, optimizer 3%, other 2% of 200.0 ms/step")
+
+
 def test_the_bottleneck_is_named_with_advice_when_it_is_not_compute() -> None:
     timing = [{"step": s, "total_s": 1.0, "data_s": 0.6, "forward_s": 0.2, "backward_s": 0.15, "optimizer_s": 0.03,
                "other_s": 0.02} for s in (6, 11, 16)]
@@ -213,3 +224,40 @@ def test_ranks_sharing_a_host_count_against_its_memory_together() -> None:
     assert verdict.status == WARN and "peak 8,800 of 10,000 MB (88%)" in verdict.finding
     alone = memory(records(start=[{**start, "local_world_size": 1}], end=[{"step": 5, "peak_rss_mb": 2200.0}]))
     assert alone.status == OK and "peak 2,200 of 10,000 MB (22%)" in alone.finding
+
+
+def test_the_header_names_the_model_the_data_and_the_overrides_with_the_banners_counts(tmp_path: Path) -> None:
+    from llmtrain.cli.compose import compose_config
+    from llmtrain.preflight.check import run_check
+
+    overrides = ["data=text", f"data.path={TINY_CORPUS}", "data.tokenizer=char", "model.n_layer=1", "model.n_embd=32",
+                 "model.n_head=2", "model.block_size=32", "micro_batch_size=4", "global_batch_size=8", "max_steps=6",
+                 "eval_interval=3", "log_interval=1", "threads=1", "checkpoint=none"]
+    proc = llmtrain(tmp_path, "train", *overrides, f"hydra.run.dir={tmp_path / 'run'}")
+    assert proc.returncode == 0, proc.stderr
+    counts = run_check(compose_config(overrides), measure_compute=False).facts.parameters
+    text = "15,712 total, 14,688 without the position table, 12,768 without embeddings"
+    assert counts.text() == text
+    banner = next(line for line in proc.stdout.splitlines() if line.lstrip().startswith("parameters "))
+    assert banner.split(None, 1)[1] == text
+    assert "tokens for 12,768 parameters without embeddings" in proc.stdout  # the check's token budget row
+    rows = [line[2:-2].split(" | ", 1) for line in (tmp_path / "run" / "report.md").read_text().splitlines()
+            if line.startswith("| ") and line.endswith(" |")]
+    header = {row[0]: row[1] for row in rows if len(row) == 2}
+    assert header["model"] == f"gpt_tiny: 1 layer x 32 wide, 2 heads, context 32; parameters {text}"
+    assert header["data"].startswith(f"text ({TINY_CORPUS}), char tokens, model vocabulary ")
+    assert header["overrides"] == " ".join(overrides)  # the run dir (hydra.*) is no override of the run
+    page = (tmp_path / "run" / "report.html").read_text()
+    assert f"<th>model</th><td>gpt_tiny: 1 layer x 32 wide, 2 heads, context 32; parameters {text}</td>" in page
+
+
+def test_a_header_says_what_a_run_did_not_record(tmp_path: Path) -> None:
+    lines = [{"kind": "start", "steps": 20, "vocab_size": 256}, *({"kind": "train", "step": s, "loss": 3.0} for s in (10, 20))]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    facts = dict(build_report(tmp_path, inference_check=False).facts)
+    assert facts["model"] == ("- (config.yaml is missing or unreadable); parameter counts not recorded (a run from "
+                              "before the start record kept them)")
+    assert facts["overrides"] == "not recorded (a run started from Python, not from the command line)"
+    (tmp_path / ".hydra").mkdir()
+    (tmp_path / ".hydra" / "overrides.yaml").write_text("[]\n")
+    assert dict(build_report(tmp_path, inference_check=False).facts)["overrides"] == "none (the defaults)"

@@ -168,6 +168,18 @@ def test_a_flat_curve_is_not_a_spike() -> None:
     assert spiky.status == WARN and spiky.marks == [400]
 
 
+def test_the_smooth_finding_says_which_losses_were_judged() -> None:
+    """The first 3 logged losses have too few before them to judge: a rise among them (step 10 above
+    step 5) is no rise the sentence may deny."""
+    early_rise = [3.0, 3.2, 2.9, 2.8, 2.7, 2.6]  # steps 5-30, each judged one below the median before it
+    verdict = smoothness(records(train=[{"step": 5 * (i + 1), "loss": v} for i, v in enumerate(early_rise)]),
+                         spike_z=6.0)
+    assert verdict.status == OK
+    assert "no logged loss from step 20 on rose above the median of the (up to 20) before it" in verdict.finding
+    assert "no logged loss rose" not in verdict.finding
+    assert "the first 3 have too few before them to judge" in verdict.details[0]
+
+
 # ---- the loss plot ---------------------------------------------------------------------------------------
 
 def test_the_loss_plot_draws_the_baseline_and_marks_the_alarm_steps() -> None:

@@ -31,6 +31,7 @@ import dataclasses
 import errno
 import hashlib
 import json
+import math
 import os
 import platform
 import random
@@ -553,19 +554,25 @@ def load_newest_good(run_dir: Path, warn: Callable[[str], None], device: torch.d
     return _first_good(run_dir, lambda path: load_checkpoint(path, device), warn, failures)
 
 
+# Lines of torch.load's weights_only refusal that are advice, not the reason (it advises loading the
+# file with weights_only=False, which would run whatever code it holds).
+_ADVICE = ("Weights only load failed", "weights_only", "Please file an issue", "Check the documentation",
+           "trusted source")
+
+
 def damaged(path: Path, name: str, err: BaseException) -> CheckpointError:
     """A file of a checkpoint that cannot be loaded, as a CheckpointError naming it: the reason in
     a few words, never torch's advice to load it with weights_only=False."""
     text = str(err).strip()
-    refused = re.search(r"WeightsUnpickler error: (.+?)(?: Please use|\n|$)", text)
-    if refused:  # weights_only met something that is not a tensor or plain data: loading it could run code
-        named = re.search(r"GLOBAL (\S+)", refused.group(1))
-        what = f"an object of type {named.group(1)}" if named else "an object"
-        reason = (f"it holds {what}, not just tensors and plain data; llmtrain never writes that and does not "
-                  "load it, since loading it could run code")
+    detail = " ".join(line.strip() for line in text.splitlines() if line.strip() and not any(a in line for a in _ADVICE))
+    detail = detail.replace("WeightsUnpickler error:", "").strip()
+    if "Weights only load failed" in text:  # weights_only met what is not a tensor or plain data
+        named = re.search(r"GLOBAL (\S+)", detail)
+        what = (f"a reference to {named.group(1)} (code, not data)" if named
+                else f"something other than tensors and plain data ({detail[:200] or 'no reason given'})")
+        reason = f"it holds {what}; llmtrain never writes that and does not load it, since loading it could run code"
     else:
-        lines = [line for line in text.splitlines() if "weights_only" not in line]
-        reason = f"{type(err).__name__}: {lines[0][:300]}" if lines else type(err).__name__
+        reason = f"{type(err).__name__}: {detail[:300]}" if detail else f"{type(err).__name__}; the file is damaged"
     return CheckpointError(f"{path}: {name} cannot be read ({reason})")
 
 
@@ -623,7 +630,29 @@ def _trainer_state(path: Path) -> dict:
     _expect(set(trainer["state"]) <= fields, path, name, f"'state' has keys other than {', '.join(sorted(fields))}")
     _expect(all(value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))
                 for value in trainer["state"].values()), path, name, "'state' holds a value that is not a number")
+    _check_state_values(path, trainer["state"])
     return trainer
+
+
+# TrainState's counts (non-negative integers) and the values a run can reach for the others.
+_COUNTS = ("step", "tokens", "rollbacks", "skipped_steps", "consecutive_skips", "alarm_skipped_steps")
+
+
+def _check_state_values(path: Path, state: dict) -> None:
+    """Each TrainState value is one a run can have reached, and the step is the folder's own
+    (step_00000004 holds step 4): a forged step of 10**30 would resume a run past its end."""
+    bad = [key for key in _COUNTS if key in state and (not isinstance(state[key], int) or state[key] < 0)]
+    if state.get("best_step") is not None and (not isinstance(state["best_step"], int) or state["best_step"] < 0):
+        bad.append("best_step")
+    if "lr_scale" in state and not (isinstance(state["lr_scale"], (int, float)) and 0 < state["lr_scale"] <= 1):
+        bad.append("lr_scale")
+    if state.get("best_val_loss") is not None and not math.isfinite(state["best_val_loss"]):
+        bad.append("best_val_loss")
+    bad = [f"{key} {state[key]!r}" for key in bad]
+    _expect(not bad, path, TRAINER_STATE, f"values a run cannot reach in 'state' ({', '.join(bad[:3])})")
+    named = re.fullmatch(r"step_(\d+)", path.name)
+    _expect(named is None or state.get("step") == int(named.group(1)), path, TRAINER_STATE,
+            f"step {state.get('step')!r} in 'state', not the folder's step {int(named.group(1)) if named else ''}")
 
 
 def load_checkpoint(path: Path, device: torch.device | str = "cpu", verify_files: bool = True) -> Checkpoint:

@@ -9,13 +9,21 @@ pays for another's imports (torch, hydra, rich).
     eval                   llmtrain.cli.evaluate
     prepare, check, ...    llmtrain.cli.commands
     -sc / --shell-completion   llmtrain.cli.completion
+
+Signals: main() catches SIGTERM first thing, so that one at any moment of start-up (torch takes
+seconds to import) ends with `llmtrain: stopped: ...` and exit 75, and a Ctrl-C with
+`llmtrain: aborted: ...` and exit 130, for every command; for `train`, StopRequest
+(llmtrain.training.interrupts) takes over as soon as it is imported, before the command's module.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 from collections.abc import Callable, Sequence
+from types import FrameType
 from typing import NoReturn
 
 COMMANDS: dict[str, str] = {
@@ -43,9 +51,68 @@ Quick start: `llmtrain train` trains a small model on Python's own stdlib source
 """
 
 
+class _Terminated(BaseException):
+    """A SIGTERM before a command's own handling of it is in place (train's StopRequest), raised in
+    the main thread wherever it is: a BaseException, so that no `except Exception` on the way (an
+    import, Hydra) swallows it."""
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> NoReturn:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the process is ending: a second one must not cut the message short
+    raise _Terminated
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Run `llmtrain ARGV...` (sys.argv by default); exits with the command's code when it fails."""
+    # First of all, before any import that takes time (torch, Hydra): a SIGTERM from here on ends
+    # in one line and exit 75, instead of the kill's silent -15. (Ctrl-C is Python's KeyboardInterrupt
+    # from the start.) The handlers in place before are back when main() returns, also in-process.
+    previous = _catch_sigterm()
     args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        _dispatch(args)
+    except _Terminated:
+        _ending()
+        from llmtrain.cli.common import fail
+        from llmtrain.errors import EXIT_INTERRUPTED
+
+        what = f"`llmtrain {args[0]}`" if args else "llmtrain"
+        fail(f"SIGTERM before {what} finished; the same command starts it again", EXIT_INTERRUPTED, label="stopped")
+    except KeyboardInterrupt as err:  # a second signal, or a Ctrl-C outside the train loop (from main()'s first line)
+        _ending()
+        from llmtrain.errors import EXIT_ABORTED
+        from llmtrain.training.interrupts import AbortRequested, abort_at_once, abort_message, announce_abort
+
+        if isinstance(err, AbortRequested):  # at once: the interpreter's teardown can take seconds
+            abort_at_once(abort_message(err))
+        announce_abort(abort_message(err))
+        sys.exit(EXIT_ABORTED)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _catch_sigterm() -> dict[int, Callable | int]:
+    """Install the start-up SIGTERM handler where the default (ending the process) is in place, in
+    the main thread (the only one signals reach); a SIGTERM the caller ignores or handles is left to
+    it. Returns the handlers to restore at the end (SIGINT's too: `_ending` may change it)."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    if previous[signal.SIGTERM] == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _on_sigterm)
+    return {sig: handler for sig, handler in previous.items() if handler is not None}  # None: not set from Python
+
+
+def _ending() -> None:
+    """The process is on its way out with its one line: further signals are ignored (main thread)."""
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+
+
+def _dispatch(args: list[str]) -> None:
+    """The first word picks the command (or --help, --version, -sc); its module is imported now."""
     if args[:1] in (["-sc"], ["--shell-completion"]):
         from llmtrain.cli.completion import complete
 
@@ -59,37 +126,45 @@ def main(argv: Sequence[str] | None = None) -> None:
         except BrokenPipeError:
             _reader_gone()
         return
-    if args[0] == "--version":
-        from llmtrain import __version__
-
-        print(f"llmtrain {__version__}")
+    if args[0] == "--version" or (args[0] in COMMANDS and "--version" in args[1:]):  # `llmtrain train --version` too
+        print(version_line())
         return
     from llmtrain.cli.common import fail
-    from llmtrain.errors import EXIT_ABORTED, RunStopped
+    from llmtrain.errors import RunStopped
 
     command, rest = args[0], args[1:]
     if command not in COMMANDS:
         fail(f"unknown command '{command}'; valid commands: {', '.join(COMMANDS)}. See `llmtrain --help`.")
-    handler = _handler(command)
     try:
-        if command == "train":  # SIGTERM/Ctrl-C stop cleanly from here on, also while setting up
+        if command == "train":  # SIGTERM/Ctrl-C stop cleanly from here on, also while importing and setting up
             from llmtrain.training.interrupts import StopRequest
 
             with StopRequest.shared().setting_up():
-                handler(rest)
+                _handler(command)(rest)
         else:
-            handler(rest)
-    except KeyboardInterrupt as err:  # a second signal, or a Ctrl-C outside the train loop
-        from llmtrain.training.interrupts import AbortRequested, abort_at_once, abort_message, announce_abort
-
-        if isinstance(err, AbortRequested):  # at once: the interpreter's teardown can take seconds
-            abort_at_once(abort_message(err))
-        announce_abort(abort_message(err))
-        sys.exit(EXIT_ABORTED)
+            _handler(command)(rest)
     except RunStopped as stopped:  # a SIGTERM while setting up, outside the run itself (composing the config)
+        _ending()
         fail(str(stopped), stopped.exit_code, label="stopped")
     except BrokenPipeError:  # `llmtrain configs | head`: the reader has what it wanted
         _reader_gone()
+
+
+def version_line() -> str:
+    """`llmtrain --version`: llmtrain's version, with the torch, Hydra and Python it runs on (read
+    from the installed packages' metadata: nothing is imported, so it answers at once)."""
+    import platform
+    from importlib import metadata
+
+    from llmtrain import __version__
+
+    found = []
+    for name, package in (("torch", "torch"), ("Hydra", "hydra-core")):
+        try:
+            found.append(f"{name} {metadata.version(package)}")
+        except metadata.PackageNotFoundError:
+            found.append(f"{name} not installed")
+    return f"llmtrain {__version__} ({', '.join(found)}, Python {platform.python_version()})"
 
 
 def _reader_gone() -> NoReturn:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from llmtrain.cli.common import check_config_dir, fail, flush_denormals_first
+from llmtrain.cli.common import check_config_dir, fail, flush_denormals_first, parse_command_line
 from llmtrain.cli.compose import compose_config
 
 # ---------------------------------------------------------------------------------------------
@@ -31,7 +31,7 @@ def prepare_command(args: list[str]) -> None:
     )
     parser.add_argument("overrides", nargs="*", help="config overrides, as for `llmtrain train` (data=..., data.path=...)")
     parser.add_argument("--config-dir", "-cd", default=None, help="a folder of your own group options (as for train)")
-    opts = parser.parse_args(args)
+    opts = parse_command_line(parser, args)
     check_config_dir(opts.config_dir)
 
     from rich.markup import escape
@@ -47,13 +47,22 @@ def prepare_command(args: list[str]) -> None:
     except UserError as err:
         fail(str(err))
     m = data.meta
+    source = f"[bold]{cfg.data.source.value}[/] data"
     console.print(
-        f"prepared [bold]{cfg.data.source.value}[/] data in {data.directory}\n"
+        (f"prepared {source} in {data.directory}" if data.built
+         else f"reused the {source} prepared in {data.directory} (its inputs are unchanged)") + "\n"
         f"  {m['documents']:,} document{'s' if m['documents'] != 1 else ''}, {m['source_bytes']:,} bytes -> {m['train_tokens']:,} train / "
         f"{m['val_tokens']:,} val tokens ({m['dtype']})\n"
         f"  tokenizer {m['tokenizer']}, vocabulary {m['vocab_size']:,}; unigram entropy "
         f"{m['unigram_entropy_nats']:.4f} nats/token (the loss to beat)"
     )
+    if listed := m.get("degenerate_files"):  # what the pre-flight check of `llmtrain train` will warn about
+        from llmtrain.data.quality import describe
+
+        more = int(m.get("degenerate_file_count", len(listed))) - len(listed)
+        console.print(f"  [yellow]warn[/] data content: {escape('; '.join(map(describe, listed)))}"
+                      + (f"; and {more} more file(s)" if more > 0 else "")
+                      + " -> remove or replace the named file(s) before training (`llmtrain check` says why)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -75,7 +84,7 @@ def check_command(args: list[str]) -> None:
     parser.add_argument("overrides", nargs="*", help="config overrides, as for `llmtrain train` (GROUP=OPTION, KEY=VALUE)")
     parser.add_argument("--config-dir", "-cd", default=None, help="a folder of your own group options (as for train)")
     parser.add_argument("--no-compute", action="store_true", help="skip the matmul measurement and the time estimate")
-    opts = parser.parse_args(args)
+    opts = parse_command_line(parser, args)
     check_config_dir(opts.config_dir)
 
     from llmtrain.errors import UserError
@@ -115,6 +124,11 @@ def sample_command(args: list[str]) -> None:
         fail(f"--max-new-tokens is {opts.max_new_tokens}; it must be >= 1.")
     if opts.top_k is not None and opts.top_k < 1:
         fail(f"--top-k is {opts.top_k}; it must be >= 1.")
+    if not 0 <= opts.temperature < float("inf"):  # NaN fails this too
+        fail(f"--temperature is {opts.temperature}; use 0 for greedy decoding (always the likeliest token) or a finite "
+             "number > 0 (1.0, the default, samples the model's own distribution; below 1 is more conservative).")
+    if not -(2**63) <= opts.seed < 2**64:
+        fail(f"--seed is {opts.seed}; use an integer between -2**63 and 2**64 - 1 (e.g. --seed 1).")
 
     from llmtrain.errors import UserError
     from llmtrain.runs.sample import sample_text
@@ -140,7 +154,8 @@ def export_command(args: list[str]) -> None:
     )
     parser.add_argument("run_dir", type=Path, help="run directory written by `llmtrain train` (or an export)")
     parser.add_argument("--out", type=Path, default=None,
-                        help="output folder (default: RUN_DIR/export, or RUN_DIR/export-hf for --format hf)")
+                        help="output folder: new, empty, or a previous export (replaced whole); any other folder is "
+                        "refused (default: RUN_DIR/export, or RUN_DIR/export-hf for --format hf)")
     parser.add_argument("--format", choices=("llmtrain", "hf"), default="llmtrain",
                         help="llmtrain (default) or hf: config.json, model.safetensors, generation_config.json and "
                         "tokenizer files for transformers' from_pretrained")
@@ -195,10 +210,11 @@ def compare_command(args: list[str]) -> None:
     parser.add_argument("--png", type=Path, default=None, help="where the plot goes (default: <sweep dir>/compare.png)")
     opts = parser.parse_args(args)
 
+    from rich.markup import escape
     from rich.table import Table
 
     from llmtrain.errors import UserError
-    from llmtrain.runs.compare import COLUMNS, compare_runs, plot_curves, rows, write_csv
+    from llmtrain.runs.compare import columns, compare_runs, plot_curves, ranking, rows, write_csv
     from llmtrain.sinks import default_console
 
     try:
@@ -208,14 +224,16 @@ def compare_command(args: list[str]) -> None:
     csv_path = opts.csv or opts.sweep_dir / "compare.csv"
     png_path = opts.png or opts.sweep_dir / "compare.png"
     title = f"{len(summaries)} run{'s' if len(summaries) != 1 else ''} in {opts.sweep_dir}"
-    table = Table(title=title, caption=f"common to all: {' '.join(common)}" if common else None, title_justify="left",
+    table = Table(title=title, caption=f"common to all: {escape(' '.join(common))}" if common else None, title_justify="left",
                   caption_justify="left")
-    for column in COLUMNS:
+    for column in columns(summaries):
         table.add_column(column, overflow="fold")
     for row in rows(summaries, opts.sweep_dir):
-        table.add_row(*row)
+        table.add_row(*map(escape, row))  # overrides such as eval.tasks=[...] are text, not markup
     console = default_console()
     console.print(table)
+    if note := ranking(summaries).note:  # the runs' tokenizers differ: what the order means
+        console.print(f"note: {escape(note)}", highlight=False)
     write_csv(summaries, opts.sweep_dir, csv_path)
     left_out = plot_curves(summaries, png_path, title + (f"\ncommon: {' '.join(common)}" if common else ""))
     console.print(f"wrote {csv_path} and {png_path}" if left_out is None else f"wrote {csv_path}; {left_out}")
@@ -281,7 +299,7 @@ def doctor_command(args: list[str]) -> None:
     parser.add_argument("--config-dir", "-cd", default=None, help="a folder of your own group options (as for train)")
     parser.add_argument("--out", type=Path, default=Path("doctor"),
                         help="where plots and results go (default: ./doctor)")
-    opts = parser.parse_args(args)
+    opts = parse_command_line(parser, args)
     check_config_dir(opts.config_dir)
 
     from llmtrain.doctor import run_doctor

@@ -1,5 +1,6 @@
-"""What every command module shares: the error exit (`fail`), the shipped config folder, a value
-read off the command line, and the subnormal switch that must come before any compute.
+"""What every command module shares: the error exit (`fail`), the reading of a command line that
+takes config overrides (`parse_command_line`), the shipped config folder, a value read off the
+command line, and the subnormal switch that must come before any compute.
 
 Only the standard library and `llmtrain.errors` at module level, like every module of the CLI:
 torch is imported inside the one function that needs it.
@@ -7,17 +8,80 @@ torch is imported inside the one function that needs it.
 
 from __future__ import annotations
 
+import difflib
 import sys
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from llmtrain.errors import EXIT_USER_ERROR
 
+if TYPE_CHECKING:
+    import argparse
+
 
 def fail(message: str, code: int = EXIT_USER_ERROR, label: str = "error") -> NoReturn:
-    """Print `llmtrain: <label>: <message>` (one paragraph, no traceback) and exit with `code`."""
+    """Print `llmtrain: <label>: <message>` (one paragraph, no traceback) and exit with `code`; a
+    run's train.log keeps it too (a stop's resume command)."""
+    from llmtrain.runs.rundir import log_console
+
     sys.stderr.write(f"llmtrain: {label}: {message}\n")
+    log_console(f"llmtrain: {label}: {message}")
     sys.exit(code)
+
+
+def parse_command_line(parser: argparse.ArgumentParser, args: list[str], intermixed: bool = False) -> argparse.Namespace:
+    """`parser`'s reading of `args` (a command's own parser, or Hydra's for train), where a refusal is
+    one paragraph instead of argparse's usage block and terse line: a config value typed as an option
+    (`--max_steps 30`, `-max_steps=30`, `--lr 1e-3`) gets the override that was meant."""
+    def refuse(message: str) -> NoReturn:
+        fail(_argument_error(parser, args, message))
+
+    parser.error = refuse  # type: ignore[method-assign]  # argparse reports every refusal through error()
+    return parser.parse_intermixed_args(args) if intermixed else parser.parse_args(args)
+
+
+def _argument_error(parser: argparse.ArgumentParser, args: list[str], message: str) -> str:
+    """The paragraph for argparse's refusal `message` of `args`: about the first word that looks like
+    an option and is none of `parser`'s, or else argparse's own words."""
+    actions = {option: action for action in parser._actions for option in action.option_strings}
+    value_next = False
+    for at, word in enumerate(args):
+        name, equals, _ = word.partition("=")
+        if value_next or not word.startswith("-") or word in ("-", "--") or word[1:2].isdigit() or word[1:2] == ".":
+            value_next = False  # a value (of the option before, or a negative number), or an override
+            continue
+        if name in actions:
+            value_next = not equals and actions[name].nargs is None  # `-cd DIR`: DIR is the option's
+            continue
+        if name.startswith("--") and any(option.startswith(name) for option in actions):
+            continue  # an abbreviation (argparse's own message says which options it could be)
+        return _not_an_option(parser, word, args[at + 1] if at + 1 < len(args) else "")
+    return f"{message} (`{parser.prog} --help` shows what it takes)."
+
+
+def _not_an_option(parser: argparse.ArgumentParser, word: str, following: str) -> str:
+    """`word` is none of `parser`'s options: most often a config value typed as one, written the
+    override way here (with a close match for a mistyped key), or else a mistyped option."""
+    from llmtrain.config.hydra import closest_key
+
+    name, equals, value = word.partition("=")
+    key = name.lstrip("-")
+    if not equals:  # `--max_steps 30`: the next word is its value, unless it is an option or an override
+        value = following if following and not following.startswith("-") and "=" not in following else "<value>"
+    meant = closest_key(key)
+    options = [option for action in parser._actions for option in action.option_strings]
+    close_option = difflib.get_close_matches(name, options, n=1, cutoff=0.8)
+    start = f"'{word}' is not an option of `{parser.prog}`"
+    overrides = "config values are key=value overrides, without dashes"
+    if name in ("-m", "--multirun"):  # `llmtrain check -m a=1,2`: only train runs sweeps
+        return f"{start}: a sweep (-m, one job per value) runs with `llmtrain train -m ...`; here give one value per key."
+    if meant is not None and (meant == key or not close_option):
+        typo = "" if meant == key else f" ('{key}' is no config key; {meant} is the closest)"
+        return f"{start}: {overrides}: write {meant}={value}{typo}."
+    if close_option:
+        return f"{start}. Did you mean {close_option[0]}? ({overrides.capitalize()}, e.g. max_steps=30.)"
+    listing = ", ".join("/".join(action.option_strings) for action in parser._actions if action.option_strings)
+    return f"{start}; its options are {listing}, and {overrides}, e.g. max_steps=30 (`{parser.prog} --help` lists them)."
 
 
 def conf_dir() -> Path:

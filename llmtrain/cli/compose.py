@@ -9,12 +9,15 @@ check passed) before Hydra creates the first run dir.
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from llmtrain.cli.common import conf_dir
 
 if TYPE_CHECKING:
+    from hydra.core.override_parser.types import Override
+
     from llmtrain.config.schema import Config
 
 
@@ -78,6 +81,7 @@ def compose_config(overrides: list[str], extra_dir: str | None = None, config_na
     from llmtrain.config.hydra import register_configs, to_config
     from llmtrain.errors import ConfigError
 
+    parse_overrides(overrides)  # a word Hydra cannot read, or a sweep without -m: one paragraph that says what to write
     register_configs()
     search = [f"hydra.searchpath=[file://{Path(extra_dir).expanduser().resolve()}]"] if extra_dir else []
     GlobalHydra.instance().clear()
@@ -109,13 +113,9 @@ def _expand_sweep(overrides: list[str]) -> list[list[str]]:
     without a config loader) keep their key at its composed default here, and are validated by
     each job instead."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-    from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.core.override_parser.types import Glob
 
-    try:
-        parsed = OverridesParser.create().parse_overrides(overrides)
-    except Exception as err:
-        raise _composition_error(err) from None
+    parsed = parse_overrides(overrides, multirun=True)
     expandable = [
         o for o in parsed if not o.is_sweep_override() or (o.is_discrete_sweep() and not isinstance(o.value(), Glob))
     ]
@@ -126,8 +126,94 @@ def _expand_sweep(overrides: list[str]) -> list[list[str]]:
     return [list(job) for batch in batches for job in batch]
 
 
+def parse_overrides(overrides: list[str], multirun: bool = False) -> list[Override]:
+    """The overrides as Hydra's grammar reads them; ConfigError for a word it cannot read (`max_steps 30`,
+    `max_steps=30,`) and, without `multirun`, for a sweep (a comma list, range(), ...), which Hydra
+    refuses outside -m with advice meant for other keys: each says what to write instead."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    from llmtrain.errors import ConfigError
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except OverrideParseException as err:
+        raise ConfigError(_unreadable_override(err.override, overrides, err)) from None
+    for override in parsed:
+        if override.is_sweep_override() and not multirun:
+            raise ConfigError(_sweep_without_multirun(override))
+    return parsed
+
+
+def _unreadable_override(word: str, overrides: list[str], err: Exception) -> str:
+    """Why Hydra cannot read `word`, one of `overrides`, and the override that was meant."""
+    from llmtrain.config.hydra import closest_key
+    from llmtrain.config.schema import MAPPING_KEYS
+
+    key, equals, value = word.partition("=")
+    at = overrides.index(word) if word in overrides else len(overrides)
+    before, after = overrides[:at], overrides[at + 1:]
+    syntax = "llmtrain takes config values as key=value overrides, each one word with no spaces around '='"
+    if not equals and before and before[-1].endswith("=") and before[-1].count("=") == 1:  # `max_steps= 30`
+        return f"'{before[-1]} {word}' has a space after '=': {syntax}: write {before[-1]}{word}."
+    if not equals:  # `max_steps 30`, `max_steps = 30`, `max_steps =30`
+        given = after[1] if after[:1] == ["="] and len(after) > 1 else after[0].lstrip("=") if after else ""
+        value = given if given and "=" not in given else "<value>"
+        bare = key.lstrip("+")
+        meant = closest_key(bare)
+        if meant is not None:
+            typo = "" if meant == bare else f" ('{bare}' is no config key; {meant} is the closest)"
+            plus = key[:len(key) - len(bare)] if meant.rpartition(".")[0] in MAPPING_KEYS else ""  # '+' adds map entries only
+            return f"'{word}' is not an override: {syntax}: write {plus}{meant}={value}{typo}."
+        groups = sorted(p.parent.name for p in conf_dir().glob(f"*/{word}.yaml"))
+        if groups:  # `gpt_small` alone: an option of a group
+            return f"'{word}' is not an override: {syntax}. Did you mean {groups[0]}={word}?"
+        return (f"'{word}' is not an override: {syntax}, e.g. max_steps=30 or model=gpt_small (`llmtrain configs` "
+                "lists the groups, `llmtrain train --help` the keys).")
+    items = value.split(",")
+    if len(items) > 1 and "" in items and not set("[]{}()'\"") & set(value):  # `max_steps=30,`: a stray comma
+        kept = [item for item in items if item]
+        if len(kept) == 1:
+            return (f"'{word}' ends with a comma: write {key}={kept[0]}. (A comma list is a sweep, one job per value, "
+                    f"and runs with -m: `llmtrain train -m {key}={kept[0]},<another value>`.)")
+        if kept:
+            return (f"'{word}' has an empty item in its comma list: give one value, e.g. {key}={kept[0]}, or run one "
+                    f"job per value with -m: `llmtrain train -m {key}={','.join(kept)}`.")
+    return f"Cannot parse the command-line override: {' '.join(str(err).split())}"
+
+
+def _sweep_without_multirun(override: Override) -> str:
+    """A sweep outside -m: which command runs it, the single value that runs one job, and, only where
+    the key holds a list, how to set the list itself."""
+    from llmtrain.config.hydra import takes_list
+
+    line, key = override.input_line, override.key_or_group
+    raw = line.partition("=")[2]
+    if override.is_discrete_sweep():
+        plain = not set("[]{}()'\"") & set(raw)  # the first value as typed (1e-3, not 0.001) where it is plain
+        first = raw.split(",")[0] if plain else next(iter(override.sweep_string_iterator()))
+        one = f"give one value, e.g. {line.partition('=')[0]}={first}"
+    else:
+        one = "give one value"
+    kind = "a comma list of values" if override.value_type.name == "SIMPLE_CHOICE_SWEEP" else raw.partition("(")[0] + "()"
+    message = (f"'{line}' is a sweep ({kind}), which runs one job per value and needs -m: "
+               f"`llmtrain train -m {line}`; for one run, {one}.")
+    if override.value_type.name == "SIMPLE_CHOICE_SWEEP" and (takes_list(key) or key in _list_groups()):
+        message += f" To set '{key}' to the list itself, put it in brackets and quote it: '{line.partition('=')[0]}=[{raw}]'."
+    return message
+
+
+def _list_groups() -> set[str]:
+    """The groups that take a list of options (preset=[stable,fast]): those whose default in
+    conf/config.yaml is a list."""
+    import yaml
+
+    defaults = yaml.safe_load((conf_dir() / "config.yaml").read_text())["defaults"]
+    return {key for entry in defaults if isinstance(entry, dict) for key, value in entry.items() if isinstance(value, list)}
+
+
 def _composition_error(err: Exception) -> Exception:
-    from hydra.errors import MissingConfigException, OverrideParseException
+    from hydra.errors import MissingConfigException
     from omegaconf.errors import OmegaConfBaseException
 
     from llmtrain.config.hydra import describe_omegaconf_error
@@ -137,13 +223,14 @@ def _composition_error(err: Exception) -> Exception:
         missing = err.missing_cfg_file or ""
         group, _, option = missing.rpartition("/")
         if err.options and group:
+            options = sorted(err.options)
+            close = difflib.get_close_matches(option, options, n=1)  # as an unknown key gets its close match
+            hint = f" Did you mean {group}={close[0]}?" if close else ""
+            example = "" if close else f" (e.g. {group}={options[0]})"
             return ConfigError(
-                f"Unknown option '{option}' for config group '{group}'. Valid options: {', '.join(sorted(err.options))} "
-                f"(e.g. {group}={sorted(err.options)[0]})."
+                f"Unknown option '{option}' for config group '{group}'.{hint} Valid options: {', '.join(options)}{example}."
             )
         return ConfigError(" ".join(str(err).split()))
-    if isinstance(err, OverrideParseException):
-        return ConfigError(f"Cannot parse the command-line override: {' '.join(str(err).split())}")
     cause: BaseException | None = err
     while cause is not None:
         if isinstance(cause, OmegaConfBaseException):

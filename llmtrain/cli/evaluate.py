@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from llmtrain.cli.common import check_config_dir, fail, flush_denormals_first
+from llmtrain.cli.common import check_config_dir, fail, flush_denormals_first, parse_command_line
 
 if TYPE_CHECKING:
     import argparse
@@ -55,7 +55,7 @@ def eval_command(args: list[str]) -> None:
                         "the left, and say so once)")
     parser.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:N or mps")
     parser.add_argument("--config-dir", "-cd", default=None, help="a folder of your own group options (as for train)")
-    opts = parser.parse_intermixed_args(args)  # options may come after the overrides, or between them
+    opts = parse_command_line(parser, args, intermixed=True)  # options may come after the overrides, or between them
     check_config_dir(opts.config_dir)
     if not opts.model_dir.is_dir():
         fail(f"'{opts.model_dir}' is not a folder; give a run directory that `llmtrain train` wrote (its banner prints "

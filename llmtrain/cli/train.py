@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from llmtrain.cli.commands import compare_command
-from llmtrain.cli.common import check_config_dir, conf_dir, fail, flush_denormals_first, given
+from llmtrain.cli.common import check_config_dir, conf_dir, fail, flush_denormals_first, given, parse_command_line
 from llmtrain.cli.compose import upgrade_overrides, validate_overrides
 from llmtrain.distributed.launch import RanksStopped, ranks_from_submitit_tasks, run_local_ranks, shared_run_dir
-from llmtrain.errors import EXIT_INTERRUPTED, EXIT_USER_ERROR, RunStopped, StoppedBeforeStart, UserError
+from llmtrain.errors import EXIT_INTERRUPTED, EXIT_USER_ERROR, Interrupted, RunStopped, StoppedBeforeStart, UserError
 from llmtrain.runs import files
 
 if TYPE_CHECKING:
@@ -37,7 +37,9 @@ def train_command(args: list[str]) -> None:
     from hydra._internal.utils import get_args_parser
 
     args = upgrade_overrides(args)  # `report=false` and the like, before Hydra parses them
-    parsed = get_args_parser().parse_args(args)
+    parser = get_args_parser()
+    parser.prog = "llmtrain train"
+    parsed = parse_command_line(parser, args)  # `--max_steps 30` is refused with the override it means
     if parsed.help:
         print(train_help(parsed.config_dir))
         return
@@ -59,13 +61,13 @@ def train_command(args: list[str]) -> None:
         except UserError as err:
             fail(str(err))
     runs = not parsed.shell_completion and not parsed.hydra_help and not (parsed.cfg or parsed.info)
-    sweep_dir = None
+    sweep_dir, run_dirs = None, []
     if runs:
         try:  # before any work: a run dir that cannot be written is a mistake like a bad value
             if parsed.multirun:
                 sweep_dir, args = _plan_sweep_dir(parsed.overrides, args)
             else:
-                args = _plan_run_dir(args, parsed.config_dir, parsed.config_name)
+                args, run_dirs = _plan_run_dir(args, parsed.config_dir, parsed.config_name)
         except UserError as err:
             fail(str(err))
     if not parsed.shell_completion and not parsed.hydra_help:
@@ -79,11 +81,14 @@ def train_command(args: list[str]) -> None:
             fail(str(err))
     try:
         run_hydra(args, train_task)
-    except SystemExit as stop:
-        if sweep_dir is not None and stop.code == EXIT_USER_ERROR:  # a refused job: a new sweep dir goes if it holds no run
-            from llmtrain.runs.rundir import discard_created
+    except BaseException:
+        # Refused, or stopped before a run was accepted: a dir this command made goes if it holds no run.
+        # train_task removes its run's own; this also covers a signal landing between Hydra making the
+        # run dir and the task's start, and a new sweep dir left with nothing but Hydra's multirun.yaml.
+        from llmtrain.runs.rundir import discard_created
 
-            discard_created(sweep_dir, only_if_empty=True, keep=frozenset({"multirun.yaml"}))
+        for made in ([sweep_dir] if sweep_dir is not None else run_dirs):
+            discard_created(made, only_if_empty=True, keep=frozenset({"multirun.yaml"} if sweep_dir else ()))
         raise
     if sweep_dir is not None and os.environ.get("RANK", "0") == "0" and Path(sweep_dir).is_dir():
         compare_command([sweep_dir])  # a sweep ends with its comparison table
@@ -106,25 +111,25 @@ def _plan_sweep_dir(overrides: list[str], args: list[str]) -> tuple[str, list[st
     return sweep_dir, args
 
 
-def _plan_run_dir(args: list[str], extra_dir: str | None, config_name: str | None) -> list[str]:
+def _plan_run_dir(args: list[str], extra_dir: str | None, config_name: str | None) -> tuple[list[str], list[Path]]:
     """Check the dirs a run will write (hydra.run.dir, and out_dir when set) before any work, and
     note those that do not exist yet, so that a refused run removes them again. A name Hydra
     would take from the clock (${now:...}) is fixed here, so that the dir checked is the dir Hydra
-    makes. Returns the arguments for Hydra."""
+    makes. Returns the arguments for Hydra and the dirs checked."""
     from hydra._internal.utils import get_args_parser
 
     from llmtrain.runs.rundir import check_dir
 
     planned = _planned_dirs(get_args_parser().parse_args(args).overrides, extra_dir, config_name)
     if planned is None:  # the composition fails: validate_overrides says why, in one paragraph
-        return args
+        return args, []
     raw, run_dir, out_dir = planned
     if "${" in raw and re.fullmatch(r"[\w./:@%+~-]+", run_dir):
         args = [*args, f"hydra.run.dir={run_dir}"]
-    check_dir("hydra.run.dir", run_dir)
+    checked = [check_dir("hydra.run.dir", run_dir)]
     if out_dir is not None:
-        check_dir("out_dir", out_dir)
-    return args
+        checked.append(check_dir("out_dir", out_dir))
+    return args, checked
 
 
 def _planned_dirs(overrides: list[str], extra_dir: str | None, config_name: str | None) -> tuple[str, str, str | None] | None:
@@ -239,7 +244,8 @@ def _run_task(node, describe: Callable[[Path], None]) -> float | None:
         fail(str(err))
     except RunStopped as stopped:
         if not isinstance(stopped, StoppedBeforeStart):  # stopped while setting up: the run dir stays as it was
-            _report_after_run(cfg)  # an interrupted run is reviewed too
+            # A stop by an alarm, a NaN or a failed save is reviewed; one asked for (a signal) leaves at once.
+            _report_after_run(cfg, later=isinstance(stopped, Interrupted))
         fail(f"{stopped}\n{resume_hint(stopped.run_dir or cfg.out_dir)}", stopped.exit_code, label="stopped")
     if result.val_losses:
         return result.final_val_loss
@@ -262,14 +268,20 @@ def _train_on_local_ranks(cfg: Config, resume_hint: Callable[[object], str], des
     return ran.final_val_loss if ran.final_val_loss is not None else ran.final_train_loss
 
 
-def _report_after_run(cfg: Config) -> None:
+def _report_after_run(cfg: Config, later: bool = False) -> None:
     """`train` ends with the post-run review (report.enabled), written by rank 0 and printed as
     report.console says. The run's own results are on disk by then: a report that fails is a
-    warning, never a failed run."""
+    warning, never a failed run. `later`: a run stopped on request gets a line instead, since the
+    review (plots, the weights reloaded) takes as long as several steps and the user is waiting."""
     if not cfg.report.enabled or os.environ.get("RANK", "0") != "0" or not (Path(cfg.out_dir) / files.METRICS).is_file():
         return
-    from llmtrain.runs.report import render_console, write_report
     from llmtrain.sinks import default_console
+
+    if later:
+        default_console().print(f"post-run review: not written, to stop promptly; `llmtrain report {cfg.out_dir}` "
+                                "writes it", markup=False, highlight=False)
+        return
+    from llmtrain.runs.report import render_console, write_report
 
     try:
         render_console(write_report(Path(cfg.out_dir)), default_console(), cfg.report.console.value)

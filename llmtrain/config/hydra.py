@@ -122,13 +122,47 @@ def unknown_key_message(full_key: str) -> str:
         return _mapping_key_message(full_key, parent)
     found = _schema_for_key(full_key)
     fields = list(schema_fields(found[0])) if found else []
-    # `n_layer=4` meant `model.n_layer=4`: an exact key of a group beats a fuzzy top-level match.
-    nested = [] if parent else [f"{g}.{leaf}" for g in GROUPS if leaf in schema_fields(field_type(schema_fields(Config)[g].type))]
-    close = nested or [f"{parent + '.' if parent else ''}{c}" for c in difflib.get_close_matches(leaf, fields, n=1)]
-    hint = f" Did you mean '{close[0]}'?" if close else ""
+    close = _close_key(full_key)
+    hint = f" Did you mean '{close}'?" if close else ""
     where = f"under '{parent}'" if parent else "at the top level"
     valid = f" Valid keys {where}: {', '.join(fields)}." if fields else ""
     return f"Unknown config key '{full_key}'.{hint}{valid}"
+
+
+def closest_key(key: str) -> str | None:
+    """The config key a user most likely meant by `key` (typed as `--key`, or without its '='): `key`
+    itself when it is one (hydra.* keys included), else the close match an unknown key gets; None when
+    nothing is close."""
+    parent, _, leaf = key.rpartition(".")
+    found = _schema_for_key(key)
+    if key.startswith("hydra.") or (found and found[1] in schema_fields(found[0])):
+        return key
+    if parent in MAPPING_KEYS and leaf in MAPPING_KEYS[parent]:
+        return key
+    return _close_key(key)
+
+
+def _close_key(full_key: str) -> str | None:
+    """The key meant by an unknown one: `lr` -> optim.lr (an exact key of a group beats a fuzzy
+    top-level match), `max_step` -> max_steps (difflib, within the same section); None if none is close."""
+    parent, _, leaf = full_key.rpartition(".")
+    if parent in MAPPING_KEYS:
+        close = difflib.get_close_matches(leaf, MAPPING_KEYS[parent], n=1)
+        return f"{parent}.{close[0]}" if close else None
+    if not parent:
+        nested = [f"{g}.{leaf}" for g in GROUPS if leaf in schema_fields(field_type(schema_fields(Config)[g].type))]
+        if nested:
+            return nested[0]
+    found = _schema_for_key(full_key)
+    close = difflib.get_close_matches(leaf, list(schema_fields(found[0])), n=1) if found else []
+    return f"{parent + '.' if parent else ''}{close[0]}" if close else None
+
+
+def takes_list(key: str) -> bool:
+    """Whether the schema's `key` holds a list (data.seq_len_schedule, eval.tasks): there `key=[a,b]`
+    is one value, where a bare comma list is a sweep."""
+    typed = _key_type(key)
+    return typed is not None and typing.get_origin(typed[0]) is list
 
 
 def _mapping_key_message(full_key: str, mapping: str) -> str:
@@ -140,8 +174,8 @@ def _mapping_key_message(full_key: str, mapping: str) -> str:
     if leaf in names:
         return (f"Unknown config key '{full_key}': '{leaf}' is a valid name, but '{mapping}' has no entry for it yet, "
                 f"and Hydra adds a key only with '+': use '+{full_key}=...'.")
-    close = difflib.get_close_matches(leaf, names, n=1)
-    hint = f" Did you mean '{mapping}.{close[0]}'?" if close else ""
+    close = _close_key(full_key)
+    hint = f" Did you mean '{close}'?" if close else ""
     return f"Unknown config key '{full_key}'.{hint} Valid names under '{mapping}': {', '.join(names)} ({adding})."
 
 

@@ -6,18 +6,20 @@ regular files are opened (a FIFO would block forever, /dev/zero never ends), eac
 size limit that is checked before it is read, JSON and YAML nested past the parser's depth are
 refused, and YAML whose aliases expand to more values than any config holds (a "billion laughs"
 file: nine lines, 10^9 values) is refused before anything walks it. Every refusal is an
-`UnreadableFile` (a `UserError`: one paragraph, exit 2) naming the file and what is wrong with it.
+`UnreadableFile` (a `ConfigError`: one paragraph, exit 2) naming the file and what is wrong with it.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from llmtrain.errors import UserError
+from llmtrain.errors import ConfigError
 
 MB = 1 << 20
 # Limits by what a file is: far above any real one (GPT-2's config.json is 1 KB, a composed
@@ -28,8 +30,9 @@ TOKENIZER_BYTES = 256 * MB
 MAX_VALUES = 100_000
 
 
-class UnreadableFile(UserError):
-    """A file that cannot be read safely: not a regular file, too large, not text, not parseable."""
+class UnreadableFile(ConfigError):
+    """A file that cannot be read safely: not a regular file, too large, not text, not parseable (a
+    ConfigError: what the command was given is unusable, exit 2)."""
 
 
 def regular_file_problem(path: Path) -> str | None:
@@ -102,6 +105,27 @@ def parse_json(text: str | bytes, where: str, allow_nan: bool = False) -> Any:
 def read_json(path: Path, what: str, limit: int = CONFIG_BYTES, allow_nan: bool = False) -> Any:
     """A JSON file, within `limit` bytes."""
     return parse_json(read_text(path, what, limit), f"{path} ({what})", allow_nan)
+
+
+def read_lines(path: Path, what: str, line_limit: int) -> Iterator[tuple[int, bytes]]:
+    """(line number from 1, the line's bytes with its line break) of a regular file, read one line at
+    a time: a line longer than `line_limit` bytes (a binary file, a whole data set on one line) is
+    refused naming its number, after reading no more than `line_limit` bytes of it."""
+    path = Path(path)
+    require_regular_file(path, what)
+    try:
+        with open(path, "rb") as handle:
+            for number in itertools.count(1):
+                line = handle.readline(line_limit + 1)
+                if not line:
+                    return
+                if len(line) > line_limit and not (len(line) == line_limit + 1 and line.endswith(b"\n")):
+                    raise UnreadableFile(f"{path}:{number} ({what}) is a line longer than {_size(line_limit)}, far more "
+                                         "than one line of such a file holds; it is not what it claims to be (a binary "
+                                         "file, or a whole data set on one line).")
+                yield number, line
+    except OSError as err:
+        raise UnreadableFile(f"{path} ({what}) cannot be read ({err.strerror or type(err).__name__}).") from None
 
 
 def parse_yaml(text: str, where: str, max_values: int = MAX_VALUES) -> Any:

@@ -81,7 +81,7 @@ def jsonl_documents(source: SourceFile, field: str) -> Iterator[tuple[str, bytes
                 continue
             try:
                 record = json.loads(raw)
-            except ValueError as err:
+            except (ValueError, RecursionError) as err:  # RecursionError: nested thousands of levels deep
                 raise ConfigError(
                     f"{source.path}:{number} is not valid JSON ({err}); each line of a .jsonl file must be one JSON "
                     f"object such as {{\"{field}\": \"...\"}}. Fix or remove that line."
@@ -98,7 +98,13 @@ def jsonl_documents(source: SourceFile, field: str) -> Iterator[tuple[str, bytes
                     "the field that holds the text."
                 )
             if record[field]:
-                yield f"{source.name}:{number}", record[field].encode("utf-8")
+                try:
+                    text = record[field].encode("utf-8")
+                except UnicodeEncodeError:  # "\ud800" in the JSON: half a surrogate pair, no character
+                    raise ConfigError(f"{source.path}:{number}: the field '{field}' holds an unpaired surrogate "
+                                      "(escaped as \\uD800-\\uDFFF in the JSON), which is not a character; remove "
+                                      "it.") from None
+                yield f"{source.name}:{number}", text
 
 
 def json_kind(value: object) -> str:

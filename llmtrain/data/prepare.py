@@ -66,6 +66,7 @@ FORMAT_VERSION = 2
 class PreparedData:
     directory: Path
     meta: dict
+    built: bool = False  # built by this call, not reused from the cache (prepare's summary says which)
 
     @property
     def vocab_size(self) -> int:
@@ -416,7 +417,7 @@ def _build(
         for writer in writers.values():
             writer.file.close()  # already closed after a whole build; an interrupted one leaves them open
         shutil.rmtree(tmp, ignore_errors=True)
-    return PreparedData(directory, meta)
+    return PreparedData(directory, meta, built=True)
 
 
 def _log_decoded(decoded: dict[str, str], log: Callable[[str], None]) -> None:
@@ -443,7 +444,8 @@ def _token_facts(counts: np.ndarray, tokenizer: Tokenizer) -> dict:
 
 
 def _file_facts(scan: _Scan) -> dict:
-    """The degenerate source files (NUL bytes, whitespace only, undecodable...) for the check."""
+    """The degenerate source files (binary, UTF-16/32 without a byte-order mark, NUL bytes, whitespace
+    only, undecodable...) for the check: see data/quality.py."""
     listed, count = degenerate_files(scan.file_facts)
     replacements = sum(f["replacements"] for f in scan.file_facts)
     characters = sum(f["characters"] for f in scan.file_facts)
@@ -529,8 +531,10 @@ def _fit_tokenizer(
     train_bytes = train_bytes if tail_cut is None else tail_cut
     stride = max(1, math.ceil(train_bytes / cfg.bpe_sample_bytes))  # every stride-th train document
     planned = min(train_bytes, cfg.bpe_sample_bytes)
-    log(f"training a byte-level BPE tokenizer (vocabulary {cfg.bpe_vocab_size}) on about {_size(planned)} of the "
-        f"train split ({_size(train_bytes)}; data.bpe_sample_bytes={cfg.bpe_sample_bytes})")
+    sample_of = (f"the whole train split ({_size(train_bytes)})" if planned == train_bytes else
+                 f"about {_size(planned)} of the train split's {_size(train_bytes)} "
+                 f"(data.bpe_sample_bytes={cfg.bpe_sample_bytes})")
+    log(f"training a byte-level BPE tokenizer (vocabulary {cfg.bpe_vocab_size}) on {sample_of}")
     bar.start("training BPE (reading the sample)", planned)
 
     def sample() -> Iterator[str]:
@@ -740,7 +744,7 @@ def _write(directory: Path, arrays: dict[str, np.ndarray], tokenizer: Tokenizer,
         _commit(tmp, directory)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return PreparedData(directory, meta)
+    return PreparedData(directory, meta, built=True)
 
 
 def _build_instructions(

@@ -21,6 +21,8 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: list[int]) -> str: ...
 
+    def token_bytes(self) -> list[bytes | None] | None: ...  # what each id decodes to (None: special)
+
     def to_dict(self) -> dict: ...
 
 
@@ -39,8 +41,91 @@ class ByteTokenizer:
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if i != self.eos_id).decode("utf-8", errors="replace")
 
+    def token_bytes(self) -> list[bytes | None]:
+        """What each id decodes to (for `Utf8Guard`); None for end-of-text."""
+        return [None if i == self.eos_id else bytes([i]) for i in range(self.vocab_size)]
+
     def to_dict(self) -> dict:
         return {"kind": "byte"}
+
+
+class Utf8Guard:
+    """Keeps generated tokens valid UTF-8 when they are decoded: `banned(size)` marks the ids that
+    cannot come next, `advance(id)` takes the one that came. A byte-level model (byte tokens, or BPE
+    tokens that are byte strings) can put a continuation byte between characters or start a new
+    character inside one; decoding that gives U+FFFD. `token_bytes[i]` is what id i decodes to (None:
+    a special token, e.g. end-of-text, allowed only between characters). The UTF-8 rules are RFC
+    3629's: no overlong forms, no surrogates, nothing past U+10FFFF. The banned ids of each of the
+    few states between and inside characters are computed once, when first met."""
+
+    # The first continuation byte's range after each lead byte that restricts it.
+    FIRST = {0xE0: (0xA0, 0xBF), 0xED: (0x80, 0x9F), 0xF0: (0x90, 0xBF), 0xF4: (0x80, 0x8F)}
+    BETWEEN = (0, 0x80, 0xBF)  # (continuation bytes still to come, their first one's range)
+
+    def __init__(self, token_bytes: list[bytes | None]) -> None:
+        self.token_bytes = token_bytes
+        self.state = self.BETWEEN
+        self.pending = 0  # bytes of the unfinished character so far (0: between characters)
+        self._banned: dict[tuple[int, int, int], np.ndarray] = {}
+
+    @classmethod
+    def step(cls, state: tuple[int, int, int], byte: int) -> tuple[int, int, int] | None:
+        """The state after `byte`, or None when UTF-8 cannot have it there."""
+        need, low, high = state
+        if need:
+            return (need - 1, 0x80, 0xBF) if low <= byte <= high else None
+        if byte < 0x80:
+            return state
+        if 0xC2 <= byte <= 0xF4:
+            return (1 if byte < 0xE0 else 2 if byte < 0xF0 else 3, *cls.FIRST.get(byte, (0x80, 0xBF)))
+        return None
+
+    def _after(self, state: tuple[int, int, int], data: bytes | None) -> tuple[int, int, int] | None:
+        if data is None:  # a special token: only between characters
+            return state if state[0] == 0 else None
+        for byte in data:
+            state = self.step(state, byte)
+            if state is None:
+                return None
+        return state
+
+    def banned(self, size: int) -> np.ndarray:
+        """A bool array over `size` ids: True where the id may not come next (and past the tokenizer's ids)."""
+        mask = self._banned.get(self.state)
+        if mask is None:
+            mask = np.array([self._after(self.state, data) is None for data in self.token_bytes], dtype=bool)
+            self._banned[self.state] = mask
+        return mask[:size] if len(mask) >= size else np.concatenate([mask, np.ones(size - len(mask), dtype=bool)])
+
+    def advance(self, token: int) -> None:
+        data = self.token_bytes[token] if token < len(self.token_bytes) else None
+        state, pending = self.state, self.pending
+        for byte in b"" if data is None else data:
+            state = self.step(state, byte)
+            if state is None:  # an id banned() did not allow: start over between characters
+                state, pending = self.BETWEEN, 0
+                break
+            pending = 0 if state[0] == 0 else pending + 1
+        self.state, self.pending = state, pending
+
+
+def byte_level_token_bytes(inner) -> list[bytes | None] | None:
+    """token id -> bytes of a `tokenizers` tokenizer whose tokens are byte-level strings (GPT-2's
+    alphabet: a ByteLevel decoder), special tokens None; None for any other kind of tokenizer."""
+    decoder = json.loads(inner.to_str()).get("decoder") or {}
+    kinds = {decoder.get("type")} | {d.get("type") for d in decoder.get("decoders") or [] if isinstance(d, dict)}
+    if "ByteLevel" not in kinds:
+        return None
+    alphabet = byte_level_chars()
+    special = {token.content for token in inner.get_added_tokens_decoder().values() if token.special}
+    out: list[bytes | None] = []
+    for i in range(inner.get_vocab_size(with_added_tokens=True)):
+        token = inner.id_to_token(i)
+        if token is None or token in special or any(c not in alphabet for c in token):
+            out.append(None)
+        else:
+            out.append(bytes(alphabet[c] for c in token))
+    return out
 
 
 class CharTokenizer:
@@ -79,6 +164,9 @@ class CharTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return "".join(self.chars[i] for i in ids if i != self.eos_id)
+
+    def token_bytes(self) -> list[bytes | None]:
+        return [c.encode("utf-8", errors="surrogatepass") for c in self.chars] + ([None] if self.eos_id is not None else [])
 
     def to_dict(self) -> dict:
         return {"kind": "char", "chars": self.chars, "end_of_text": self.eos_id is not None}
@@ -142,6 +230,9 @@ class BPETokenizer:
                 self._fast = fast
         return self._fast
 
+    def token_bytes(self) -> list[bytes | None] | None:
+        return byte_level_token_bytes(self.inner)
+
     def decode(self, ids: list[int]) -> str:
         return self.inner.decode(list(ids))
 
@@ -177,7 +268,7 @@ class PretrainedTokenizer:
 
         path = _tokenizer_folder(location, key)
         file = path / TOKENIZER
-        if not file.is_file():
+        if not os.path.lexists(file):  # anything else there (a FIFO, a folder) is named by the reader
             raise ConfigError(f"{key}={location} has no {TOKENIZER}, so its token ids are unknown; the folder is "
                               "incomplete: copy the model's tokenizer.json into it (it comes with the model, e.g. "
                               "from `hf download NAME --local-dir FOLDER`).")
@@ -206,6 +297,10 @@ class PretrainedTokenizer:
         """Many texts at once, on all cores (tokenizers' Rust thread pool), as uint32 arrays."""
         return [np.asarray(ids, dtype=np.uint32) for ids in self.encode_batch(texts)]
 
+    def token_bytes(self) -> list[bytes | None] | None:
+        """Byte-level tokenizers' (GPT-2, SmolLM); None for others (SentencePiece pieces)."""
+        return byte_level_token_bytes(self.inner)
+
     def decode(self, ids: list[int]) -> str:
         return self.inner.decode(list(ids), skip_special_tokens=True)
 
@@ -230,10 +325,12 @@ def _tokenizer_folder(location: str, key: str) -> Path:
 def _read_tokenizer_json(file: Path):
     from tokenizers import Tokenizer as HFTokenizer
 
+    from llmtrain.core.readers import TOKENIZER_BYTES, read_text
     from llmtrain.errors import ConfigError
 
+    text = read_text(file, "a tokenizer", TOKENIZER_BYTES)  # a regular file of a tokenizer's size, UTF-8
     try:
-        return HFTokenizer.from_file(str(file))
+        return HFTokenizer.from_str(text)
     except Exception as err:  # tokenizers raises a bare Exception for unreadable JSON or an unknown model
         raise ConfigError(f"{file} is not a tokenizer the `tokenizers` library can read ({str(err)[:200]}); the "
                           "folder is damaged: download or save it again.") from None
@@ -251,11 +348,14 @@ def _special_ids(path: Path, inner, key: str) -> tuple[int | None, int | None, s
         if eos is not None:
             return bos, eos, CONFIG
     settings = path / TOKENIZER_CONFIG
-    if settings.is_file():
+    if os.path.lexists(settings):
+        from llmtrain.core.readers import UnreadableFile, read_json
+
         try:
-            data = json.loads(settings.read_text())
-        except (OSError, UnicodeDecodeError, ValueError):
+            data = read_json(settings, "the tokenizer's settings")
+        except UnreadableFile:
             data = {}  # optional file; the well-known names are tried next
+        data = data if isinstance(data, dict) else {}
         names = {k: v.get("content") if isinstance(v, dict) else v for k, v in data.items()
                  if k in ("bos_token", "eos_token")}
         if bos is None and isinstance(names.get("bos_token"), str):
@@ -325,6 +425,10 @@ class TiktokenTokenizer:
     def encode_arrays(self, texts: list[str]) -> list[np.ndarray]:
         return tiktoken_arrays(self.inner, texts)
 
+    def token_bytes(self) -> list[bytes | None]:
+        specials = set(self.special_tokens.values())
+        return [None if i in specials else self.inner.decode_single_token_bytes(i) for i in range(self.vocab_size)]
+
     def decode(self, ids: list[int]) -> str:
         return self.inner.decode([i for i in ids if i != self.eos_id], errors="replace")
 
@@ -383,6 +487,9 @@ def _tiktoken_cache_dir() -> str:
         tempfile.gettempdir(), "data-gym-cache")
 
 
+TOKENIZER_KINDS = ("byte", "char", "bpe", "tiktoken", "pretrained")
+
+
 def tokenizer_from_dict(data: dict) -> Tokenizer:
     if data["kind"] == "byte":
         return ByteTokenizer()
@@ -396,7 +503,7 @@ def tokenizer_from_dict(data: dict) -> Tokenizer:
         return TiktokenTokenizer.from_dict(data)
     if data["kind"] == "pretrained":
         return PretrainedTokenizer.from_dict(data)
-    raise ValueError(f"unknown tokenizer kind {data['kind']!r}; valid: byte, char, bpe, tiktoken, pretrained")
+    raise ValueError(f"unknown tokenizer kind {data['kind']!r}; valid: {', '.join(TOKENIZER_KINDS)}")
 
 
 def save_tokenizer(tokenizer: Tokenizer, path: Path) -> None:
@@ -404,4 +511,18 @@ def save_tokenizer(tokenizer: Tokenizer, path: Path) -> None:
 
 
 def load_tokenizer(path: Path) -> Tokenizer:
-    return tokenizer_from_dict(json.loads(path.read_text()))
+    """A tokenizer.json that `save_tokenizer` wrote (a run's, an export's); UserError naming the file
+    when it is not one (truncated, another program's, of an unknown kind)."""
+    from llmtrain.core.readers import TOKENIZER_BYTES, read_json
+    from llmtrain.errors import UserError
+
+    data = read_json(path, "the run's tokenizer", TOKENIZER_BYTES)
+    kind = data.get("kind") if isinstance(data, dict) else None
+    if kind not in TOKENIZER_KINDS:
+        raise UserError(f"{path} is not a tokenizer llmtrain wrote: its kind is {kind!r}, not one of "
+                        f"{', '.join(TOKENIZER_KINDS)}; the run directory is damaged.")
+    try:
+        return tokenizer_from_dict(data)
+    except Exception as err:  # noqa: BLE001 - a missing field, a wrong type, the tokenizers library refusing its JSON
+        raise UserError(f"{path} is not a readable {kind} tokenizer ({type(err).__name__}: {str(err)[:200]}); the "
+                        "run directory is damaged.") from None

@@ -13,6 +13,7 @@ acc_token, the argmax of the mean log-likelihood per token (nanoGPT-style HellaS
 
 from __future__ import annotations
 
+import codecs
 import json
 import math
 import re
@@ -23,9 +24,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from llmtrain.core.readers import UnreadableFile, parse_json, read_lines
 from llmtrain.data.corpus import json_kind
 from llmtrain.errors import UserError
-from llmtrain.evaluation.specs import TaskSpec, encodable
+from llmtrain.evaluation.specs import TASK_BYTES, TaskSpec, encodable, target_problem
 
 if TYPE_CHECKING:
     from llmtrain.config.schema import EvalConfig
@@ -36,6 +38,12 @@ CONTEXT_FIELDS = ("ctx", "context")
 ENDING_FIELDS = ("endings", "choices")
 LABEL_FIELDS = ("label",)
 TARGET_DELIMITER = " "  # lm-eval's default between a context and each choice
+# A HellaSwag line is ~1 KB: a 1 MB one is no example but a binary file or a data set on one line,
+# refused before the rest of it is read (json.loads of a 48 MB line peaked at 1.75 GB).
+LINE_BYTES = 1 << 20
+# Real tasks have 2 to a few dozen endings; each one is another encoding of the context and another
+# request, so a line of a million one-letter endings would be a million of each.
+MAX_ENDINGS = 1_000
 
 
 @dataclass(frozen=True)
@@ -48,19 +56,25 @@ class Example:
 
 def read_multiple_choice(spec: TaskSpec, cfg: EvalConfig) -> MultipleChoiceSource:
     """The file's first eval.limit examples, each line checked; UserError naming file:line for a
-    line that is not a JSON object, a missing field, bad endings or a bad label; or no example."""
-    path = Path(spec.target)
-    if not path.is_file():
-        what = "is a folder" if path.is_dir() else f"does not exist (resolved to {path.resolve()})"
-        raise UserError(f"'{spec.name}': {spec.target} {what}; give one JSON-lines file with a context, endings and "
-                        "a label per line (HellaSwag's format).")
-    examples = []
-    with open(path, "rb") as fh:
-        for number, raw in enumerate(fh, start=1):
-            if cfg.limit is not None and len(examples) >= cfg.limit:
-                break
-            if raw.strip():
-                examples.append(parse_example(raw, f"{spec.target}:{number}"))
+    line that is too long, not UTF-8, not a JSON object, lacks a field, or has bad endings or a bad
+    label; UserError for a path that is not a regular file, more than TASK_BYTES, or no example."""
+    problem = target_problem(spec)
+    if problem is not None:
+        raise UserError(f"'{spec.name}': {spec.target} {problem}; give one JSON-lines file with a context, endings "
+                        "and a label per line (HellaSwag's format).")
+    examples, read = [], 0
+    for number, raw in read_lines(Path(spec.target), "a multiple-choice file", LINE_BYTES):
+        if cfg.limit is not None and len(examples) >= cfg.limit:
+            break
+        read += len(raw)
+        if read > TASK_BYTES:
+            raise UserError(f"'{spec.name}': {spec.target} holds more than {TASK_BYTES >> 30} GB of examples by line "
+                            f"{number} (HellaSwag's validation set is 12 MB), more than is held in memory to score; "
+                            "set eval.limit=N to score its first N examples, or split it.")
+        if number == 1:
+            raw = raw.removeprefix(codecs.BOM_UTF8)  # a byte-order mark some editors write: not part of the JSON
+        if raw.strip():
+            examples.append(parse_example(raw, f"{spec.target}:{number}"))
     if not examples:
         raise UserError(f"'{spec.name}': {spec.target} has no example (no non-blank line); each line is one JSON "
                         'object like {"ctx": "...", "endings": ["...", "..."], "label": 0}.')
@@ -70,9 +84,14 @@ def read_multiple_choice(spec: TaskSpec, cfg: EvalConfig) -> MultipleChoiceSourc
 def parse_example(raw: bytes, where: str) -> Example:
     example = '{"ctx": "A man is", "endings": ["running.", "a dog."], "label": 0}'
     try:
-        record = json.loads(raw)
-    except ValueError as err:  # JSONDecodeError and UnicodeDecodeError both
-        raise UserError(f"{where} is not valid JSON ({err}); each line must be one JSON object such as {example}.") from None
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise UserError(f"{where} is not UTF-8 text (byte {err.start + 1} of the line is 0x{raw[err.start]:02X}); each "
+                        f"line must be one JSON object in UTF-8, such as {example}.") from None
+    try:
+        record = parse_json(text, where, allow_nan=True)  # NaN in a field llmtrain ignores is no harm
+    except UnreadableFile as err:  # not JSON, or nested thousands deep
+        raise UserError(f"{err} Each line must be one JSON object such as {example}.") from None
     if not isinstance(record, dict):
         raise UserError(f"{where} is {json_kind(record)}, not a JSON object; each line must be one such as {example}.")
     context = _field(record, CONTEXT_FIELDS, where)
@@ -84,10 +103,27 @@ def parse_example(raw: bytes, where: str) -> Example:
         shown = json.dumps(endings, ensure_ascii=False)
         raise UserError(f"{where}: the endings must be a list of at least 2 strings (the candidates), not "
                         f"{shown[:200]}.")
+    if len(endings) > MAX_ENDINGS:
+        raise UserError(f"{where} has {len(endings):,} endings; an example has at most {MAX_ENDINGS:,} (real tasks have "
+                        "2 to a few dozen), as each ending is scored with the whole context.")
     if empty := [i for i, e in enumerate(endings) if not e]:
         raise UserError(f"{where}: ending {empty[0]} is empty; every candidate ending needs text (its length "
                         "normalizes acc_norm).")
+    for name, value in (("the context", context), *((f"ending {i}", e) for i, e in enumerate(endings))):
+        _check_text(value, name, where)
     return Example(where, context, endings, _label(label, len(endings), where))
+
+
+def _check_text(value: str, name: str, where: str) -> None:
+    """A JSON string may escape half of a UTF-16 surrogate pair ("\\ud800"), which is no character:
+    no tokenizer can encode it, and some raise a bare TypeError."""
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise UserError(f"{where}: {name} holds an unpaired surrogate (U+{ord(value[err.start]):04X}, escaped as "
+                            f"\\u{ord(value[err.start]):04x} in the JSON), which is not a character; remove it or "
+                            "write the whole character.") from None
 
 
 def _field(record: dict, names: Sequence[str], where: str) -> object:
@@ -129,13 +165,15 @@ class MultipleChoiceSource:
         requests: list[Request] = []
         cut = 0
         for example in self.examples:
-            longest = 0
+            longest, context = 0, None
             for k, ending in enumerate(example.endings):
                 with encodable(example.where):
                     context_ids, ending_ids = encode_pair(tokenizer, example.context, TARGET_DELIMITER + ending, eos_id)
                 _check_ending(example.where, k, ending, len(ending_ids), window)
                 longest = max(longest, len(context_ids) + len(ending_ids))
-                requests.append((context_ids, ending_ids))
+                if context is None:  # encode_pair's context ids depend on the context alone: one array per example
+                    context = np.asarray(context_ids[-(window + 1):], dtype=np.uint32)
+                requests.append((_scored_part(context, len(ending_ids), window), np.asarray(ending_ids, dtype=np.uint32)))
             # The model reads all but the last token: more than the window is cut (as the Scorer does).
             if longest - 1 > window:
                 if not truncate:
@@ -149,6 +187,15 @@ class MultipleChoiceSource:
             log(f"{self.spec.name}: {cut} of {len(self.examples)} examples' contexts are longer than the model's "
                 f"window of {window} tokens and are cut from the left; eval.truncate=false refuses them instead")
         return MultipleChoiceTask(self.spec, self.examples, requests)
+
+
+def _scored_part(context: np.ndarray, ending_tokens: int, window: int) -> np.ndarray:
+    """The end of the context that scoring reads, as a view: the Scorer keeps the last window + 1
+    tokens of context + ending, and one more token here lets it still see that the context was cut.
+    So every ending's request shares one compact array of at most window + 1 ids per example, however
+    long the context is in the file (a 1 MB line's context can be a million ids)."""
+    keep = window + 2 - ending_tokens  # at least 2: the ending fits the window
+    return context[-keep:] if len(context) > keep else context
 
 
 def _check_ending(where: str, index: int, ending: str, tokens: int, window: int) -> None:
@@ -170,7 +217,11 @@ class MultipleChoiceTask:
         self.size = len(requests)
 
     def run(self, scorer: Scorer, progress: Callable[[int], None] | None = None) -> dict[str, float | int]:
-        scores = scorer.loglikelihood(self.requests, progress)
+        from llmtrain.evaluation.scoring import REQUESTS_PER_CALL_PER_BATCH
+
+        chunk = scorer.batch_size * REQUESTS_PER_CALL_PER_BATCH  # prepared windows in memory: at most a chunk's
+        scores = [score for start in range(0, len(self.requests), chunk)
+                  for score in scorer.loglikelihood(self.requests[start:start + chunk], progress)]
         hits: dict[str, list[float]] = {"acc": [], "acc_norm": [], "acc_token": []}
         at = 0
         for example in self.examples:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from llmtrain.errors import ConfigError, UserError
-from llmtrain.evaluation.specs import TaskSpec, encodable
+from llmtrain.evaluation.specs import TASK_BYTES, TaskSpec, encodable, target_problem
 
 if TYPE_CHECKING:
     from llmtrain.config.schema import DataConfig, EvalConfig
@@ -29,9 +29,6 @@ if TYPE_CHECKING:
     from llmtrain.data.tokenizers import Tokenizer
     from llmtrain.evaluation.scoring import Scorer
 
-# Requests scored per Scorer call, in batches: enough that documents shorter than the window batch
-# together (little padding), few enough that a long file's requests are never all in memory.
-REQUESTS_PER_CALL_PER_BATCH = 64
 # Texts tokenized per call of a batch tokenizer (BPE's encode_arrays runs them on all cores).
 TEXTS_PER_ENCODE = 256
 
@@ -53,7 +50,7 @@ class PerplexityTask:
         self.size = sum(request_count(len(ids), window, stride) for ids in documents)
 
     def run(self, scorer: Scorer, progress: Callable[[int], None] | None = None) -> dict[str, float | int]:
-        from llmtrain.evaluation.scoring import rolling_requests
+        from llmtrain.evaluation.scoring import REQUESTS_PER_CALL_PER_BATCH, rolling_requests
 
         logprob, tokens = 0.0, 0
         pending: list = []
@@ -137,7 +134,8 @@ def read_perplexity(spec: TaskSpec, cfg: EvalConfig) -> TextSource:
     """perplexity:PATH: every document of the file(s), the first eval.limit of them; UserError for a
     path that names nothing, a bad JSON line (file:line) or no text at all."""
     files = held_out_files(spec)
-    documents, replaced = read_documents(files_documents(files, cfg.text_field, "eval.text_field"), cfg.limit)
+    documents, replaced = read_documents(files_documents(files, cfg.text_field, "eval.text_field"), cfg.limit,
+                                         spec.name)
     if not documents:
         raise UserError(f"'{spec.name}': {spec.target} holds no text (every document in it is empty); give held-out "
                         "text to score.")
@@ -151,9 +149,10 @@ def held_out_files(spec: TaskSpec) -> list[SourceFile]:
 
     path = Path(spec.target)
     magic = glob.has_magic(spec.target)
-    if not magic and not path.exists():
-        raise UserError(f"'{spec.name}': {spec.target} does not exist (resolved to {path.resolve()}); give a text "
-                        "file, a .jsonl file, a folder of them, or a glob like 'held_out/*.txt'.")
+    problem = None if magic or path.is_dir() else target_problem(spec)  # a FIFO or a device: never opened
+    if problem is not None:
+        raise UserError(f"'{spec.name}': {spec.target} {problem}; give a text file, a .jsonl file, a folder of them, "
+                        "or a glob like 'held_out/*.txt'.")
     files = []
     for source in ("text",) if magic or path.is_file() else ("text", "jsonl"):
         try:
@@ -177,6 +176,10 @@ def files_documents(files: list[SourceFile], text_field: str, field_key: str,
 
     for f in files:
         if not is_jsonl(f):
+            size = f.path.stat().st_size
+            if size > TASK_BYTES:  # one document, read whole: refused before it is read
+                raise UserError(f"{f.path} is {size / 2**30:,.1f} GB, one document more than the "
+                                f"{TASK_BYTES >> 30} GB of text a task holds in memory to score; give a part of it.")
             yield str(f.path), b"".join(piece for _, piece, _ in document_pieces([f], None))
             continue
         try:
@@ -186,14 +189,20 @@ def files_documents(files: list[SourceFile], text_field: str, field_key: str,
             raise ConfigError(str(err).replace("data.text_field", field_key)) from None
 
 
-def read_documents(documents: Iterable[tuple[str, bytes]], limit: int | None,
+def read_documents(documents: Iterable[tuple[str, bytes]], limit: int | None, name: str,
                    skip_invalid: bool = False) -> tuple[list[Document], int]:
     """The first `limit` non-empty documents as text, and how many were not valid UTF-8 (their bad
-    bytes become U+FFFD, data.decode_errors=replace; with `skip_invalid` they are left out)."""
-    out, replaced = [], 0
+    bytes become U+FFFD, data.decode_errors=replace; with `skip_invalid` they are left out). More
+    than TASK_BYTES of them is refused, `name` (the task's entry) saying what."""
+    out, replaced, held = [], 0, 0
     for where, data in documents:
         if limit is not None and len(out) >= limit:
             break
+        held += len(data)
+        if held > TASK_BYTES:
+            raise UserError(f"'{name}' holds more than {TASK_BYTES >> 30} GB of text by {where}, more than a task holds "
+                            "in memory to score; set eval.limit=N to score its first N documents, or give a part of "
+                            "it.")
         try:
             text = data.decode("utf-8")
         except UnicodeDecodeError:
@@ -237,7 +246,7 @@ def data_source(data_cfg: DataConfig, cfg: EvalConfig | None = None) -> TextSour
             "folder or glob of text), data=jsonl data.path=FILE (data.text_field names the field) or data=hf "
             "data.hf_name=..., or name files in eval.tasks=[perplexity:FILE]; perplexity:validation is the run's own "
             "validation split.")
-    documents, replaced = read_documents(pieces, limit, skip)
+    documents, replaced = read_documents(pieces, limit, spec.name, skip)
     if not documents:
         raise UserError(f"{spec.name[len('perplexity:'):]} holds no text (every document is empty); give held-out text.")
     return TextSource(spec, documents, stride, replaced)

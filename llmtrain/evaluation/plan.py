@@ -14,10 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from llmtrain.config.hydra import config_from_dict
 from llmtrain.config.schema import Config, EvalConfig
+from llmtrain.core.readers import UnreadableFile, read_yaml
 from llmtrain.errors import ConfigError, UserError
 from llmtrain.evaluation.specs import VALIDATION, parse_task_specs
 from llmtrain.evaluation.tasks import TaskSource, data_source, read_tasks, validation_source
@@ -96,9 +95,13 @@ def saved_config(model_dir: Path) -> Config | None:
     if not path.is_file():
         return None
     try:
-        return config_from_dict(yaml.safe_load(path.read_text()))
-    except (ConfigError, yaml.YAMLError, OSError, UnicodeDecodeError) as err:
-        reason = " ".join(str(err).split())  # YAML's message spans lines: one paragraph
+        data = read_yaml(path, "a run's config")  # bounded: the folder may come from anyone
+    except UnreadableFile as err:
+        raise UserError(f"{err} Give a run directory that `llmtrain train` wrote, or an export.") from None
+    try:
+        return config_from_dict(data)
+    except ConfigError as err:
+        reason = " ".join(str(err).split())
         raise UserError(f"'{path}' is not a valid llmtrain config ({reason}); give a run directory that "
                         "`llmtrain train` wrote, or an export.") from None
 

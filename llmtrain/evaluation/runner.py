@@ -3,17 +3,21 @@ progress bar per task, the results table, and eval.json in the run dir (or --out
 
 eval.json holds the latest result of every task ever evaluated into that folder: evaluating other
 tasks later adds to it, evaluating a task again replaces that task's entry (each entry says when it
-was made). The lm-evaluation-harness's own results go beside it, as harness-TASK.json, in the form
-the harness writes them.
+was made). One that cannot be read is moved aside under a name of its own, never overwritten. The
+lm-evaluation-harness's own results go beside it, as harness-TASK.json, in the form the harness
+writes them.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
+import os
 import re
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -23,6 +27,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from llmtrain.checkpoint.format import write_atomically
+from llmtrain.core.readers import MB, UnreadableFile, read_json
 from llmtrain.errors import UserError
 from llmtrain.evaluation.scoring import Scorer
 from llmtrain.evaluation.tasks import Task
@@ -33,6 +38,8 @@ from llmtrain.sinks import is_plain, scored_text
 COLUMNS = (("loss", "loss", "{:.4f}"), ("perplexity", "perplexity", "{:.3f}"), ("bits_per_byte", "bits/byte", "{:.4f}"),
            ("acc", "acc", "{:.4f}"), ("acc_norm", "acc_norm", "{:.4f}"))
 COUNTS = ("tokens", "examples", "documents", "bytes")  # how much was scored: shown as one "scored" cell
+# eval.json is ~300 bytes per task entry: a bigger one is not results, and is moved aside unread.
+RESULTS_BYTES = 64 * MB
 
 
 def run_tasks(tasks: Sequence[Task], scorer: Scorer, console: Console) -> dict[str, dict[str, Any]]:
@@ -103,15 +110,17 @@ def _other(metrics: dict[str, Any], shown: set[str]) -> str:
 
 
 def write_results(out_dir: Path, results: dict[str, dict[str, Any]], about: dict[str, Any],
-                  harness: dict[str, dict] | None = None) -> Path:
+                  harness: dict[str, dict] | None = None, warn: Callable[[str], None] | None = None) -> Path:
     """Merge `results` into OUT_DIR/eval.json (written whole or not at all) and write each harness
     task's own results as OUT_DIR/harness-TASK.json; returns eval.json's path. An eval.json that
-    cannot be read is kept as eval.json.unreadable rather than overwritten."""
+    cannot be read is moved aside, never overwritten (eval.json.unreadable, then .unreadable.1, .2,
+    ...), and `warn` says where it went."""
+    warn = warn or (lambda message: print(f"llmtrain: warning: {message}", file=sys.stderr))
     path = out_dir / EVAL_RESULTS
     now = datetime.now(timezone.utc).isoformat(timespec="seconds")
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
-        tasks = _previous_tasks(path)
+        tasks = _previous_tasks(path, warn)
         for name, metrics in results.items():
             # each entry names its model: a folder of results may gather several models' entries
             tasks[name] = {**metrics, "model": about.get("model"), "evaluated_at": now}
@@ -126,16 +135,24 @@ def write_results(out_dir: Path, results: dict[str, dict[str, Any]], about: dict
     return path
 
 
-def _previous_tasks(path: Path) -> dict[str, Any]:
-    if not path.exists():
+def _previous_tasks(path: Path, warn: Callable[[str], None]) -> dict[str, Any]:
+    """The tasks of the eval.json at `path`, read within bounds (it could be anything: a FIFO is
+    never opened); {} when there is none, or when it cannot be read and has been moved aside."""
+    if not os.path.lexists(path):
         return {}
     try:
-        tasks = json.loads(path.read_text()).get("tasks")
+        # allow_nan: a diverged model's perplexity is written as Infinity
+        document = read_json(path, "the evaluation results", RESULTS_BYTES, allow_nan=True)
+        tasks = document.get("tasks") if isinstance(document, dict) else None
         if isinstance(tasks, dict):
             return tasks
-    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
-        pass
-    path.replace(path.with_name(path.name + ".unreadable"))  # kept for the user, not overwritten
+        why = f'{path} is JSON but not evaluation results (it has no "tasks" object).'
+    except UnreadableFile as err:
+        why = str(err)
+    names = itertools.chain([path.name + ".unreadable"], (f"{path.name}.unreadable.{n}" for n in itertools.count(1)))
+    kept = next(path.with_name(name) for name in names if not os.path.lexists(path.with_name(name)))
+    path.rename(kept)  # kept for the user: an earlier one is never replaced
+    warn(f"{why} It is kept as {kept.name}, and a new {path.name} is started.")
     return {}
 
 

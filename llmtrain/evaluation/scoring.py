@@ -30,6 +30,9 @@ from llmtrain.model import GPT
 Request = tuple[Sequence[int], Sequence[int]]  # (context ids, continuation ids)
 _Prepared = tuple[list[int], int, bool]  # (the tokens the window holds, continuation length, context cut)
 
+# Requests a task hands the Scorer per call, in batches: enough that short requests batch together
+# (little padding), few enough that a long file's requests are never all prepared in memory at once.
+REQUESTS_PER_CALL_PER_BATCH = 64
 # Logits materialized at once while scoring, in elements: bounds memory for large vocabularies
 # (GPT-2's 50,257 x 2,048 positions x 4 bytes = 412 MB) without slowing small ones.
 LOGIT_CHUNK_ELEMENTS = 1 << 27

@@ -1,8 +1,9 @@
 """The names of evaluation tasks: `eval.tasks` entries such as `perplexity:held_out.txt`,
 `multiple_choice:hellaswag_val.jsonl` or `harness:arc_easy`, parsed into `TaskSpec`s.
 
-Standard library only and no I/O, so config validation can call `parse_task_specs` before any
-work starts (and without importing torch); the files are read by `llmtrain.evaluation.tasks`.
+Standard library only and no file read (`target_problem` asks the file system what a path is), so
+config validation can call `parse_task_specs` before any work starts (and without importing torch);
+the files are read by `llmtrain.evaluation.tasks`.
 """
 
 from __future__ import annotations
@@ -12,10 +13,16 @@ import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 from llmtrain.errors import ConfigError, UserError
 
 KINDS = ("perplexity", "multiple_choice", "harness")
+# The most text one task may hold: a task is read whole into memory (and tokenized there), so a
+# bigger text file is refused before it is read, and documents or examples past this when they are
+# reached (eval.limit stops reading sooner). Far above real held-out sets: WikiText-103's test split
+# is 1.3 MB, HellaSwag's validation set 12 MB.
+TASK_BYTES = 1 << 30
 _TARGETS = {"perplexity": "PATH", "multiple_choice": "PATH", "harness": "TASK"}
 VALID_FORMS = ("perplexity:PATH (held-out text: a file, a folder, a glob or .jsonl files), multiple_choice:PATH "
                "(HellaSwag-style JSON lines) or harness:TASK (an lm-evaluation-harness task)")
@@ -96,6 +103,18 @@ def _known_kind(word: str, cutoff: float = 0.6) -> str | None:
 def _bad(key: str, entry: str, problem: str) -> ConfigError:
     return ConfigError(f"'{key}': the entry {entry} {problem}. Each entry is {VALID_FORMS}, e.g. "
                        f"{key}=[perplexity:held_out.txt,multiple_choice:hellaswag_val.jsonl].")
+
+
+def target_problem(spec: TaskSpec) -> str | None:
+    """Why the path of `spec` is not a readable regular file ("does not exist (resolved to ...)",
+    "is a folder, ...", "is a FIFO (named pipe), ..."), or None. It only asks the file system: a FIFO
+    is never opened (that would block forever), nor a device (/dev/zero never ends)."""
+    from llmtrain.core.readers import regular_file_problem
+
+    problem = regular_file_problem(Path(spec.target))
+    if problem is not None and not os.path.lexists(spec.target):
+        problem += f" (resolved to {Path(spec.target).resolve()})"
+    return problem
 
 
 @contextmanager

@@ -4,21 +4,30 @@
 config.json (GPT2LMHeadModel or LlamaForCausalLM, layouts.hf_config), model.safetensors under HF's
 tensor names (the tied head left out, as transformers saves it), generation_config.json and the
 tokenizer files (tokenizer_files.py). Everything is checked and built in memory first (a model with
-no HF equivalent is refused before a byte is written), written into a hidden folder beside the
-target and renamed into place at the end: an interrupted export never leaves a half folder, and a
-folder holding anything an export does not write is refused, not overwritten.
+no HF equivalent is refused before a byte is written).
+
+Both export formats (this one and llmtrain's own, llmtrain/runs/export.py) go to their folder
+through the same two steps here: `check_target` (a new or empty folder, or a previous export of
+either format; anything else is the user's and is refused untouched) and `write_export` (written
+into a hidden folder beside the target and renamed into place at the end, so an interrupted export
+never leaves a half folder).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import glob
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from llmtrain.core.readers import UnreadableFile, read_json
 from llmtrain.errors import UserError
 from llmtrain.hf import layouts
 from llmtrain.hf.folder import CONFIG, GENERATION_CONFIG, WEIGHTS
@@ -31,13 +40,13 @@ EXPORT_FILES = frozenset({CONFIG, WEIGHTS, GENERATION_CONFIG, TOKENIZER, TOKENIZ
 # The key of config.json that marks a folder this exporter wrote (transformers keeps it as a plain
 # attribute): a folder save_pretrained wrote has the same file names, and is the user's, not ours to replace.
 EXPORT_MARK = "exported_by_llmtrain"
+PARTIAL = ".partial"  # the suffix of a hidden folder an export is staged in
 
 
 @torch.no_grad()
 def export_hf(model: torch.nn.Module, tokenizer: dict[str, Any], context: int, out_dir: Path) -> None:
     """Write `model` (an llmtrain GPT) and its tokenizer (`to_dict()`) as a Hugging Face folder at
     `out_dir`. UnsupportedModel / UserError before any write."""
-    out_dir = Path(out_dir).expanduser().resolve()  # `--out .` has no name to stage a sibling folder by
     cfg = model.cfg
     layouts.layout_of_model(cfg)  # refuses a model with no HF equivalent, naming what differs
     tok, files = tokenizer_files(tokenizer, context)
@@ -50,8 +59,16 @@ def export_hf(model: torch.nn.Module, tokenizer: dict[str, Any], context: int, o
     files[GENERATION_CONFIG] = json.dumps(generation_config(tok, vocab, model.vocab_size), indent=2)
     state = {name: t.detach().cpu().contiguous() for name, t in model.state_dict().items()}
     tensors = layouts.hf_state_dict(cfg, state)
-    check_target(out_dir)
-    _write_atomically(out_dir, files, tensors)
+    out_dir = check_target(out_dir)
+
+    def fill(folder: Path) -> None:
+        from safetensors.torch import save_file
+
+        for name, text in files.items():
+            (folder / name).write_text(text)
+        save_file(tensors, str(folder / WEIGHTS), metadata={"format": "pt"})
+
+    write_export(out_dir, fill)
 
 
 def tokenizer_vocab(tok: HFTokenizer) -> int:
@@ -70,25 +87,48 @@ def generation_config(tok: HFTokenizer, vocab: int, model_vocab: int) -> dict[st
     return config
 
 
-def check_target(out_dir: Path) -> None:
-    """`out_dir` may be new, empty, or a previous export (only export files); anything else is the
-    user's and is refused before any work is written."""
-    if out_dir.exists() and not out_dir.is_dir():
-        raise UserError(f"--out {out_dir} is a file; give a folder to export into (new, empty, or a previous export).")
+# ---- the target folder, shared by both export formats ---------------------------------------------
+
+def check_target(out_dir: Path) -> Path:
+    """`out_dir` resolved, once it is known to be a place either export format may write: a new
+    folder under a writable one, an empty folder, or a previous export (only export files, with an
+    export's mark). Anything else is the user's and is refused (UserError) before any work is done."""
+    out_dir = Path(out_dir).expanduser().resolve()  # `--out .` has no name to stage a sibling folder by
+    if out_dir.parent == out_dir:
+        raise UserError(f"--out {out_dir} is the root of the file system; give a folder to export into.")
+    blocked = next((p for p in (out_dir, *out_dir.parents) if p.exists() and not p.is_dir()), None)
+    if blocked is not None:
+        kind = "a file" if blocked.is_file() else "not a folder (a FIFO, a device or a socket)"
+        where = f"--out {out_dir} is" if blocked == out_dir else f"--out {out_dir} is inside {blocked}, which is"
+        raise UserError(f"{where} {kind}; give a folder to export into (new, empty, or a previous export).")
     if out_dir.is_dir():
-        foreign = sorted(p.name for p in out_dir.iterdir() if p.name not in EXPORT_FILES or not p.is_file())
-        if foreign:
-            raise UserError(
-                f"--out {out_dir} holds files an export does not write ({', '.join(foreign[:3])}"
-                f"{', ...' if len(foreign) > 3 else ''}), so it is not a previous export and is left as it is; give "
-                "a new or empty folder, or remove them first."
-            )
-        if any(out_dir.iterdir()) and not _is_previous_export(out_dir):
-            raise UserError(
-                f"--out {out_dir} holds a model this exporter did not write (its config.json lacks the "
-                f"'{EXPORT_MARK}' mark: a Hugging Face folder, perhaps the one the run started from), so it is left "
-                "as it is; give a new or empty folder."
-            )
+        _check_previous_export(out_dir)
+    # The staged folder is made beside out_dir, and out_dir's missing parents are created: both need
+    # the nearest existing folder to be writable (os.access also says no on a read-only file system).
+    existing = next(p for p in out_dir.parents if p.exists())
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"--out {out_dir} cannot be written: {existing} is not writable (a read-only file system, or "
+                        "a folder without write permission); give --out a folder you can write to.")
+    return out_dir
+
+
+def _check_previous_export(out_dir: Path) -> None:
+    """An existing `out_dir` must be empty or a previous export, else UserError."""
+    # Exports never write links, folders or special files: any of them makes the folder the user's.
+    foreign = sorted(p.name for p in out_dir.iterdir() if p.name not in EXPORT_FILES or p.is_symlink()
+                     or not p.is_file())
+    if foreign:
+        raise UserError(
+            f"--out {out_dir} holds files an export does not write ({', '.join(foreign[:3])}"
+            f"{', ...' if len(foreign) > 3 else ''}), so it is not a previous export and is left as it is; give "
+            "a new or empty folder, or remove them first."
+        )
+    if any(out_dir.iterdir()) and not _is_previous_export(out_dir):
+        raise UserError(
+            f"--out {out_dir} holds a model this exporter did not write (neither an llmtrain export's "
+            f"model_config.json nor a config.json with the '{EXPORT_MARK}' mark: a Hugging Face folder, perhaps the "
+            "one the run started from), so it is left as it is; give a new or empty folder."
+        )
 
 
 def _is_previous_export(folder: Path) -> bool:
@@ -96,28 +136,26 @@ def _is_previous_export(folder: Path) -> bool:
     if (folder / "model_config.json").is_file() and not (folder / CONFIG).is_file():
         return True
     try:
-        return bool(json.loads((folder / CONFIG).read_text()).get(EXPORT_MARK))
-    except (OSError, ValueError, AttributeError):
+        config = read_json(folder / CONFIG, "the config of the model in --out")
+    except UnreadableFile:  # missing, huge, not JSON: not a config this exporter wrote
         return False
+    return isinstance(config, dict) and config.get(EXPORT_MARK) is True
 
 
-def _write_atomically(out_dir: Path, files: dict[str, str], tensors: dict[str, torch.Tensor]) -> None:
-    """Write `files` and the safetensors weights into a hidden folder beside `out_dir`, then swap it
-    into place (a previous export there is replaced whole); a failure part way removes the hidden
-    folder and leaves `out_dir` as it was."""
-    from safetensors.torch import save_file
-
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = out_dir.with_name(f".{out_dir.name}.{os.getpid()}.partial")
+def write_export(out_dir: Path, fill: Callable[[Path], None]) -> None:
+    """Have `fill` write an export into a hidden folder beside `out_dir` (which check_target
+    resolved), then swap it into place: a previous export there is replaced whole. A failure part way
+    (an error, a full disk, Ctrl-C) removes the hidden folder and any parent folder made for it and
+    leaves `out_dir` as it was; an OSError becomes one UserError paragraph."""
+    staging = out_dir.with_name(f".{out_dir.name}.{os.getpid()}{PARTIAL}")
     old = out_dir.with_name(f".{out_dir.name}.{os.getpid()}.old")
-    for leftover in (staging, old):  # from an export of this pid that was killed: never a live one
-        shutil.rmtree(leftover, ignore_errors=True)
-    staging.mkdir()
+    made = [p for p in out_dir.parents if not p.exists()]  # deepest first: removed in this order on failure
     moved = False
     try:
-        for name, text in files.items():
-            (staging / name).write_text(text)
-        save_file(tensors, str(staging / WEIGHTS), metadata={"format": "pt"})
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        _remove_leftovers(out_dir, old)
+        staging.mkdir()
+        fill(staging)
         if out_dir.exists():
             out_dir.rename(old)
             moved = True
@@ -126,8 +164,38 @@ def _write_atomically(out_dir: Path, files: dict[str, str], tensors: dict[str, t
         if moved and not out_dir.exists():
             old.rename(out_dir)  # put the previous export back
         shutil.rmtree(staging, ignore_errors=True)
-        if isinstance(err, OSError):  # a full disk, a read-only folder: the user's to fix, not a crash
-            raise UserError(f"writing the export into {out_dir} failed ({type(err).__name__}: {err}); nothing was "
-                            "changed there. Free space or choose another --out, then run the export again.") from None
+        for folder in made:
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        if isinstance(err, OSError):  # a full disk, a read-only file system: the user's to fix, not a crash
+            raise _write_failed(out_dir, err) from None
         raise
     shutil.rmtree(old, ignore_errors=True)
+
+
+def _remove_leftovers(out_dir: Path, old: Path) -> None:
+    """Hidden folders of exports into `out_dir` that were killed (never a live one's): this process
+    id's previous export, and staged folders of processes that no longer run."""
+    shutil.rmtree(old, ignore_errors=True)
+    prefix = f".{out_dir.name}."
+    for leftover in out_dir.parent.glob(f"{glob.escape(prefix)}*{PARTIAL}"):
+        pid = leftover.name[len(prefix):-len(PARTIAL)]
+        if pid.isdigit() and (int(pid) == os.getpid() or not _running(int(pid))):
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except OSError:  # it exists, and belongs to another user
+        return True
+    return True
+
+
+def _write_failed(out_dir: Path, err: OSError) -> UserError:
+    fix = ("Free space or choose another --out" if err.errno in (errno.ENOSPC, errno.EDQUOT)
+           else "Give --out a folder you can write to")
+    return UserError(f"writing the export into {out_dir} failed ({type(err).__name__}: {err}); nothing was changed "
+                     f"there. {fix}, then run the export again.")

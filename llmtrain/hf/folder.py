@@ -10,7 +10,7 @@ Nothing here downloads: a name that is not a folder gets the command that would 
 
 from __future__ import annotations
 
-import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from llmtrain.config.schema import ModelConfig
+from llmtrain.core.readers import UnreadableFile, read_json, regular_file_problem
 from llmtrain.errors import ConfigError
 from llmtrain.hf import layouts
 
@@ -58,10 +60,12 @@ class HFFolder:
         """(bos, eos) token ids as config.json (or generation_config.json) gives them."""
         ids = dict(self.config)
         generation = self.path / GENERATION_CONFIG
-        if generation.is_file():
+        if os.path.lexists(generation):
             try:
-                ids = {**json.loads(generation.read_text()), **{k: v for k, v in ids.items() if v is not None}}
-            except (OSError, ValueError):
+                extra = read_json(generation, "the generation config")
+                if isinstance(extra, dict):
+                    ids = {**extra, **{k: v for k, v in ids.items() if v is not None}}
+            except UnreadableFile:
                 pass  # optional file: config.json's ids stand
         return _first_id(ids.get("bos_token_id")), _first_id(ids.get("eos_token_id"))
 
@@ -69,7 +73,7 @@ class HFFolder:
 def _first_id(value: Any) -> int | None:
     if isinstance(value, list):  # Llama 3 lists several end tokens; the first ends documents here
         value = value[0] if value else None
-    return int(value) if isinstance(value, int) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
 def folder_path(location: str, key: str) -> Path:
@@ -93,14 +97,13 @@ def folder_path(location: str, key: str) -> Path:
 
 def read_config(path: Path, key: str) -> dict[str, Any]:
     file = path / CONFIG
-    if not file.is_file():
+    if not file.is_file() and regular_file_problem(file) == "does not exist":
         raise ConfigError(f"{key}={path} has no {CONFIG}; a Hugging Face model folder holds config.json (the "
                           "architecture and shape), the .safetensors weights and tokenizer.json.")
     try:
-        config = json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as err:
-        raise ConfigError(f"{file} is not readable JSON ({type(err).__name__}: {err}); the folder is damaged: "
-                          "download or save it again.") from None
+        config = read_json(file, "the model's config")
+    except UnreadableFile as err:
+        raise ConfigError(f"{err} The folder is damaged: download or save it again.") from None
     if not isinstance(config, dict):
         raise ConfigError(f"{file} holds a JSON {type(config).__name__}, not an object; the folder is damaged.")
     return config
@@ -108,22 +111,14 @@ def read_config(path: Path, key: str) -> dict[str, Any]:
 
 def weight_index(path: Path, key: str) -> dict[str, Path]:
     """HF tensor name -> its safetensors file: model.safetensors, or the shards a
-    model.safetensors.index.json lists (every shard must be there)."""
+    model.safetensors.index.json lists (every shard a regular file inside the folder)."""
     from safetensors import safe_open
 
     single, index = path / WEIGHTS, path / WEIGHTS_INDEX
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as err:
-            raise ConfigError(f"{index} is not a readable safetensors index ({type(err).__name__}); the folder is "
-                              "damaged: download or save it again.") from None
-        files = {name: path / shard for name, shard in weight_map.items()}
-        missing = sorted({str(f.name) for f in files.values() if not f.is_file()})
-        if missing:
-            raise ConfigError(f"{key}={path}: {index.name} lists shards that are not there: {', '.join(missing[:5])}.")
-        return files
-    if single.is_file():
+    if os.path.lexists(index):
+        return _shards(path, index, key)
+    if os.path.lexists(single):
+        _require_weights_file(single)
         try:
             with safe_open(str(single), framework="pt") as handle:
                 return {name: single for name in handle.keys()}
@@ -135,6 +130,118 @@ def weight_index(path: Path, key: str) -> dict[str, Path]:
             "convert them once with transformers: `AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir, "
             "safe_serialization=True)`." if others else "")
     raise ConfigError(f"{key}={path} has no weights: neither {WEIGHTS} nor {WEIGHTS_INDEX}.{hint}")
+
+
+def _shards(path: Path, index: Path, key: str) -> dict[str, Path]:
+    """The index's weight_map, checked: tensor names to shard file names, each a plain name of a
+    regular file in the folder itself (an index naming ../other/model.safetensors or /dev/zero
+    would make llmtrain read what the folder does not hold)."""
+    damaged = f"{index} is not a safetensors index: download or save the folder again"
+    try:
+        document = read_json(index, "the safetensors index")
+    except UnreadableFile as err:
+        raise ConfigError(f"{err} The folder is damaged: download or save it again.") from None
+    weight_map = document.get("weight_map") if isinstance(document, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ConfigError(f"{damaged} (it needs a \"weight_map\" object of tensor name -> shard file name).")
+    odd = [f"{name!r}: {_short(shard)}" for name, shard in weight_map.items()
+           if not isinstance(shard, str) or not shard or Path(shard).name != shard or shard in (".", "..")]
+    if odd:
+        raise ConfigError(f"{damaged}: its weight_map must name shard files of this folder by their plain names, "
+                          f"but has {', '.join(odd[:3])}.")
+    shards = {shard: path / shard for shard in set(weight_map.values())}
+    missing = sorted(shard for shard, file in shards.items() if not os.path.lexists(file))
+    if missing:
+        raise ConfigError(f"{key}={path}: {index.name} lists shards that are not there: {', '.join(missing[:5])}.")
+    for file in shards.values():
+        _require_weights_file(file)
+    return {name: shards[shard] for name, shard in weight_map.items()}
+
+
+def _require_weights_file(file: Path) -> None:
+    problem = regular_file_problem(file)
+    if problem is not None:  # a FIFO would block forever, a device never end
+        raise ConfigError(f"{file} (model weights) {problem}; the folder is damaged: download or save it again.")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+# Floating-point safetensors dtypes: weights stored as integers or booleans are not a model's.
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
+# Tensors a folder may hold that a model does not use: GPT-2's causal-mask buffers and Llama's RoPE
+# frequencies (saved by older transformers versions), and a tied head saved beside its embedding.
+IGNORED = re.compile(r"(^|\.)(attn\.bias|attn\.masked_bias|rotary_emb\.inv_freq)$")
+LAYER = {layouts.GPT2: re.compile(r"^(?:transformer\.)?h\.(\d+)\."), layouts.LLAMA: re.compile(r"^model\.layers\.(\d+)\.")}
+
+
+def check_weights(folder: HFFolder, model: ModelConfig) -> None:
+    """The safetensors files hold exactly the model `model` describes (the folder's config.json):
+    its number of layers, every tensor it needs with the shape it implies, floating point, and no
+    tensor it would not use; read from the headers only (no tensor data), before any work. The
+    layer count is compared first, so a config.json of a billion layers is refused before anything
+    of its size is listed."""
+    from safetensors import safe_open
+
+    from llmtrain.model_tensors import _layers, model_tensors, stored_layers
+
+    headers: dict[str, tuple[tuple[int, ...], str]] = {}
+    for file in sorted(set(folder.weight_files.values())):
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                for name in handle.keys():
+                    piece = handle.get_slice(name)
+                    headers[name] = (tuple(piece.get_shape()), piece.get_dtype())
+        except Exception as err:  # safetensors' own error types: a truncated file or a damaged header
+            raise ConfigError(f"{file} is not a readable safetensors file ({type(err).__name__}: {str(err)[:200]}); "
+                              "the folder is damaged: download or save it again.") from None
+    where = f"{folder.key}={folder.path}"
+    held = stored_layers([n for n in headers if not IGNORED.search(n)], LAYER[folder.layout])
+    if held != model.n_layer:
+        raise ConfigError(f"{where}: {CONFIG} describes {_layers(model.n_layer)}, but the weights hold {held:,}; "
+                          "config.json and the weights do not belong together: download or save the folder again.")
+    not_float = [f"{name} ({dtype})" for name, (_, dtype) in headers.items() if dtype not in FLOAT_DTYPES]
+    if not_float:
+        raise ConfigError(f"{where}: the weights store {', '.join(not_float[:3])} as integers or booleans, not floating "
+                          f"point ({', '.join(FLOAT_DTYPES)}); they are not model weights: the folder is damaged.")
+    assert model.vocab_size is not None  # set from config.json
+    tensors = model_tensors(model, model.vocab_size)
+    expected = dict(tensors.items())
+    pieces = layouts.pieces(model, folder.layout)
+    shapes = {name: shape for name, (shape, _) in headers.items()}
+    for piece in pieces:
+        _check_piece(folder, piece, shapes, expected)
+    # A model built uninitialized() for the folder keeps garbage in any tensor no piece fills: none may be left.
+    left = sorted(set(expected) - {p.ours for p in pieces} - ({"lm_head.weight"} if model.tie_weights else set()))
+    if left:
+        raise ConfigError(f"{where}: the {folder.layout} layout does not fill {', '.join(left[:3])} of this model; it "
+                          "cannot start from the folder's weights.")
+    used = {_stored_name(folder, name) for piece in pieces for name in piece.theirs}
+    tied_head = {"lm_head.weight"} if model.tie_weights else set()
+    unused = sorted(n for n in headers if n not in used and n not in tied_head and not IGNORED.search(n))
+    if unused:
+        raise ConfigError(f"{where}: the weights hold {len(unused)} tensor(s) the model of its {CONFIG} does not use "
+                          f"({', '.join(unused[:3])}); config.json and the weights do not belong together, and "
+                          "training would silently drop them: download or save the folder again.")
+
+
+def _check_piece(folder: HFFolder, piece: layouts.Piece, shapes: dict[str, tuple[int, ...]],
+                 expected: dict[str, tuple[int, ...]]) -> None:
+    names = [n if n in shapes else n.removeprefix("transformer.") for n in piece.theirs]
+    missing = [theirs for theirs, name in zip(piece.theirs, names) if name not in shapes]
+    if missing:
+        raise ConfigError(f"{folder.key}={folder.path}: the weights lack {', '.join(missing[:3])}, which a "
+                          f"{folder.layout} model of this config.json has; the folder is incomplete or damaged.")
+    parts = [shapes[name][::-1] if piece.transposed else shapes[name] for name in names]
+    joined = (parts[0] if len(parts) == 1
+              else (sum(p[0] for p in parts), *parts[0][1:]) if len({p[1:] for p in parts}) == 1 else None)
+    want = expected[piece.ours]
+    if joined != want:
+        raise ConfigError(f"{folder.key}={folder.path}: {' + '.join(piece.theirs)} has shape "
+                          f"{' + '.join(str(p) for p in parts)}, but its config.json makes {piece.ours} {want}; the "
+                          "weights and config.json do not belong together.")
 
 
 @torch.no_grad()
@@ -165,6 +272,10 @@ def load_weights(model: torch.nn.Module, folder: HFFolder) -> None:
                 raise ConfigError(f"{folder.key}={folder.path}: {' + '.join(piece.theirs)} has shape "
                                   f"{tuple(value.shape)}, but its config.json makes {piece.ours} {tuple(target.shape)}; "
                                   "the weights and config.json do not belong together.")
+            if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+                raise ConfigError(f"{folder.key}={folder.path}: {' + '.join(piece.theirs)} holds NaN or infinite "
+                                  "values; a model cannot start from them: the folder is damaged or the model it "
+                                  "was saved from had diverged.")
             target.copy_(value)
             del tensors, value
     except ConfigError:

@@ -13,6 +13,7 @@ Running it again on a resolved config changes nothing.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Collection
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from llmtrain.config.schema import Config, DataConfig, ModelConfig, TokenizerKin
 from llmtrain.config.validate import validate
 from llmtrain.errors import ConfigError
 from llmtrain.hf import layouts
-from llmtrain.hf.folder import CONFIG, TOKENIZER, HFFolder
+from llmtrain.hf.folder import CONFIG, TOKENIZER, HFFolder, check_weights
 
 KEY = "model.init_from"
 
@@ -63,7 +64,7 @@ def explicit_keys(overrides: Collection[str]) -> set[str]:
 def open_folder(location: str) -> HFFolder:
     """The folder, checked: config.json of a supported layout, readable weights, a tokenizer.json."""
     folder = HFFolder.open(location, KEY, need_weights=True)
-    if not (folder.path / TOKENIZER).is_file():
+    if not os.path.lexists(folder.path / TOKENIZER):  # a FIFO or folder there is named by its reader
         raise ConfigError(
             f"{KEY}={location} has no {TOKENIZER}; the folder is incomplete: the checkpoint's embedding rows are "
             "the ids of its own tokenizer, so llmtrain needs that file to prepare data and sample. Copy the model's "
@@ -155,49 +156,3 @@ def _check_tokenizer_fits(cfg: Config, folder: HFFolder) -> None:
             f"{folder.path / CONFIG} gives the model {rows:,} embedding rows (vocab_size), so ids from {rows:,} up "
             "would have none; the tokenizer and the weights do not belong together: download or save the folder again."
         )
-
-
-def check_weights(folder: HFFolder, model: ModelConfig) -> None:
-    """Every tensor the model needs is in the safetensors files with the shape config.json implies,
-    and every file is whole: read from the headers only (no tensor data), before any work."""
-    import torch
-    from safetensors import safe_open
-
-    from llmtrain.model import GPT, uninitialized
-
-    assert model.vocab_size is not None  # set from config.json above
-    with torch.device("meta"), uninitialized():  # shapes only: no memory, no init cost, no RNG drawn
-        expected = GPT(model, model.vocab_size).state_dict()
-    shapes: dict[str, tuple[int, ...]] = {}
-    for file in sorted(set(folder.weight_files.values())):
-        try:
-            with safe_open(str(file), framework="pt") as handle:
-                shapes.update((name, tuple(handle.get_slice(name).get_shape())) for name in handle.keys())
-        except Exception as err:  # safetensors' own error types: a truncated file or a damaged header
-            raise ConfigError(f"{file} is not a readable safetensors file ({type(err).__name__}: {str(err)[:200]}); "
-                              "the folder is damaged: download or save it again.") from None
-    pieces = layouts.pieces(model, folder.layout)
-    for piece in pieces:
-        _check_piece(folder, piece, shapes, expected)
-    # A model built uninitialized() for the folder keeps garbage in any tensor no piece fills: none may be left.
-    left = sorted(set(expected) - {p.ours for p in pieces} - ({"lm_head.weight"} if model.tie_weights else set()))
-    if left:
-        raise ConfigError(f"{KEY}={folder.path}: the {folder.layout} layout does not fill {', '.join(left[:3])} of "
-                          "this model; it cannot start from the folder's weights.")
-
-
-def _check_piece(folder: HFFolder, piece: layouts.Piece, shapes: dict[str, tuple[int, ...]],
-                 expected: dict[str, Any]) -> None:
-    names = [n if n in shapes else n.removeprefix("transformer.") for n in piece.theirs]
-    missing = [theirs for theirs, name in zip(piece.theirs, names) if name not in shapes]
-    if missing:
-        raise ConfigError(f"{KEY}={folder.path}: the weights lack {', '.join(missing[:3])}, which a {folder.layout} "
-                          "model of this config.json has; the folder is incomplete or damaged.")
-    parts = [shapes[name][::-1] if piece.transposed else shapes[name] for name in names]
-    joined = (parts[0] if len(parts) == 1
-              else (sum(p[0] for p in parts), *parts[0][1:]) if len({p[1:] for p in parts}) == 1 else None)
-    want = tuple(expected[piece.ours].shape)
-    if joined != want:
-        raise ConfigError(f"{KEY}={folder.path}: {' + '.join(piece.theirs)} has shape "
-                          f"{' + '.join(str(p) for p in parts)}, but its config.json makes {piece.ours} {want}; the "
-                          "weights and config.json do not belong together.")

@@ -12,6 +12,8 @@ logits that are not the checkpoint's.
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -38,13 +40,18 @@ class UnsupportedModel(ConfigError):
 def layout_of_config(config: dict[str, Any], where: str) -> str:
     """GPT2 or LLAMA for a config.json; UnsupportedModel names the supported architectures."""
     architectures = config.get("architectures") or []
+    if isinstance(architectures, str):  # one name where transformers writes a list of them
+        architectures = [architectures]
+    if not isinstance(architectures, list) or not all(isinstance(name, str) for name in architectures):
+        raise UnsupportedModel(f"{where}: architectures is {_shown(architectures)}; it lists model class names, e.g. "
+                               f"[\"GPT2LMHeadModel\"]. The file is damaged: download or save the model again.")
     for name in architectures:
         if name in ARCHITECTURES:
             return ARCHITECTURES[name]
     model_type = config.get("model_type")
     if not architectures and model_type in (GPT2, LLAMA):
         return model_type
-    found = ", ".join(architectures) or f"model_type {model_type!r}"
+    found = ", ".join(architectures) or f"model_type {_shown(model_type)}"
     raise UnsupportedModel(
         f"{where} describes a {found} model; llmtrain reads {', '.join(ARCHITECTURES)} (model_type gpt2 or llama: "
         "GPT-2, DistilGPT-2, SmolLM, TinyLlama, Llama 2 and other Llama-family checkpoints without rope scaling)."
@@ -52,75 +59,133 @@ def layout_of_config(config: dict[str, Any], where: str) -> str:
 
 
 def model_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
-    """The `ModelConfig` field values (SHAPE_FIELDS) of a GPT-2 or Llama config.json."""
+    """The `ModelConfig` field values (SHAPE_FIELDS) of a GPT-2 or Llama config.json. Every value is
+    read as the JSON type it must have (an integer, a finite number, true or false, an object): a
+    value of another type is refused by name, never converted (`"n_layer": true` is not 1, and
+    `"tie_word_embeddings": "no"` is not true)."""
     layout = layout_of_config(config, where)
-    try:
-        return _gpt2_fields(config, where) if layout == GPT2 else _llama_fields(config, where)
-    except KeyError as err:
-        raise UnsupportedModel(f"{where} lacks {err.args[0]!r}, which a {layout} config.json holds; the file is "
-                               "damaged or incomplete: download or save the model again.") from None
-    except (TypeError, ValueError) as err:  # null or text where a number belongs
-        raise UnsupportedModel(f"{where} holds a value that is not a number where one belongs ({err}); the file is "
-                               "damaged: download or save the model again.") from None
+    values = _Values(config, where)
+    return _gpt2_fields(values) if layout == GPT2 else _llama_fields(values)
 
 
-def _refuse_unless(ok: bool, where: str, what: str) -> None:
-    if not ok:
-        raise UnsupportedModel(f"{where}: {what}")
+_REQUIRED = object()
 
 
-def _gpt2_fields(c: dict[str, Any], where: str) -> dict[str, Any]:
-    act = c.get("activation_function", "gelu_new")
-    _refuse_unless(act in GPT2_ACTIVATIONS, where,
-                   f"activation_function is {act!r}; llmtrain's GELU is the tanh approximation "
-                   f"({' or '.join(GPT2_ACTIVATIONS)}), and another activation would change every logit.")
+class _Values:
+    """config.json's values, each read as the type it must have (UnsupportedModel naming the key if not)."""
+
+    def __init__(self, config: dict[str, Any], where: str) -> None:
+        self.config, self.where = config, where
+
+    def _get(self, key: str, default: Any) -> Any:
+        value = self.config.get(key)
+        if value is None:
+            if default is _REQUIRED:
+                raise UnsupportedModel(f"{self.where} lacks {key!r}, which this architecture's config.json holds; the "
+                                       "file is damaged or incomplete: download or save the model again.")
+            return default
+        return value
+
+    def _refuse(self, key: str, value: Any, expected: str) -> None:
+        raise UnsupportedModel(f"{self.where}: {key} is {_shown(value)}; it must be {expected}. The file is damaged: "
+                               "download or save the model again.")
+
+    def integer(self, key: str, default: Any = _REQUIRED) -> Any:
+        value = self._get(key, default)
+        if value is default and default is not _REQUIRED:
+            return value
+        if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+            value = int(value)  # 12.0, as a hand-edited file may say
+        if isinstance(value, bool) or not isinstance(value, int):
+            self._refuse(key, value, "an integer")
+        return value
+
+    def number(self, key: str, default: Any = _REQUIRED) -> Any:
+        value = self._get(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            self._refuse(key, value, "a finite number")
+        return float(value)
+
+    def flag(self, key: str, default: Any = _REQUIRED) -> Any:
+        value = self._get(key, default)
+        if not isinstance(value, bool):
+            self._refuse(key, value, "true or false")
+        return value
+
+    def text(self, key: str, default: Any = _REQUIRED) -> Any:
+        value = self._get(key, default)
+        if not isinstance(value, str):
+            self._refuse(key, value, "a string")
+        return value
+
+    def mapping(self, key: str) -> dict[str, Any]:
+        value = self._get(key, {})
+        if not isinstance(value, dict):
+            self._refuse(key, value, "an object (or null)")
+        return value
+
+    def require(self, ok: bool, what: str) -> None:
+        if not ok:
+            raise UnsupportedModel(f"{self.where}: {what}")
+
+
+def _shown(value: Any) -> str:
+    """A config.json value as it reads in the file, cut short."""
+    text = json.dumps(value) if isinstance(value, (bool, str, list, dict)) or value is None else repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _gpt2_fields(c: _Values) -> dict[str, Any]:
+    act = c.text("activation_function", "gelu_new")
+    c.require(act in GPT2_ACTIVATIONS, f"activation_function is {act!r}; llmtrain's GELU is the tanh approximation "
+              f"({' or '.join(GPT2_ACTIVATIONS)}), and another activation would change every logit.")
     for key, expected in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
                           ("reorder_and_upcast_attn", False)):
-        _refuse_unless(c.get(key, expected) == expected, where,
-                       f"{key} is {c.get(key)!r}; llmtrain's attention supports only {key}={expected}.")
-    n_embd = int(c.get("n_embd", 768))
+        c.require(c.flag(key, expected) == expected, f"{key} is {c.config.get(key)!r}; llmtrain's attention supports "
+                  f"only {key}={expected}.")
+    n_embd = c.integer("n_embd", 768)
     return {
-        "n_layer": int(c.get("n_layer", 12)), "n_head": int(c.get("n_head", 12)), "n_kv_head": None,
-        "n_embd": n_embd, "block_size": int(c.get("n_positions", 1024)), "vocab_size": int(c.get("vocab_size", 50257)),
-        "intermediate_size": int(c.get("n_inner") or 4 * n_embd), "rope_theta": 10000.0,
-        "norm_eps": float(c.get("layer_norm_epsilon", 1e-5)), "bias": True,
-        "tie_weights": bool(c.get("tie_word_embeddings", True)), "position": PositionEncoding.learned,
+        "n_layer": c.integer("n_layer", 12), "n_head": c.integer("n_head", 12), "n_kv_head": None,
+        "n_embd": n_embd, "block_size": c.integer("n_positions", 1024), "vocab_size": c.integer("vocab_size", 50257),
+        "intermediate_size": c.integer("n_inner", 4 * n_embd), "rope_theta": 10000.0,
+        "norm_eps": c.number("layer_norm_epsilon", 1e-5), "bias": True,
+        "tie_weights": c.flag("tie_word_embeddings", True), "position": PositionEncoding.learned,
         "norm": NormKind.layernorm, "mlp": MlpKind.gelu, "norm_position": NormPosition.pre,
     }
 
 
-def rope_theta_of(c: dict[str, Any], where: str) -> float:
+def rope_theta_of(c: _Values) -> float:
     """rope_theta, from transformers 4's top-level key or 5's rope_parameters; scaled RoPE is refused."""
-    params = c.get("rope_parameters") or {}
-    scaling = c.get("rope_scaling") or {}
+    params, scaling = c.mapping("rope_parameters"), c.mapping("rope_scaling")
     kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    _refuse_unless(kind == "default", where,
-                   f"RoPE is scaled ({kind!r}); llmtrain implements unscaled RoPE only (rope_type 'default').")
-    return float(params.get("rope_theta") or c.get("rope_theta") or 10000.0)
+    c.require(kind == "default", f"RoPE is scaled ({kind!r}); llmtrain implements unscaled RoPE only (rope_type "
+              "'default').")
+    if params.get("rope_theta") is not None:
+        return _Values(params, f"{c.where} (rope_parameters)").number("rope_theta")
+    return c.number("rope_theta", 10000.0)
 
 
-def _llama_fields(c: dict[str, Any], where: str) -> dict[str, Any]:
-    act = c.get("hidden_act", "silu")
-    _refuse_unless(act == "silu", where, f"hidden_act is {act!r}; llmtrain's gated MLP is SwiGLU (hidden_act 'silu').")
-    hidden, heads = int(c["hidden_size"]), int(c["num_attention_heads"])
-    _refuse_unless(hidden % heads == 0, where, f"hidden_size {hidden} is not a multiple of num_attention_heads {heads}.")
-    head_dim = c.get("head_dim")
-    _refuse_unless(head_dim in (None, hidden // heads), where,
-                   f"head_dim is {head_dim}, not hidden_size / num_attention_heads = {hidden // heads}; llmtrain's "
-                   "heads split the width evenly.")
-    _refuse_unless(int(c.get("pretraining_tp", 1)) == 1, where,
-                   f"pretraining_tp is {c.get('pretraining_tp')}; only 1 (unsplit projections) is supported.")
-    attention_bias, mlp_bias = bool(c.get("attention_bias", False)), bool(c.get("mlp_bias", False))
-    _refuse_unless(attention_bias == mlp_bias, where,
-                   f"attention_bias is {attention_bias} but mlp_bias is {mlp_bias}; llmtrain's model.bias switches "
-                   "both together.")
-    kv = int(c.get("num_key_value_heads") or heads)
+def _llama_fields(c: _Values) -> dict[str, Any]:
+    act = c.text("hidden_act", "silu")
+    c.require(act == "silu", f"hidden_act is {act!r}; llmtrain's gated MLP is SwiGLU (hidden_act 'silu').")
+    hidden, heads = c.integer("hidden_size"), c.integer("num_attention_heads")
+    c.require(heads >= 1 and hidden % heads == 0,
+              f"hidden_size {hidden} is not a multiple of num_attention_heads {heads}.")
+    head_dim = c.integer("head_dim", None)
+    c.require(head_dim in (None, hidden // heads), f"head_dim is {head_dim}, not hidden_size / num_attention_heads = "
+              f"{hidden // heads}; llmtrain's heads split the width evenly.")
+    c.require(c.integer("pretraining_tp", 1) == 1,
+              f"pretraining_tp is {c.config.get('pretraining_tp')}; only 1 (unsplit projections) is supported.")
+    attention_bias, mlp_bias = c.flag("attention_bias", False), c.flag("mlp_bias", False)
+    c.require(attention_bias == mlp_bias, f"attention_bias is {attention_bias} but mlp_bias is {mlp_bias}; llmtrain's "
+              "model.bias switches both together.")
+    kv = c.integer("num_key_value_heads", heads)
     return {
-        "n_layer": int(c["num_hidden_layers"]), "n_head": heads, "n_kv_head": kv if kv != heads else None,
-        "n_embd": hidden, "block_size": int(c.get("max_position_embeddings", 2048)),
-        "vocab_size": int(c["vocab_size"]), "intermediate_size": int(c["intermediate_size"]),
-        "rope_theta": rope_theta_of(c, where), "norm_eps": float(c.get("rms_norm_eps", 1e-6)), "bias": attention_bias,
-        "tie_weights": bool(c.get("tie_word_embeddings", False)), "position": PositionEncoding.rope,
+        "n_layer": c.integer("num_hidden_layers"), "n_head": heads, "n_kv_head": kv if kv != heads else None,
+        "n_embd": hidden, "block_size": c.integer("max_position_embeddings", 2048),
+        "vocab_size": c.integer("vocab_size"), "intermediate_size": c.integer("intermediate_size"),
+        "rope_theta": rope_theta_of(c), "norm_eps": c.number("rms_norm_eps", 1e-6), "bias": attention_bias,
+        "tie_weights": c.flag("tie_word_embeddings", False), "position": PositionEncoding.rope,
         "norm": NormKind.rmsnorm, "mlp": MlpKind.swiglu, "norm_position": NormPosition.pre,
     }
 

@@ -38,6 +38,7 @@ from llmtrain.config.derived import (
     schedule_steps,
     seq_len_of,
     total_steps,
+    world_size_of,
 )
 from llmtrain.config.schema import (
     Config,
@@ -54,6 +55,7 @@ from llmtrain.data.prepare import cached_meta, pretrained_tokenizer, source_file
 from llmtrain.distributed.layout import resolve_device
 from llmtrain.errors import UserError
 from llmtrain.model import GPT
+from llmtrain.model_tensors import model_tensors
 from llmtrain.preflight.estimate import (
     ComputeEstimate,
     MemoryEstimate,
@@ -68,6 +70,7 @@ from llmtrain.preflight.estimate import (
     model_shape,
     runtime_bytes,
 )
+from llmtrain.preflight.parameters import WITHOUT_EMBEDDINGS, ParameterCounts, parameter_counts
 from llmtrain.sinks import default_console
 from llmtrain.training.precision import native_bf16, resolve_precision
 from llmtrain.training.schedule import final_lr, held_lr_text
@@ -78,6 +81,7 @@ MEMORY_WARN_FRACTION = 0.85  # above this share of the free memory, fragmentatio
 # An explicit model.vocab_size this many times the data's vocabulary (and 64+ ids above it) warns:
 # the unused rows cost weights, optimizer state and, above all, logits memory and head FLOPs.
 VOCAB_WASTE_FACTOR = 2
+TOKENS_PER_PARAM = 20  # compute-optimal training (Chinchilla): ~20 tokens per parameter without embeddings
 
 
 class Status(str, Enum):
@@ -105,13 +109,19 @@ class Facts:
     train_tokens: int | None  # None: the data is not prepared yet and its size is unknown
     data_note: str
     shape: ModelShape
+    parameters: ParameterCounts
     memory: MemoryEstimate
     memory_budget: float
     memory_source: str
     compute: ComputeEstimate | None
     fitting_micro_batch: int | None  # the largest micro-batch (dividing the global batch) that fits
-    layout_peaks: dict[str, float]  # per-rank peak if the run were spread over `layout_world` processes
-    layout_world: int
+    # Per-rank peak of each parallel layout over `layout_world` processes: the run's own (a parallel
+    # config), else this machine's GPUs when it has several; None (and no peaks) for one process.
+    layout_peaks: dict[str, float]
+    layout_world: int | None
+    layout_over: str  # what layout_world counts: "the run's 2 processes", "this machine's 8 GPUs"
+    depth: str | None = None  # what the train split's size says of the model's depth (None: nothing useful)
+    rate_measured_now: bool = True  # the compute estimate's matmul rate was measured by this check
     data_vocab: int | None = None  # the data's own vocabulary (None: a char vocabulary not read yet)
     data_meta: dict | None = None  # the prepared data's meta.json (None: not prepared yet)
 
@@ -158,9 +168,11 @@ class CheckReport:
 # ---------------------------------------------------------------------------------------------
 
 
-def gather_facts(cfg: Config, measure_compute: bool = True, data_meta: dict | None = None) -> Facts:
+def gather_facts(cfg: Config, measure_compute: bool = True, data_meta: dict | None = None,
+                 matmul_flops: float | None = None) -> Facts:
     """Resolve the device and precision, find the data's size (prepared or estimated from the
-    source) and estimate memory and, if asked, compute (a sub-second matmul measurement)."""
+    source) and estimate memory and, if asked, compute: at `matmul_flops` (FLOP/s) when the rate
+    is known already, else at a rate measured now (a sub-second matmul timing)."""
     device = resolve_device(cfg.device)
     precision = resolve_precision(cfg.precision.name, device)
     meta = data_meta if data_meta is not None else cached_meta(cfg.data)
@@ -178,6 +190,7 @@ def gather_facts(cfg: Config, measure_compute: bool = True, data_meta: dict | No
     vocab = (cfg.model.vocab_size if data_vocab is None and cfg.model.vocab_size is not None
              else model_vocab_size(cfg, data_vocab or 256))
     shape = model_shape(cfg, vocab)
+    parameters = parameter_counts(model_tensors(cfg.model, vocab))
     seq = seq_len_of(cfg)
     windows = total_steps(cfg) * cfg.global_batch_size
     data_bytes = data_page_bytes(train_tokens or 0, itemsize, windows, seq + 1) if device.type == "cpu" else 0.0
@@ -185,17 +198,59 @@ def gather_facts(cfg: Config, measure_compute: bool = True, data_meta: dict | No
     memory = estimate_memory(cfg, shape, vocab, device.type, precision, runtime_bytes=runtime, data_bytes=data_bytes)
     available, source = available_memory(device)
     budget = available + runtime  # what this process holds now is not in the free figure
-    compute = estimate_compute(cfg, shape, device) if measure_compute else None
+    compute = estimate_compute(cfg, shape, device, matmul_flops) if measure_compute else None
     fitting = largest_fitting_micro_batch(cfg, shape, vocab, device.type, precision, budget * MEMORY_WARN_FRACTION,
                                           runtime_bytes=runtime, data_bytes=data_bytes)
-    world = torch.cuda.device_count() if device.type == "cuda" and torch.cuda.device_count() > 1 else 8
-    layouts = {}
-    for layout in ("ddp", "zero1", "fsdp"):
-        per_rank = dataclasses.replace(cfg, global_batch_size=cfg.micro_batch_size * world)
-        layouts[layout] = estimate_memory(per_rank, shape, vocab, device.type, precision, layout, world,
-                                          runtime_bytes=runtime, data_bytes=data_bytes).peak
-    return Facts(device, precision, vocab, train_tokens, note, shape, memory, budget, source, compute, fitting,
-                 layouts, world, data_vocab=data_vocab, data_meta=meta)
+    world, over = layout_world(cfg, device)
+    # The run's own batch over its processes; spread over this machine's GPUs, the same micro-batch per GPU.
+    spread = cfg if world == world_size_of(cfg) else dataclasses.replace(
+        cfg, global_batch_size=cfg.micro_batch_size * (world or 1))
+    layouts = {layout: estimate_memory(spread, shape, vocab, device.type, precision, layout, world,
+                                       runtime_bytes=runtime, data_bytes=data_bytes).peak
+               for layout in (("ddp", "zero1", "fsdp") if world else ())}
+    return Facts(device, precision, vocab, train_tokens, note, shape, parameters, memory, budget, source, compute,
+                 fitting, layouts, world, over, depth_advice(cfg, shape, train_tokens), matmul_flops is None,
+                 data_vocab=data_vocab, data_meta=meta)
+
+
+# The model size a data set can feed: TOKENS_PER_PARAM each, counting up to 4 passes over the data,
+# which train about as well as new data (Muennighoff et al. 2023, "Scaling Data-Constrained Language
+# Models"); more passes are worth less and less.
+DATA_PASSES_WORTH = 4
+# Depth beyond which more layers stop paying off: ~12 for up to a billion tokens, 24 from there on.
+ENOUGH_LAYERS, ENOUGH_LAYERS_BILLIONS = 12, 24
+
+
+def depth_advice(cfg: Config, shape: ModelShape, train_tokens: int | None) -> str | None:
+    """The footer's line on depth for this much data: the configured layers (of the configured
+    width) against those the train split can feed; a deeper model only when both the data and the
+    depth rule support it. None when the size is unknown or there is nothing to change."""
+    if not train_tokens:
+        return None
+    layers, width = cfg.model.n_layer, cfg.model.n_embd
+    supported = train_tokens * DATA_PASSES_WORTH / TOKENS_PER_PARAM
+    fed = int(supported // max(1, shape.largest_block_params))  # layers of this width the data can feed
+    data = (f"data: {train_tokens:,} train tokens feed about {supported:,.0f} parameters {WITHOUT_EMBEDDINGS} "
+            f"(~{TOKENS_PER_PARAM} tokens each, over up to {DATA_PASSES_WORTH} passes)")
+    if layers > fed:
+        blocks = (f"about {fed} layer{'s' if fed > 1 else ''} of width {width}" if fed else
+                  f"less than one layer of width {width} ({shape.largest_block_params:,} parameters)")
+        return f"{data}: {blocks}, {layers} configured: more data, or a smaller model"
+    useful = min(fed, ENOUGH_LAYERS if train_tokens < 1e9 else ENOUGH_LAYERS_BILLIONS)
+    if layers < useful:
+        return f"{data}: up to about {useful} layers of width {width} can pay off ({layers} configured)"
+    return None
+
+
+def layout_world(cfg: Config, device: torch.device) -> tuple[int | None, str]:
+    """The processes the per-rank memory of the parallel layouts is worth estimating for, and what
+    they are: the run's own when it has several (parallel.nproc, torchrun's WORLD_SIZE), else the
+    GPUs of this machine when it has more than one; (None, "") for one process on one device, where
+    the figures would mean nothing."""
+    if (world := world_size_of(cfg)) > 1:
+        return world, f"the run's {world} processes"
+    gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    return (gpus, f"this machine's {gpus} GPUs") if gpus > 1 else (None, "")
 
 
 def _expected_vocab(cfg: Config) -> int | None:
@@ -484,8 +539,9 @@ def check_effective_batch(cfg: Config, facts: Facts) -> Row:
     accum = accumulation_steps(cfg)
     seq = seq_len_of(cfg)
     tokens = cfg.global_batch_size * seq
+    world = world_size_of(cfg)
     seen = (f"{cfg.global_batch_size} seq x {seq} = {tokens:,} tokens/step "
-            f"(micro {cfg.micro_batch_size} x accumulation {accum} x 1 process)")
+            f"(micro {cfg.micro_batch_size} x accumulation {accum} x {world} process{'es' if world > 1 else ''})")
     why = "The batch the optimizer sees sets the gradient noise and the right LR; accumulation must not change it."
     if facts.train_tokens is not None and tokens > facts.train_tokens:
         return Row("effective batch", Status.WARN, seen + f" > the {facts.train_tokens:,} train tokens",
@@ -585,10 +641,10 @@ def check_init(cfg: Config, facts: Facts) -> Row:
 def check_token_budget(cfg: Config, facts: Facts) -> Row:
     steps = total_steps(cfg)
     tokens = steps * cfg.global_batch_size * seq_len_of(cfg)
-    n = facts.shape.n_params - facts.shape.n_embedding_params
-    per_param = tokens / max(1, n)
-    seen = f"{tokens:,} tokens for {n:,} parameters = {per_param:.1f} tokens/param"
-    why = "Compute-optimal training is ~20 tokens per parameter; far fewer undertrains, many epochs overfit."
+    n = facts.parameters.without_embeddings
+    per_param = facts.parameters.tokens_per_param(tokens)
+    seen = f"{tokens:,} tokens for {n:,} parameters {WITHOUT_EMBEDDINGS} = {per_param:.1f} tokens/param"
+    why = f"Compute-optimal training is ~{TOKENS_PER_PARAM} tokens per parameter; far fewer undertrains, many epochs overfit."
     if facts.train_tokens:
         epochs = tokens / facts.train_tokens
         seen += f", {epochs:.2g} epochs"
@@ -596,9 +652,9 @@ def check_token_budget(cfg: Config, facts: Facts) -> Row:
             return Row("token budget", Status.WARN, seen, "Over 20 passes over the data: the model memorizes it.",
                        "more data, or fewer steps")
     if per_param < 1:
-        more = (f"max_tokens={20 * n}" if cfg.max_tokens is not None
-                else f"max_steps={max(steps, int(20 * n / max(1, tokens / steps)))}")
-        return Row("token budget", Status.WARN, seen, why, f"{more} (20 tokens/param) or a smaller model")
+        more = (f"max_tokens={TOKENS_PER_PARAM * n}" if cfg.max_tokens is not None
+                else f"max_steps={max(steps, int(TOKENS_PER_PARAM * n / max(1, tokens / steps)))}")
+        return Row("token budget", Status.WARN, seen, why, f"{more} ({TOKENS_PER_PARAM} tokens/param) or a smaller model")
     return Row("token budget", Status.PASS, seen, why)
 
 
@@ -621,8 +677,12 @@ ITEMS: list[Callable[[Config, Facts], Row | None]] = [
 ]
 
 
-def run_check(cfg: Config, measure_compute: bool = True, data_meta: dict | None = None) -> CheckReport:
-    facts = gather_facts(cfg, measure_compute=measure_compute, data_meta=data_meta)
+def run_check(cfg: Config, measure_compute: bool = True, data_meta: dict | None = None,
+              matmul_flops: float | None = None) -> CheckReport:
+    """The checklist for `cfg` on this machine; `matmul_flops` (FLOP/s) gives the compute estimate's
+    device rate instead of measuring it, as tests do: a busy machine reads low and must not decide
+    what a test sees."""
+    facts = gather_facts(cfg, measure_compute=measure_compute, data_meta=data_meta, matmul_flops=matmul_flops)
     rows = [row for item in ITEMS if (row := item(cfg, facts)) is not None]
     return CheckReport(rows, facts)
 
@@ -690,22 +750,21 @@ def estimate_summary(facts: Facts) -> str:
     else:
         lines.append(f"  largest micro-batch within 85% of the budget: {facts.fitting_micro_batch} "
                      f"(a divisor of the global batch; accumulation makes up the rest)")
-    lines.append(f"  per rank over {facts.layout_world} processes: "
-                 + ", ".join(f"{name} {format_bytes(peak)}" for name, peak in facts.layout_peaks.items()))
+    if facts.layout_world:
+        lines.append(f"  per rank over {facts.layout_over}: "
+                     + ", ".join(f"{name} {format_bytes(peak)}" for name, peak in facts.layout_peaks.items()))
     c = facts.compute
     if c is not None:
         lines += [
             "[bold]compute[/]:",
             f"  {c.flops_per_token / 1e6:,.1f} MFLOP/token (6N + attention) x {c.tokens_per_step:,} tokens/step; "
             f"{c.steps:,} steps",
-            f"  this device: {c.matmul_flops / 1e9:,.0f} GFLOP/s fp32 matmul (measured now); at {c.assumed_mfu:.0%} MFU "
+            f"  this device: {c.matmul_flops / 1e9:,.0f} GFLOP/s fp32 matmul "
+            f"({'measured now' if facts.rate_measured_now else 'measured before'}); at {c.assumed_mfu:.0%} MFU "
             f"~{format_seconds(c.step_seconds)}/step, ~{format_seconds(c.run_seconds)} for the run",
-            f"  {c.tokens:,} tokens / {c.n_non_embedding:,} non-embedding parameters = {c.tokens_per_param:.1f} tokens/param "
-            "(~20 is compute-optimal)",
+            f"  {c.tokens:,} tokens / {facts.parameters.without_embeddings:,} parameters {WITHOUT_EMBEDDINGS} = "
+            f"{facts.parameters.tokens_per_param(c.tokens):.1f} tokens/param (~{TOKENS_PER_PARAM} is compute-optimal)",
         ]
-    if facts.train_tokens:
-        # Seed 6.1: size the model from the data: millions of tokens want ~12 layers, billions 24+.
-        depth = "about 12 layers is enough" if facts.train_tokens < 1e9 else "24 or more layers can pay off"
-        lines.append(f"  data: {facts.train_tokens:,} train tokens; for that much data {depth} "
-                     f"({facts.shape.n_layers} configured)")
+    if facts.depth:
+        lines.append(f"  {facts.depth}")
     return "\n".join(lines)

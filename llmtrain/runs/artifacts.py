@@ -9,22 +9,27 @@ the format) and `sample` (which reads it) both depend on this module instead of 
 
 from __future__ import annotations
 
-import json
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import yaml
 from safetensors.torch import load_model
 
 from llmtrain.checkpoint.format import MANIFEST, first_good_checkpoint, read_model_weights, read_weights_file
 from llmtrain.config.derived import seq_len_of
-from llmtrain.config.hydra import config_from_dict, model_config_from_dict
+from llmtrain.config.hydra import model_config_from_dict
+from llmtrain.config.saved import read_saved
+from llmtrain.config.schema import Config, ModelConfig
+from llmtrain.config.validate import validate_model
+from llmtrain.core.readers import UnreadableFile, read_json, require_regular_file
 from llmtrain.data.tokenizers import Tokenizer, load_tokenizer
 from llmtrain.errors import CheckpointError, ConfigError, UserError
 from llmtrain.model import GPT, uninitialized
+from llmtrain.model_tensors import check_stored, model_tensors
+from llmtrain.preflight.estimate import available_memory, format_bytes
 from llmtrain.runs.files import CONFIG, FINAL_WEIGHTS, TOKENIZER
 
 # An `llmtrain export` folder: these two files and the run's tokenizer.json.
@@ -32,18 +37,28 @@ WEIGHTS = "model.safetensors"
 MODEL_CONFIG = "model_config.json"
 
 
-def newest_weights(run_dir: Path, warn: Callable[[str], None] | None = None) -> dict[str, torch.Tensor]:
+def newest_weights(run_dir: Path, warn: Callable[[str], None] | None = None,
+                   model: ModelConfig | None = None) -> dict[str, torch.Tensor]:
     """The newest weights of a run (a CPU state_dict): model.pt of a finished run, unless a
     checkpoint is newer (a run extended and interrupted later), else its newest good checkpoint's
     (an interrupted run), whole even when the checkpoint is sharded. Whatever cannot be read
-    (model.pt or a checkpoint) is passed over with a warning; with nothing left: UserError."""
+    (model.pt or a checkpoint), and with `model` (the run's config) whatever is not exactly that
+    model's weights with finite values, is passed over with a warning; with nothing left: UserError."""
     warn = warn or (lambda message: print(f"llmtrain: warning: {message}", file=sys.stderr))
     final = run_dir / FINAL_WEIGHTS
     final_problem: list[str] = []  # empty: model.pt not tried yet
 
+    def usable(weights: dict[str, torch.Tensor], where: Path) -> dict[str, torch.Tensor]:
+        if model is not None:
+            try:
+                check_weights_fit(model, weights, str(where), "config.yaml")
+            except UserError as err:
+                raise CheckpointError(str(err)) from None
+        return weights
+
     def read_final() -> dict[str, torch.Tensor] | None:
         try:
-            return read_weights_file(final)
+            return usable(read_weights_file(final), final)
         except CheckpointError as err:
             final_problem.append(str(err))
             warn(f"{err}; trying the checkpoints instead")
@@ -55,7 +70,7 @@ def newest_weights(run_dir: Path, warn: Callable[[str], None] | None = None) -> 
             weights = read_final()
             if weights is not None:
                 return weights
-        return read_model_weights(checkpoint)
+        return usable(read_model_weights(checkpoint), checkpoint)
 
     failures: list[str] = []
     weights = first_good_checkpoint(run_dir, newest_of, warn, failures)
@@ -69,9 +84,10 @@ def newest_weights(run_dir: Path, warn: Callable[[str], None] | None = None) -> 
             "under checkpoints/. Give a run directory that `llmtrain train` wrote."
         )
     found = final_problem or [f"{final} does not exist"]
-    found.append(f"every checkpoint is damaged ({'; '.join(failures[:4])})" if failures else "there are no checkpoints")
+    found.append(f"every checkpoint is damaged or unusable ({'; '.join(f.rstrip('.') for f in failures[:4])})" if failures
+                 else "there are no checkpoints")
     raise UserError(
-        f"'{run_dir}' has no usable weights: {'; '.join(found)}. Retrain it (`llmtrain train` with "
+        f"'{run_dir}' has no usable weights: {'; '.join(f.rstrip('.') for f in found)}. Retrain it (`llmtrain train` with "
         "hydra.run.dir set to it and resume=never), or give another run dir or an `llmtrain export` folder."
     )
 
@@ -84,13 +100,44 @@ def _saved_at(checkpoint: Path) -> float:
 
 
 def load_exported(export_dir: Path, device: str = "cpu") -> tuple[GPT, int]:
-    """(model in eval mode, training context) from an export folder."""
-    meta = json.loads((export_dir / MODEL_CONFIG).read_text())
-    model_cfg = model_config_from_dict(meta["model"])
-    with uninitialized():  # load_model (strict) overwrites every parameter
-        model = GPT(model_cfg, int(meta["vocab_size"]))
-    load_model(model, str(export_dir / WEIGHTS), device=device)
-    return model.to(device).eval(), int(meta["context"])
+    """(model in eval mode, training context) from an export folder: model_config.json checked
+    against model.safetensors' headers before the model is built."""
+    from safetensors import safe_open
+
+    meta_file = export_dir / MODEL_CONFIG
+    meta = read_json(meta_file, "the export's model config")
+    damaged = f"{meta_file} is not the model config `llmtrain export` writes"
+    if not isinstance(meta, dict) or not isinstance(meta.get("model"), dict):
+        raise UserError(f"{damaged} (it needs a \"model\" object); the export is damaged: export the run again.")
+    vocab, context = meta.get("vocab_size"), meta.get("context")
+    for key, value in (("vocab_size", vocab), ("context", context)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise UserError(f"{damaged}: its {key} is {value!r}, not a positive integer; the export is damaged.")
+    try:
+        model_cfg = model_config_from_dict(meta["model"])
+    except ConfigError as err:
+        raise UserError(f"{damaged}: {err}") from None
+    weights = export_dir / WEIGHTS
+    require_regular_file(weights, "the export's weights")
+    try:
+        with safe_open(str(weights), framework="pt") as handle:
+            shapes = {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}
+    except Exception as err:  # noqa: BLE001 - safetensors' own error types: a truncated file or a damaged header
+        raise UserError(f"{weights} is not a readable safetensors file ({type(err).__name__}: {str(err)[:200]}); the "
+                        "export is damaged: export the run again.") from None
+    # safetensors stores a tied pair once (save_model keeps one of the two names); load_model re-ties it
+    if model_cfg.tie_weights:
+        for name, twin in (("wte.weight", "lm_head.weight"), ("lm_head.weight", "wte.weight")):
+            if name in shapes:
+                shapes.setdefault(twin, shapes[name])
+    model = build_model(model_cfg, vocab, shapes, str(weights), MODEL_CONFIG)
+    try:
+        load_model(model, str(weights), device=device)
+    except Exception as err:  # noqa: BLE001 - a tensor whose bytes do not match its header
+        raise UserError(f"{weights} cannot be loaded ({type(err).__name__}: {str(err)[:200]}); the export is "
+                        "damaged: export the run again.") from None
+    require_finite(model.state_dict(), str(weights))
+    return model.to(device).eval(), context
 
 
 def is_export(path: Path) -> bool:
@@ -112,15 +159,17 @@ def load_hf_folder(path: Path, device: str = "cpu") -> TrainedRun:
     """A GPT-2 or Llama-family Hugging Face folder as a `TrainedRun`: the model its config.json
     describes, its weights, its tokenizer.json (data.tokenizer=pretrained's tokenizer), and as
     context the shorter of the model's positions and the tokenizer's model_max_length."""
-    from llmtrain.config.schema import ModelConfig
     from llmtrain.data.tokenizers import PretrainedTokenizer
-    from llmtrain.hf.folder import HFFolder, load_weights
+    from llmtrain.hf.folder import HFFolder, check_weights, load_weights
 
     folder = HFFolder.open(str(path), key="RUN_DIR")  # refuses an unsupported architecture by name
     fields = folder.model_fields()
+    model_cfg = ModelConfig(name=folder.name, **fields)
+    check_model(model_cfg, str(path / "config.json"))
+    check_weights(folder, model_cfg)  # from the headers: every tensor, its shape and dtype, no tensor left over
     tokenizer = PretrainedTokenizer.from_folder(str(path), key="RUN_DIR")
-    model = GPT(ModelConfig(name=folder.name, **fields), int(fields["vocab_size"]))
-    load_weights(model, folder)
+    model = build_model(model_cfg, model_cfg.vocab_size, None, str(path), "config.json")
+    load_weights(model, folder)  # refuses NaN or infinite values
     return TrainedRun(model.to(device).eval(), tokenizer, min(model.cfg.block_size, _max_length(path)))
 
 
@@ -129,10 +178,12 @@ def _max_length(path: Path) -> int:
     from llmtrain.hf.folder import TOKENIZER_CONFIG
 
     try:
-        value = json.loads((path / TOKENIZER_CONFIG).read_text()).get("model_max_length")
-    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        settings = read_json(path / TOKENIZER_CONFIG, "the tokenizer's settings")
+    except UnreadableFile:
         return sys.maxsize  # optional file: the model's positions decide
-    return int(value) if isinstance(value, (int, float)) and 0 < value < sys.maxsize else sys.maxsize
+    value = settings.get("model_max_length") if isinstance(settings, dict) else None
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and 1 <= value < sys.maxsize \
+        else sys.maxsize
 
 
 @dataclass
@@ -158,7 +209,7 @@ def load_run(run_dir: Path, device: str = "cpu") -> TrainedRun:
         model, context = load_exported(run_dir, device)
         return TrainedRun(model, load_tokenizer(run_dir / TOKENIZER), context, run_dir / TOKENIZER)
     # config.json without config.yaml: a Hugging Face folder, whose own checks name what it lacks
-    if is_hf_folder(run_dir) or ((run_dir / "config.json").is_file() and not (run_dir / CONFIG).is_file()):
+    if is_hf_folder(run_dir) or (os.path.lexists(run_dir / "config.json") and not os.path.lexists(run_dir / CONFIG)):
         return load_hf_folder(run_dir, device)
     needed = [run_dir / name for name in (CONFIG, TOKENIZER)]
     missing = [p.name for p in needed if not p.is_file()]
@@ -167,29 +218,62 @@ def load_run(run_dir: Path, device: str = "cpu") -> TrainedRun:
             f"'{run_dir}' is not an llmtrain run directory or export: {', '.join(missing)} missing. "
             "Give the directory that `llmtrain train` printed in its banner (e.g. outputs/<date>/<time>)."
         )
-    try:
-        # libyaml's loader where PyYAML has it: the same safe subset, ~10x faster than the pure-Python one
-        data = yaml.load(needed[0].read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))  # noqa: S506
-        if not isinstance(data, dict):
-            raise ConfigError("it holds no mapping of config groups")
-        cfg = config_from_dict(data)
-    except yaml.YAMLError as err:
-        raise UserError(f"'{needed[0]}' is not readable YAML ({str(err).splitlines()[0]}); it is the config "
-                        "`llmtrain train` wrote, so the run directory is damaged.") from None
-    except ConfigError as err:
-        raise UserError(f"'{needed[0]}' is not a valid llmtrain config: {err}") from None
+    cfg = run_config(run_dir)
     tokenizer = load_tokenizer(needed[1])
-    # Weights load with weights_only=True (or as bare tensors from shards): they cannot run code.
-    state = newest_weights(run_dir)
-    embedding = state.get("wte.weight")
-    if embedding is None or embedding.dim() != 2:
-        raise UserError(f"'{run_dir}': its weights hold no token embedding (wte.weight), so they are not an llmtrain "
-                        "model's; give a run directory that `llmtrain train` wrote.")
-    with uninitialized():  # every parameter is overwritten next (strict), so its random init is skipped
-        model = GPT(cfg.model, embedding.shape[0])
-    try:
-        model.load_state_dict(state)
-    except RuntimeError as err:
-        first = str(err).strip().splitlines()[1:2] or [str(err)]
-        raise UserError(f"'{run_dir}': its weights do not fit its config.yaml ({first[0].strip()[:300]}).") from None
+    # Weights load with weights_only=True (or as bare tensors from shards): they cannot run code; each
+    # candidate must be exactly the model config.yaml describes, or the next one is tried.
+    state = newest_weights(run_dir, model=cfg.model)
+    model = build_model(cfg.model, state["wte.weight"].shape[0], None, str(run_dir), CONFIG)
+    model.load_state_dict(state)  # shapes and names checked by newest_weights
     return TrainedRun(model.to(device).eval(), tokenizer, seq_len_of(cfg), needed[1])
+
+
+def run_config(run_dir: Path) -> Config:
+    """A run dir's config.yaml as a validated `Config` (config/saved.py: read within bounds)."""
+    return read_saved(Path(run_dir) / CONFIG)
+
+
+def check_model(model: ModelConfig, config_name: str) -> None:
+    """A model description read from a file, checked as `train` checks its own (positive sizes,
+    heads that divide the width, ...) before anything is built from it."""
+    try:
+        validate_model(model)
+    except ConfigError as err:
+        raise UserError(f"{config_name} describes a model llmtrain cannot build: {err}") from None
+
+
+def check_weights_fit(model: ModelConfig, state: dict[str, torch.Tensor], where: str, config_name: str) -> None:
+    """`state` is exactly the model `model` describes (tensors, shapes, finite values)."""
+    embedding = state.get("wte.weight")
+    if embedding is None or embedding.dim() != 2 or embedding.shape[0] < 1:
+        raise UserError(f"{where}: the weights hold no token embedding (wte.weight), so they are not an llmtrain "
+                        "model's; give a run directory that `llmtrain train` wrote.")
+    check_model(model, config_name)
+    shapes = {name: tuple(t.shape) for name, t in state.items()}
+    check_stored(model_tensors(model, embedding.shape[0]), shapes, where, config_name)
+    require_finite(state, where)
+
+
+def require_finite(state: dict[str, torch.Tensor], where: str) -> None:
+    bad = [name for name, t in state.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:
+        raise UserError(f"{where}: the weights hold NaN or infinite values ({', '.join(bad[:3])}); a model cannot "
+                        "generate or be evaluated from them.")
+
+
+def build_model(model: ModelConfig, vocab_size: int, stored: dict[str, tuple[int, ...]] | None, where: str,
+                config_name: str) -> GPT:
+    """`GPT(model, vocab_size)` without its random init (every tensor is overwritten next), once the
+    description is known to fit: `stored` (the weights' shapes, when not checked already) and this
+    machine's free memory."""
+    check_model(model, config_name)
+    tensors = model_tensors(model, vocab_size)
+    if stored is not None:
+        check_stored(tensors, stored, where, config_name)
+    need = tensors.build_bytes()
+    free, source = available_memory(torch.device("cpu"))
+    if need > free:
+        raise UserError(f"{where}: the model {config_name} describes needs {format_bytes(need)} to build "
+                        f"({tensors.n_params:,} parameters), more than the {format_bytes(free)} free here ({source}).")
+    with uninitialized():
+        return GPT(model, vocab_size)

@@ -4,9 +4,13 @@ Every run dir under the sweep dir (a folder with a `metrics.jsonl`, e.g. Hydra's
 `multirun/<date>/<time>/<job>/`) becomes one row: the overrides that differ between the runs, the
 final train and validation loss, the best validation loss and its step, the health alarms raised,
 the median tokens/s and whether the run finished. Rows are sorted by final validation loss (runs
-without one last). The table goes to the terminal, `compare.csv` and a PNG of the loss curves next
-to it; runs too short for curves (at most 2 logged losses each) get no PNG, and the line that says
-why and which log_interval gives curves.
+without one last): nats per token, which compare only between runs of one tokenizer. When the runs'
+tokenizers differ (another kind, or the same kind fitted to other data: tokenizer.json tells), they
+are sorted by the bits per byte of an evaluation task they were scored on (eval.tasks during
+training, or `llmtrain eval`'s eval.json), and a note under the table says so; without such a score
+the note says that neither the losses nor their order compare. The table goes to the terminal,
+`compare.csv` and a PNG of the loss curves next to it; runs too short for curves (at most 2 logged
+losses each) get no PNG, and the line that says why and which log_interval gives curves.
 
 A run's row comes from its metrics.jsonl as written (runs/records.py's `written` view): a record of
 a step that a resume took again drops the first take's later points from the curve. `summarize` is
@@ -16,16 +20,19 @@ also the CLI's summary of a finished run and the report's facts (status, steps, 
 from __future__ import annotations
 
 import csv
+import hashlib
 import math
 import statistics
 import textwrap
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
+from llmtrain.core.readers import TOKENIZER_BYTES, UnreadableFile, read_bytes, read_json, read_yaml
 from llmtrain.errors import UserError
-from llmtrain.runs.files import CHECKPOINTS, CONFIG, FINAL_WEIGHTS, METRICS, Kind
+from llmtrain.runs.files import CHECKPOINTS, CONFIG, EVAL_RESULTS, FINAL_WEIGHTS, METRICS, TOKENIZER, Kind
 from llmtrain.runs.leftout import denser, enough
 from llmtrain.runs.records import Records, number, read_records
 from llmtrain.runs.rundir import HYDRA_SUBDIR
@@ -46,6 +53,9 @@ class RunSummary:
     finished: bool = False
     train_curve: list[tuple[int, float]] = field(default_factory=list)
     val_curve: list[tuple[int, float]] = field(default_factory=list)
+    tokenizer: str | None = None  # its kind (data.tokenizer in config.yaml); None when unknown
+    tokenizer_id: str | None = None  # a digest of tokenizer.json: one kind fitted to other data is another tokenizer
+    bits_per_byte: dict[str, float] = field(default_factory=dict)  # evaluation task -> its latest bits per byte
 
     @property
     def status(self) -> str:
@@ -65,14 +75,19 @@ def find_runs(sweep_dir: Path) -> list[Path]:
     return runs
 
 
+def recorded_overrides(run_dir: Path) -> list[str] | None:
+    """The command-line overrides that made the run (Hydra's record of the job); None when there is
+    no record (a run started from Python, not from the command line)."""
+    path = run_dir / HYDRA_SUBDIR / "overrides.yaml"
+    if not path.is_file():
+        return None
+    return [str(o) for o in yaml.safe_load(path.read_text()) or []]
+
+
 def summarize(run_dir: Path, records: Records | None = None) -> RunSummary:
     """One run's row, from its records (read from `run_dir` unless given) and its overrides."""
-    overrides_file = run_dir / HYDRA_SUBDIR / "overrides.yaml"
-    overrides: list[str] = []
-    if overrides_file.is_file():
-        overrides = [str(o) for o in yaml.safe_load(overrides_file.read_text()) or []]
     records = records if records is not None else read_records(run_dir)
-    summary = RunSummary(run_dir, overrides)
+    summary = RunSummary(run_dir, recorded_overrides(run_dir) or [])
     # The last step taken (train records come every log_interval only).
     summary.steps = max([0, *(int(r.get("step", 0)) for kind in (Kind.TRAIN, Kind.EVAL, Kind.CHECKPOINT)
                               for r in records.written(kind))])
@@ -101,19 +116,98 @@ def summarize(run_dir: Path, records: Records | None = None) -> RunSummary:
     summary.tokens_per_s = statistics.median(speeds) if speeds else None
     summary.finished = (run_dir / FINAL_WEIGHTS).is_file() and (
         summary.planned_steps is None or summary.steps >= summary.planned_steps)
+    data = _run_config(run_dir).get("data")
+    kind = data.get("tokenizer") if isinstance(data, dict) else None
+    summary.tokenizer = str(kind) if kind is not None else None
+    summary.tokenizer_id = _tokenizer_id(run_dir)
+    summary.bits_per_byte = _bits_per_byte(run_dir, records)
     return summary
 
 
-def _sort_key(summary: RunSummary) -> tuple:
+def _tokenizer_id(run_dir: Path) -> str | None:
+    """A digest of the run's tokenizer.json (None without a readable one): equal for runs of one
+    tokenizer, whatever its kind."""
+    try:
+        return hashlib.sha256(read_bytes(run_dir / TOKENIZER, "the run's tokenizer", TOKENIZER_BYTES)).hexdigest()
+    except UnreadableFile:
+        return None
+
+
+def _bits_per_byte(run_dir: Path, records: Records) -> dict[str, float]:
+    """Each evaluation task's latest bits per byte: the eval.tasks scored during training, then
+    `llmtrain eval`'s eval.json (the final weights on all of the text) where it has the task."""
+    found = {str(r["task"]): number(r["bits_per_byte"]) for r in records.of(Kind.EVAL_TASK)
+             if r.get("task") is not None and r.get("bits_per_byte") is not None}
+    try:
+        saved = read_json(run_dir / EVAL_RESULTS, "the run's evaluation results") if (run_dir / EVAL_RESULTS).exists() else {}
+    except UnreadableFile:
+        saved = {}
+    tasks = saved.get("tasks") if isinstance(saved, dict) else None
+    own = str(run_dir.resolve())  # `llmtrain eval OTHER --out RUN_DIR` may have added another model's
+    for task, metrics in (tasks.items() if isinstance(tasks, dict) else ()):
+        if isinstance(metrics, dict) and metrics.get("model") in (None, own) and metrics.get("bits_per_byte") is not None:
+            found[str(task)] = number(metrics["bits_per_byte"])
+    return {task: value for task, value in found.items() if math.isfinite(value)}
+
+
+@dataclass(frozen=True)
+class Ranking:
+    """What the runs are sorted by: the final validation loss, in nats per token; when their
+    tokenizers differ, the bits per byte of `task` (the evaluation task most of them were scored
+    on), which compares across tokenizers. `note` says why, under the table."""
+
+    task: str | None = None
+    note: str | None = None
+
+
+def tokenizer_names(summaries: list[RunSummary]) -> dict[str | None, str]:
+    """Each tokenizer (by digest) under its kind; a kind fitted to other data too gets the start of
+    its digest ('char #1a2b3c4d')."""
+    kinds = {s.tokenizer_id: s.tokenizer or "unknown" for s in summaries}
+    shared = Counter(kinds.values())
+    return {key: kind if shared[kind] == 1 or key is None else f"{kind} #{key[:8]}" for key, kind in kinds.items()}
+
+
+def ranking(summaries: list[RunSummary]) -> Ranking:
+    """How `summaries` compare (see Ranking)."""
+    if len({s.tokenizer_id for s in summaries if s.tokenizer_id is not None}) <= 1:
+        return Ranking()
+    names = tokenizer_names(summaries)
+    runs = Counter(names[s.tokenizer_id] for s in summaries)
+    differ = ("the runs use different tokenizers (" + ", ".join(f"{name}: {n} run{'s' if n > 1 else ''}"
+                                                               for name, n in runs.items())
+              + "), so their losses, in nats per token of different tokens, do not compare")
+    scored = Counter(task for s in summaries for task in s.bits_per_byte)
+    if not scored:
+        return Ranking(None, f"{differ}, nor does this order by validation loss. Bits per byte do: score each run with "
+                             "`llmtrain eval RUN_DIR` (or train with eval.tasks=[perplexity:validation]), then compare "
+                             "again.")
+    task = max(scored, key=lambda t: scored[t])  # the task most runs were scored on (the first of equals)
+    missing = len(summaries) - scored[task]
+    return Ranking(task, f"{differ}: sorted by bits per byte on {task}, which do"
+                         + (f"; the {missing} run{'s' if missing > 1 else ''} without that score come last, by "
+                            "validation loss, and do not compare with the others" if missing else "") + ".")
+
+
+def _loss_key(summary: RunSummary) -> tuple:
     val = summary.final_val_loss
     train = summary.final_train_loss
     return (val is None or not math.isfinite(val), val if val is not None else 0.0,
             train is None or not math.isfinite(train), train if train is not None else 0.0)
 
 
+def _sort_key(summary: RunSummary, task: str | None) -> tuple:
+    if task is None:
+        return _loss_key(summary)
+    bits = summary.bits_per_byte.get(task)
+    return (bits is None, bits if bits is not None else 0.0, *_loss_key(summary))
+
+
 def compare_runs(sweep_dir: Path) -> tuple[list[RunSummary], list[str]]:
-    """The runs, best first, and the overrides they all share (shown once, not per row)."""
-    summaries = sorted((summarize(run) for run in find_runs(sweep_dir)), key=_sort_key)
+    """The runs, best first (see `ranking`), and the overrides they all share (shown once, not per row)."""
+    summaries = [summarize(run) for run in find_runs(sweep_dir)]
+    task = ranking(summaries).task
+    summaries.sort(key=lambda s: _sort_key(s, task))
     common = [o for o in summaries[0].overrides if all(o in s.overrides for s in summaries)]
     for s in summaries:
         s.overrides = [o for o in s.overrides if o not in common]
@@ -124,29 +218,44 @@ COLUMNS = ("run", "overrides", "final train loss", "final val loss", "best val l
            "tokens/s", "status")
 
 
+def columns(summaries: list[RunSummary]) -> list[str]:
+    """COLUMNS, and where the runs' tokenizers differ, each run's tokenizer and the bits per byte
+    they are sorted by (`rows` fills them)."""
+    order = ranking(summaries)
+    extra = (["tokenizer"] if order.note else []) + ([f"bits/byte ({order.task})"] if order.task else [])
+    return [*COLUMNS[:6], *extra, *COLUMNS[6:]]
+
+
 def rows(summaries: list[RunSummary], sweep_dir: Path) -> list[list[str]]:
     def fmt(value: float | None, digits: int = 4) -> str:
         return "-" if value is None else f"{value:.{digits}f}"
 
+    order, names = ranking(summaries), tokenizer_names(summaries)
     return [[str(s.run_dir.relative_to(sweep_dir)) if s.run_dir != sweep_dir else ".", " ".join(s.overrides) or "-",
              fmt(s.final_train_loss), fmt(s.final_val_loss), fmt(s.best_val_loss),
-             "-" if s.best_step is None else str(s.best_step), ", ".join(s.alarms) or "-",
-             "-" if s.tokens_per_s is None else f"{s.tokens_per_s:,.0f}", s.status] for s in summaries]
+             "-" if s.best_step is None else str(s.best_step),
+             *([names[s.tokenizer_id]] if order.note else []),
+             *([fmt(s.bits_per_byte.get(order.task))] if order.task else []),
+             ", ".join(s.alarms) or "-", "-" if s.tokens_per_s is None else f"{s.tokens_per_s:,.0f}", s.status]
+            for s in summaries]
 
 
 def write_csv(summaries: list[RunSummary], sweep_dir: Path, path: Path) -> None:
-    """The same rows with plain numbers (empty where there is none), for a spreadsheet or pandas."""
+    """The same rows with plain numbers (empty where there is none), for a spreadsheet or pandas; the
+    tokenizer and the bits per byte the runs are sorted by (with its task) in every file."""
     def plain(value: object) -> object:
         return "" if value is None else value
 
+    task, names = ranking(summaries).task, tokenizer_names(summaries)
     with open(path, "w", newline="") as fh:
         writer = csv.writer(fh)
         writer.writerow(["run", "overrides", "final_train_loss", "final_val_loss", "best_val_loss", "best_step", "alarms",
-                         "tokens_per_s", "status", "run_dir"])
+                         "tokens_per_s", "status", "run_dir", "tokenizer", "bits_per_byte", "bits_per_byte_task"])
         for s, row in zip(summaries, rows(summaries, sweep_dir)):
             writer.writerow([row[0], " ".join(s.overrides), plain(s.final_train_loss), plain(s.final_val_loss),
                              plain(s.best_val_loss), plain(s.best_step), " ".join(s.alarms), plain(s.tokens_per_s),
-                             s.status, str(s.run_dir)])
+                             s.status, str(s.run_dir), names[s.tokenizer_id] if s.tokenizer else "",
+                             plain(s.bits_per_byte.get(task) if task else None), plain(task)])
 
 
 def plot_curves(summaries: list[RunSummary], path: Path, title: str) -> str | None:
@@ -173,7 +282,8 @@ def plot_curves(summaries: list[RunSummary], path: Path, title: str) -> str | No
             steps, values = zip(*s.val_curve)
             ax.plot(steps, values, color=colour, linestyle="--", marker="o", markersize=3, label=f"{label} (val)")
     ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats/token)")
+    ax.set_ylabel("loss (nats/token; not comparable across tokenizers)" if ranking(summaries).note
+                  else "loss (nats/token)")
     ax.set_title("\n".join(textwrap.wrap(title, 130)), fontsize=8)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
@@ -198,8 +308,14 @@ def too_few_text(summaries: list[RunSummary], name: str, longest: int) -> str:
 
 def _log_interval(summary: RunSummary) -> int | None:
     """The run's log_interval, from its config.yaml (None when it cannot be read)."""
-    try:
-        value = (yaml.safe_load((summary.run_dir / CONFIG).read_text()) or {}).get("log_interval")
-    except (OSError, yaml.YAMLError, AttributeError):
-        return None
+    value = _run_config(summary.run_dir).get("log_interval")
     return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _run_config(run_dir: Path) -> dict:
+    """The run's config.yaml as plain data; {} when it cannot be read."""
+    try:
+        config = read_yaml(run_dir / CONFIG, "the run's config")
+    except UnreadableFile:
+        return {}
+    return config if isinstance(config, dict) else {}

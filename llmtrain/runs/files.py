@@ -10,16 +10,18 @@ A run dir (`out_dir`, by default Hydra's `outputs/<date>/<time>`):
     checkpoints/       step_NNNNNNNN/ folders and `latest` (see checkpoint/format.py)
     report.md, report.html, report/   the post-run review (`llmtrain report`)
     eval.json          `llmtrain eval`'s results per task (and harness-TASK.json, the harness's own)
-    train.log, .hydra/ the CLI's log and Hydra's record of the command (written on acceptance;
-                       runs/rundir.py names them)
+    train.log, .hydra/ the CLI's log and Hydra's record of the command (written on acceptance
+                       by runs/rundir.py)
 
 Writers log dicts whose "kind" is one of `Kind` (through sinks.py's JsonlSink); runs/records.py is
-the one reader of both logs. The data cache (data/prepare.py) keeps its tokenizer under the same
+the one reader of both logs. `layout_problems` checks that an existing run dir's names are of their kind. The data cache (data/prepare.py) keeps its tokenizer under the same
 name, TOKENIZER; an export folder's own names are in runs/artifacts.py, a checkpoint folder's in
-checkpoint/format.py. This module imports nothing, so any layer may name a file through it.
+checkpoint/format.py. This module imports only the standard library, so any layer may name a file through it.
 """
 
 from __future__ import annotations
+
+import os
 
 CONFIG = "config.yaml"
 TOKENIZER = "tokenizer.json"
@@ -31,6 +33,29 @@ TRAINER_STATE = "trainer_state.json"  # inside a checkpoint folder
 REPORT_MD = "report.md"
 REPORT_HTML = "report.html"
 EVAL_RESULTS = "eval.json"  # `llmtrain eval`: the latest metrics of every task evaluated
+REPORT_PLOTS = "report"  # the report's PNG files
+JOB_LOG = "train.log"
+HYDRA_SUBDIR = ".hydra"
+TENSORBOARD = "tensorboard"
+
+# What each name must be when it exists: a run dir whose `checkpoints` is a file would look like a
+# run with no checkpoints (and restart from step 0) until its first save failed.
+FILES = (CONFIG, TOKENIZER, METRICS, EVENTS, FINAL_WEIGHTS, REPORT_MD, REPORT_HTML, EVAL_RESULTS, JOB_LOG)
+FOLDERS = (CHECKPOINTS, REPORT_PLOTS, HYDRA_SUBDIR, TENSORBOARD)
+
+
+def layout_problems(run_dir: str | os.PathLike[str]) -> list[str]:
+    """The names of an existing run dir that are not what llmtrain keeps there: a folder where a file
+    belongs or the reverse, or something that is neither (a FIFO, a broken link); [] when none."""
+    problems = []
+    for names, want, ok in ((FILES, "a file", os.path.isfile), (FOLDERS, "a folder", os.path.isdir)):
+        for name in names:
+            path = os.path.join(run_dir, name)
+            if os.path.lexists(path) and not ok(path):
+                kind = ("a folder" if os.path.isdir(path) else "a file" if os.path.isfile(path)
+                        else "a broken link" if os.path.islink(path) else "neither a file nor a folder")
+                problems.append(f"{name} is {kind}, but llmtrain keeps {want} of that name there")
+    return problems
 
 
 class Kind:

@@ -47,10 +47,11 @@ from rich.markup import escape
 from rich.table import Table
 
 from llmtrain.config.hydra import config_from_dict
-from llmtrain.config.schema import REPORT_FULL_AFTER_S
+from llmtrain.config.schema import REPORT_FULL_AFTER_S, DataSource
 from llmtrain.errors import ConfigError, UserError
 from llmtrain.health.detectors import SPIKE_MIN_RISE, SPIKE_MIN_SHARE, is_spike, robust_z
-from llmtrain.runs.compare import summarize
+from llmtrain.preflight.parameters import ParameterCounts
+from llmtrain.runs.compare import recorded_overrides, summarize
 from llmtrain.runs.files import (
     CONFIG,
     EVAL_RESULTS,
@@ -68,6 +69,7 @@ from llmtrain.sinks import TASK_COUNTS, TASK_HEADLINE, is_number, scored_text, t
 
 OK, WARN, FAIL, NA = "ok", "warn", "fail", "n/a"
 SPIKE_WINDOW = 20  # logged points a loss value is compared with
+SPIKE_MIN_BEFORE = 3  # a loss is judged once this many come before it: fewer have no spread to judge by
 # A spike is also large: on a flat curve (LR 1e-8: 5.39 +- 1e-4) the MAD is ~0 and any wobble has a
 # huge robust z. Noise of a healthy gpt_tiny run is ~0.05 nats; a real spike is tenths of a nat.
 # Did the model learn: the thresholds (docs/report.md). A healthy 100-step gpt_tiny run ends ~12%
@@ -187,20 +189,24 @@ def _rise(finite: list[tuple[int, float]], i: int) -> tuple[float, float, float]
     return robust_z(finite[i][1], window), finite[i][1] - median, median
 
 
+SMOOTHNESS_QUESTION = "Is the loss curve smooth?"  # its section holds the loss plot
+
+
 def smoothness(records: Records, spike_z: float) -> Verdict:
-    question = "Is the loss curve smooth?"
+    question = SMOOTHNESS_QUESTION
     finite = _train_losses(records)
     nonfinite = _logged(records, Kind.NONFINITE)
     if len(finite) < 5 and not nonfinite:
         return Verdict("smoothness", question, NA, f"only {len(finite)} logged train losses; too few to judge.",
                        plots=["loss.png"])
-    rises = [(i, *_rise(finite, i)) for i in range(3, len(finite))]
+    rises = [(i, *_rise(finite, i)) for i in range(SPIKE_MIN_BEFORE, len(finite))]
     spikes = [(z, finite[i][0], finite[i][1], median) for i, z, rise, median in rises
               if is_spike(z, rise, median, spike_z)]
     rule = (f"a spike is robust z > {spike_z:g} (monitor.spike_z) and more than {SPIKE_MIN_RISE:g} nats and "
             f"{SPIKE_MIN_SHARE:.0%} above the recent median")
-    details = [f"{len(finite)} logged train losses (train records and health checks), each compared with the median "
-               f"and MAD of the {SPIKE_WINDOW} before it; {rule}."]
+    details = [f"{len(finite)} logged train losses (train records and health checks); each one after the first "
+               f"{SPIKE_MIN_BEFORE} is compared with the median and MAD of the (up to) {SPIKE_WINDOW} before it (the "
+               f"first {SPIKE_MIN_BEFORE} have too few before them to judge); {rule}."]
     if nonfinite:
         details.append(f"{len(nonfinite)} non-finite step(s) (NaN/Inf loss or gradient, never applied): steps "
                        + ", ".join(str(r["step"]) for r in nonfinite[:10]) + ("..." if len(nonfinite) > 10 else "") + ".")
@@ -222,11 +228,12 @@ def smoothness(records: Records, spike_z: float) -> Verdict:
 
 
 def _largest_rise(finite: list[tuple[int, float]], rises: list[tuple[int, float, float, float]]) -> str:
-    """The point furthest above its recent median, in nats, share and z: how far from a spike the
-    curve came."""
+    """The judged point furthest above its recent median, in nats, share and z: how far from a spike
+    the curve came. The sentence names what was judged: the points after the first SPIKE_MIN_BEFORE."""
     i, z, rise, median = max(rises, key=lambda r: r[2])
     if rise <= 0:
-        return "no logged loss rose above the median of the ones before it"
+        return (f"no logged loss from step {finite[SPIKE_MIN_BEFORE][0]} on rose above the median of the (up to "
+                f"{SPIKE_WINDOW}) before it")
     return (f"the largest rise above the recent median: +{rise:.4f} nats ({rise / max(abs(median), 1e-12):.1%}, "
             f"robust z {z:.1f}) at step {finite[i][0]}")
 
@@ -375,14 +382,15 @@ def overfitting(records: Records) -> Verdict:
     val = [(s, v) for s, v in zip(*records.series(Kind.EVAL, "val_loss")) if math.isfinite(v)]
     train = [(s, v) for s, v in zip(*records.series(Kind.TRAIN, "loss")) if math.isfinite(v)]
     if not val or not train:
-        return Verdict("overfitting", question, NA, "no validation loss recorded (eval_interval=0?) or no train loss.",
-                       plots=["loss.png"])
+        return Verdict("overfitting", question, NA, "no validation loss recorded (eval_interval=0?) or no train loss.")
     gaps = []
     for step, v in val:
         near = [t for s, t in train if s <= step][-3:] or [train[0][1]]  # the train loss around that step
         gaps.append((step, v - statistics.mean(near)))
+    # The loss plot, validation included, is drawn once: under the smoothness question, just before.
     details = ["Gap = validation loss - mean of the last (up to 3) logged train losses at that step: "
-               + ", ".join(f"step {s}: {g:+.4f}" for s, g in _thin(gaps, 8)) + "."]
+               + ", ".join(f"step {s}: {g:+.4f}" for s, g in _thin(gaps, 8)) + ".",
+               f"The loss plot (train and validation) is under \"{SMOOTHNESS_QUESTION}\"."]
     best_step, best = min(val, key=lambda sv: sv[1])
     last_step, last = val[-1]
     train_at_best = [t for s, t in train if s <= best_step][-1:] or [train[0][1]]
@@ -395,11 +403,10 @@ def overfitting(records: Records) -> Verdict:
             f"while the train loss fell from {train_at_best[0]:.4f} to {train_last:.4f}.",
             details + ["Options: stop at the best step (its checkpoint is kept with checkpoint.keep_best), more data "
                        "or fewer epochs, dropout (model.dropout), weight decay (optim.weight_decay), a smaller model."],
-            ["loss.png"],
         )
     return Verdict("overfitting", question, OK,
                    f"validation tracks training: {_gap_text(gaps)}; best validation loss {best:.4f} at step {best_step}.",
-                   details, ["loss.png"])
+                   details)
 
 
 def _gap_text(gaps: list[tuple[int, float]]) -> str:
@@ -1046,6 +1053,7 @@ def build_report(run_dir: Path, inference_check: bool = True) -> Report:
     facts = [
         ("run dir", str(run_dir)),
         ("status", summary.status),
+        *run_description(cfg, start, recorded_overrides(run_dir)),
         ("steps", f"{summary.steps:,}" + (f" of {summary.planned_steps:,}" if summary.planned_steps else "")),
         ("tokens", tokens_text(records, run_dir, summary.steps)),
         ("final train loss", f"{summary.final_train_loss:.4f}" if summary.final_train_loss is not None else "-"),
@@ -1055,9 +1063,6 @@ def build_report(run_dir: Path, inference_check: bool = True) -> Report:
          if baseline is not None else "- (not recorded, and the run's data is not in the cache)"),
         ("device", f"{start.get('device', '?')}, {start.get('precision', '?')}, world size {start.get('world_size', 1)}"),
     ]
-    if cfg is not None:
-        m = cfg.model
-        facts.append(("model", f"{m.n_layer} layers x {m.n_embd} wide, {m.n_head} heads, context {m.block_size}"))
     # A plot left out keeps its place in its section, which says why it is not there.
     for verdict in verdicts:
         verdict.plots = [p for p in verdict.plots if p in plots or p in left_out]
@@ -1070,6 +1075,30 @@ def build_report(run_dir: Path, inference_check: bool = True) -> Report:
     return Report(run_dir, f"Run report: {run_dir.name}", facts, verdicts, plots,
                   evaluation=evaluation(run_dir, task_points, ["eval_tasks.png"] if task_points else []),
                   left_out=left_out, seconds=run_seconds(records))
+
+
+def run_description(cfg: Any, start: Record, overrides: list[str] | None) -> list[tuple[str, str]]:
+    """The header's model (name, shape, parameter counts as the banner shows them), data (source,
+    tokenizer, the model's vocabulary) and the command-line overrides that made the run."""
+    counts = ParameterCounts.from_record(start.get("parameters"))
+    parameters = (f"parameters {counts.text()}" if counts is not None
+                  else "parameter counts not recorded (a run from before the start record kept them)")
+    if cfg is None:
+        model = data = "- (config.yaml is missing or unreadable)"
+    else:
+        m, d = cfg.model, cfg.data
+        model = (f"{m.name}: {m.n_layer} layer{'s' if m.n_layer != 1 else ''} x {m.n_embd} wide, {m.n_head} "
+                 f"head{'s' if m.n_head != 1 else ''}, context {m.block_size}")
+        where = {DataSource.python_stdlib: "this Python's standard library sources",
+                 DataSource.hf: " ".join(str(part) for part in (d.hf_name, d.hf_config) if part)}.get(d.source, d.path)
+        vocab = start.get("vocab_size")
+        data = (f"{d.source.value}{f' ({where})' if where else ''}, {d.tokenizer.value} tokens"
+                + (f", model vocabulary {int(vocab):,}" if is_number(vocab) else ""))
+    if overrides is None:
+        given = "not recorded (a run started from Python, not from the command line)"
+    else:
+        given = " ".join(overrides) if overrides else "none (the defaults)"
+    return [("model", f"{model}; {parameters}"), ("data", data), ("overrides", given)]
 
 
 def write_report(run_dir: Path, inference: bool = True) -> Report:
@@ -1094,7 +1123,7 @@ def _atomic_write(path: Path, text: str) -> None:
 
 def to_markdown(report: Report) -> str:
     lines = [f"# {report.title}", "", "| | |", "|---|---|"]
-    lines += [f"| {k} | {v} |" for k, v in report.facts]
+    lines += [f"| {k} | {v.replace('|', '/')} |" for k, v in report.facts]  # a | would end the cell
     lines += ["", "## Verdicts", "", "| question | verdict | finding |", "|---|---|---|"]
     lines += [f"| {v.question} | **{v.status}** | {v.finding} |" for v in report.verdicts if v.key != "curves"]
     for verdict in report.verdicts:

@@ -7,6 +7,11 @@ malformed data) would still overwrite an existing run's description. conf/config
 turns both off (`hydra.output_subdir: null`, a job logging without its file handler), and the CLI
 writes the same files itself, through `describe_run`, at the moment train() accepts the run.
 
+train.log is what the run showed: every console line as plain text (`log_console`: the banner, step
+and eval lines, warnings, alarms, the summary, the review, a stop and its resume command), and
+Python logging's records in Hydra's format, in the order they came. Lines from before the run was
+accepted (data preparation, a resume) are held until then, and dropped with a refused run.
+
 Nothing here imports torch, Hydra or OmegaConf (they stay in cli/train.py): the CLI checks paths before
 the heavy imports.
 """
@@ -21,11 +26,14 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from llmtrain.errors import ConfigError
+from llmtrain.runs.files import HYDRA_SUBDIR, JOB_LOG, layout_problems  # noqa: F401 - HYDRA_SUBDIR: for older imports
 
-HYDRA_SUBDIR = ".hydra"
-JOB_LOG = "train.log"
-# Hydra's default job-log format, so train.log reads as it always has.
+# Hydra's default job-log format for Python logging's records; console lines are written as shown.
 LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"
+CONSOLE_LOGGER = "llmtrain.console"  # the name of console lines in the job log
+# How long a console line waits for the job log's lock: the abort's line comes from another thread
+# while the main thread may be stuck mid-write, and a second Ctrl-C must end the process within a second.
+LOG_LOCK_WAIT_S = 0.2
 
 # Absolute run (or sweep) dirs this command will create, each with the topmost folder of its path
 # that did not exist yet: only what this command created may be removed on a refusal.
@@ -58,6 +66,10 @@ def check_dir(key: str, value: str, what: str = "run dir", example: str = "runs/
     created by this command when it does not exist yet. Returns its absolute path."""
     path = absolute(value)
     problem = dir_problem(path)
+    misplaced = layout_problems(path) if problem is None and what == "run dir" and path.is_dir() else []
+    if misplaced:
+        raise ConfigError(f"{key} is '{value}', which cannot be the {what}: {'; '.join(misplaced)}. Nothing was "
+                          f"changed there; move that away, or give a new {what}, e.g. {key}={example}.")
     if problem is not None:
         raise ConfigError(
             f"{key} is '{value}', which cannot be the {what}: {problem}. Give a folder you can write to "
@@ -107,14 +119,55 @@ class _HeldLog(logging.handlers.MemoryHandler):
     """Log records of a job not yet accepted: kept until its train.log is opened, else dropped."""
 
 
+class _JobLog(logging.FileHandler):
+    """An accepted job's train.log."""
+
+
+class _JobLogFormat(logging.Formatter):
+    """Console lines as they were shown; any other record in Hydra's job-log format."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return record.getMessage() if record.name == CONSOLE_LOGGER else super().format(record)
+
+
+def _job_log_handlers() -> list[logging.Handler]:
+    return [h for h in logging.getLogger().handlers if isinstance(h, _HeldLog | _JobLog)]
+
+
 def hold_job_log() -> None:
-    """Keep this job's log records in memory: train.log is opened only once the run is accepted."""
-    logging.getLogger().addHandler(_HeldLog(capacity=1_000_000, flushLevel=logging.CRITICAL + 1))
+    """A job starts: keep its log records in memory, since train.log is opened only once the run is
+    accepted. A previous job's train.log (a sweep's jobs run in one process) is closed first."""
+    root = logging.getLogger()
+    for previous in _job_log_handlers():
+        root.removeHandler(previous)
+        previous.close()
+    root.addHandler(_HeldLog(capacity=1_000_000, flushLevel=logging.CRITICAL + 1))
+
+
+def job_log_kept() -> bool:
+    """Whether this process keeps a job log now (`llmtrain train`, from the start of its job)."""
+    return bool(_job_log_handlers())
+
+
+def log_console(text: str) -> None:
+    """Copy `text`, as the console showed it (plain, without control codes), into train.log (held
+    until the run is accepted). It is handed to the job log's handler alone: through the logging
+    tree, Hydra's console handler would show it a second time. Nothing when no job log is kept (any
+    other command, or train() called from Python)."""
+    record = logging.makeLogRecord({"name": CONSOLE_LOGGER, "levelno": logging.INFO, "levelname": "INFO", "msg": text})
+    for handler in _job_log_handlers():
+        if handler.lock is not None and not handler.lock.acquire(timeout=LOG_LOCK_WAIT_S):
+            continue  # the line is lost from train.log rather than the process held (see LOG_LOCK_WAIT_S)
+        try:
+            handler.handle(record)
+        finally:
+            if handler.lock is not None:
+                handler.lock.release()
 
 
 def _start_job_log(run_dir: Path) -> None:
-    handler = logging.FileHandler(run_dir / JOB_LOG, mode="a", encoding="utf-8")  # a resume appends, as Hydra's did
-    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    handler = _JobLog(run_dir / JOB_LOG, mode="a", encoding="utf-8")  # a resume appends, as Hydra's did
+    handler.setFormatter(_JobLogFormat(LOG_FORMAT))
     root = logging.getLogger()
     for held in [h for h in root.handlers if isinstance(h, _HeldLog)]:
         held.setTarget(handler)

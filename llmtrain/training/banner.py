@@ -6,7 +6,6 @@ import torch
 
 from llmtrain.config.derived import SeqLenStage, describe_lr, micro_batch_size_derived, resolved_warmup_steps
 from llmtrain.config.schema import Config, ParallelMode, Precision, SeqLenKeep
-from llmtrain.model import param_count
 from llmtrain.preflight.estimate import ComputeEstimate, estimate_compute, format_seconds
 from llmtrain.training.run import Run
 from llmtrain.training.schedule import final_lr, held_lr_text, lr_at
@@ -16,7 +15,7 @@ def print_banner(run: Run) -> None:
     """The banner on the console: model, batch, stages, accumulation, steps, the estimated time,
     optimizer, device, data, checkpoints and the pre-flight verdicts, one row each."""
     cfg, layout, device, data, check = run.cfg, run.layout, run.device, run.data, run.check
-    model, optimizer, seq_len = run.model.model, run.optim.optimizer, run.seq_len
+    optimizer, seq_len = run.optim.optimizer, run.seq_len
     accum, steps_total, peak_lr, tokens_per_step = run.accum, run.steps_total, run.peak_lr, run.tokens_per_step
     estimate = run_estimate(run)
     scaled = "" if peak_lr == cfg.optim.lr else (
@@ -25,7 +24,8 @@ def print_banner(run: Run) -> None:
     run.sink.banner(
         f"llmtrain: {cfg.model.name} on {cfg.data.source.value} -> {run.run_dir}",
         [
-            ("parameters", f"{param_count(model):,} ({param_count(model, exclude_positions=True):,} without positions)"
+            # the check's counts: the same numbers, under the same names, as `llmtrain check` and the report
+            ("parameters", check.facts.parameters.text()
                            + (f", weights from {cfg.model.init_from}" if cfg.model.init_from and not run.resume_from else "")),
             ("batch", f"{cfg.global_batch_size} sequences x {seq_len} tokens = {tokens_per_step:,} tokens/step"),
             *([("seq_len stages", describe_stages(run.stage_plan, accum * layout.world_size, cfg.data.seq_len_keep))]

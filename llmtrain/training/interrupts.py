@@ -32,6 +32,7 @@ from types import FrameType, TracebackType
 from typing import NoReturn
 
 from llmtrain.errors import EXIT_ABORTED, StoppedBeforeStart
+from llmtrain.runs import rundir
 from llmtrain.training import faults
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -80,14 +81,15 @@ def announce_abort(message: str) -> None:
 
 def _say(text: str) -> None:
     """Straight to fd 2, not through sys.stderr: from the watcher thread, sys.stderr's lock may be
-    held by the main thread, which is exactly the thread that cannot move on. Rank 0 speaks for
-    all ranks of a multi-process run."""
+    held by the main thread, which is exactly the thread that cannot move on (train.log's copy
+    waits a moment at most). Rank 0 speaks for all ranks of a multi-process run."""
     if os.environ.get("RANK", "0") != "0":
         return
     try:
         os.write(2, text.encode())
     except OSError:
         pass
+    rundir.log_console(text.strip("\n"))
 
 
 def abort_message(err: KeyboardInterrupt) -> str:
@@ -97,7 +99,8 @@ def abort_message(err: KeyboardInterrupt) -> str:
     return "interrupted (Ctrl-C): stopped at once, without saving; the checkpoints already written are intact"
 
 
-def _signal_text(name: str) -> str:
+def signal_text(name: str) -> str:
+    """How a signal is named to the user: Ctrl-C is what they pressed."""
     return "Ctrl-C (SIGINT)" if name == "SIGINT" else name
 
 
@@ -219,9 +222,9 @@ class StopRequest:
             if _installed is self:
                 _installed = None
         if isinstance(value, _SetupStop):
-            raise StoppedBeforeStart(
-                f"stopped by {value.args[0]} while setting up, before the first step: nothing to save yet (any "
-                "checkpoints already written are intact); the same command starts the run again"
+            raise StoppedBeforeStart(  # after the CLI's `llmtrain: stopped:`
+                f"{value.args[0]} while setting up, before the first step: nothing to save yet (any checkpoints "
+                "already written are intact); the same command starts the run again"
             ) from None
 
     def _start_watcher(self) -> None:
@@ -347,14 +350,14 @@ class StopRequest:
     def _first_message(self, name: str) -> str:
         again = "a second SIGTERM or Ctrl-C aborts at once, without saving"
         if self.phase is Phase.FINISHING:
-            return f"\nllmtrain: {_signal_text(name)} received: training is done and the run is finishing; {again}\n"
+            return f"\nllmtrain: {signal_text(name)} received: training is done and the run is finishing; {again}\n"
         running = time.monotonic() - self._step_started
         if self._step_seconds:
             typical = statistics.median(self._step_seconds)
             timing = f"a step takes about {_duration(typical)} and this one started {_duration(running)} ago"
         else:
             timing = f"the first step started {_duration(running)} ago, its duration is not known yet"
-        return (f"\nllmtrain: {_signal_text(name)} received: finishing the current step ({timing}), then saving a "
+        return (f"\nllmtrain: {signal_text(name)} received: finishing the current step ({timing}), then saving a "
                 f"checkpoint; {again}\n")
 
 

@@ -10,7 +10,7 @@ top to bottom:
         apply or recover: the optimizer step; or the update is never applied and the run skips,
                   rolls back or stops (checkpoint.on_nonfinite, monitor.actions)
         log       every log_interval a `train` record and the console (progress.py)
-        eval      every eval_interval, at the end and before a save (evaluator.py)
+        eval      every eval_interval, at the end and before a save (evaluator.py); not on a stop
         save      when due, at the end, or when SIGTERM / Ctrl-C asked to stop (then exit 75)
     then the final checkpoint (if its save failed in the loop, or a resumed run had no step left),
     the `end` record (also on a stop or failure), and the final weights on their own (then the
@@ -49,7 +49,7 @@ from llmtrain.health.probes import cuda_memory_mb, peak_rss_mb
 from llmtrain.runs import files
 from llmtrain.runs.files import Kind
 from llmtrain.sinks import ConsoleSink
-from llmtrain.training.interrupts import StopRequest
+from llmtrain.training.interrupts import StopRequest, signal_text
 from llmtrain.training.recovery import Outcome, Verdict, act_on_alarms, handle_nonfinite
 from llmtrain.training.run import Run
 from llmtrain.training.schedule import lr_at
@@ -132,7 +132,9 @@ def fit(run: Run) -> TrainResult:
                 stop.step_finished()  # its duration: the first signal's message says how long a step takes
                 # signals and the clock differ per rank: every rank stops and saves together
                 stopping, saving = saver.decide(state.step, stop.requested(state.step), last_step)
-                if run.evaluator.maybe_run(state.step, forced=last_step or saving):
+                # Asked to stop: save and leave, without evaluating (as long as several steps); the
+                # resumed run evaluates on its cadence, and a checkpoint without a val loss is fine.
+                if not stopping and run.evaluator.maybe_run(state.step, forced=last_step or saving):
                     progress.restart_clock(state.tokens)  # tokens/s measures training, not evaluation
                 if saving:
                     path = saver.save(state)
@@ -187,8 +189,10 @@ def health_verdict(run: Run, state: TrainState, step: int, finite: bool, loss: t
 
 
 def interrupted(stop: StopRequest, step: int, path: Path | None, run_dir: Path) -> Interrupted:
-    saved = f"checkpoint saved to {path}" if path else "its checkpoint could NOT be saved (see above)"
-    return Interrupted(f"stopped by {stop.signal_name or 'a signal to another rank'} after step {step}; {saved}",
+    """The stop's one line, after the CLI's `llmtrain: stopped:`: which signal, after which step, and
+    where the checkpoint is."""
+    saved = f"checkpoint saved: {path}" if path else "its checkpoint could NOT be saved (see above)"
+    return Interrupted(f"{signal_text(stop.signal_name or 'a signal to another rank')} after step {step}; {saved}",
                        checkpoint=path, run_dir=run_dir)
 
 

@@ -134,6 +134,9 @@ def build_run(cfg: Config, console: ConsoleSink | None, layout: Layout,
         raise ConfigError("'out_dir' is not set; give a run directory, e.g. out_dir=runs/first.")
     task_sources = read_training_tasks(cfg)  # the files' formats: before the run dir, the data and the model
     run_dir = Path(cfg.out_dir)
+    if problems := files.layout_problems(run_dir):  # the CLI checked already; a direct train(cfg) is checked here
+        raise ConfigError(f"out_dir={run_dir} cannot be this run's dir: {'; '.join(problems)}. Move it away, or give "
+                          "a new run dir.")
     run_dir.mkdir(parents=True, exist_ok=True)
     runtime = build_runtime(cfg, layout)
     device = runtime.device
@@ -449,6 +452,7 @@ def build_loop_parts(run: Run, checkpoint: Checkpoint | None) -> None:
                        "resumed_from": str(run.resume_from) if run.resume_from else None, "step": state.step,
                        "seed": run.runtime.seed, "check": {row.item: row.status.value for row in run.check.rows},
                        "unigram_entropy": run.data.unigram_entropy, "vocab_size": run.vocab_size,
+                       "parameters": run.check.facts.parameters.record(),
                        "device": str(run.device), "device_memory_mb": device_memory_mb(run.device),
                        "world_size": layout.world_size, "local_world_size": local_world_size(),
                        "flops_per_token": run.flops_per_token, "precision": run.runtime.precision.name.value})
