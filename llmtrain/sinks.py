@@ -160,11 +160,10 @@ class LoggedConsole(Console):
 
 def default_console(stderr: bool = False) -> Console:
     """A rich console for stdout (or stderr), whose prints a run's train.log keeps too (LoggedConsole).
-    On a terminal: rich's own. Elsewhere (a file, a pipe,
-    CI) plain lines: no colour codes, no trailing padding, and, unless COLUMNS is set (then it is the
-    width, as on a terminal that wide), text that is never hard-wrapped: a message stays one line,
-    whole for grep. Tables are then drawn PIPED_TABLE_WIDTH wide, their cells wrapping inside their
-    column (see `is_plain`)."""
+    On a terminal: rich's own. Elsewhere (a file, a pipe, CI) plain lines: no colour codes, no
+    trailing padding, and, unless COLUMNS is set (then it is the width, as on a terminal that wide),
+    text that is never hard-wrapped: a message stays one line, whole for grep. Tables are then drawn
+    PIPED_TABLE_WIDTH wide, their cells wrapping inside their column (see `is_plain`)."""
     console = LoggedConsole(stderr=stderr)
     if console.is_terminal:
         return console

@@ -178,6 +178,15 @@ def test_a_bad_config_through_the_console_script_is_the_same_one_paragraph(tmp_p
     check_one_paragraph(proc, tmp_path, expected)
 
 
+def test_an_option_meant_as_an_override_through_the_console_script(tmp_path: Path) -> None:
+    """The whole interpreter in the loop: `--max_steps 30` is refused by Hydra's own parser, whose
+    usage block and terse line become the one paragraph with the override meant."""
+    proc = run_llmtrain(tmp_path, "train", "--max_steps", "30", in_process=False)
+    message = assert_user_error(proc, "'--max_steps' is not an option of `llmtrain train`", "write max_steps=30.")
+    assert proc.stderr.strip() == message and proc.stdout == "", proc.stderr
+    assert list((tmp_path / "cwd").iterdir()) == []
+
+
 def test_n_embd_not_divisible_by_n_head_suggests_a_divisor(tmp_path: Path) -> None:
     proc = run_llmtrain(tmp_path, "train", "model.n_embd=100", "model.n_head=3", "--cfg", "job")
     message = assert_user_error(proc, "'model.n_embd' (100)", "'model.n_head' (3)")

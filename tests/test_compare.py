@@ -77,3 +77,69 @@ def test_non_finite_losses_sort_last(tmp_path: Path, value: str) -> None:
                                            + json.dumps({"kind": "eval", "step": 1, "val_loss": val}) + "\n")
     summaries, _ = compare_runs(tmp_path)
     assert [s.run_dir.name for s in summaries] == ["b", "a"]
+
+
+def fake_run(root: Path, name: str, tokenizer: dict, val_loss: float, bits_per_byte: float | None = None) -> Path:
+    """A run dir as `llmtrain train` leaves it, as far as compare reads it: metrics.jsonl (an eval
+    task's bits per byte among its records when given), config.yaml and tokenizer.json."""
+    run = root / name
+    run.mkdir(parents=True)
+    records = [{"kind": "train", "step": 10, "loss": val_loss + 0.1}, {"kind": "eval", "step": 10, "val_loss": val_loss}]
+    if bits_per_byte is not None:
+        records.append({"kind": "eval_task", "step": 10, "task": "perplexity:validation", "loss": val_loss,
+                        "bits_per_byte": bits_per_byte})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (run / "config.yaml").write_text(f"data:\n  tokenizer: {tokenizer['kind']}\nlog_interval: 10\n")
+    (run / "tokenizer.json").write_text(json.dumps(tokenizer))
+    return run
+
+
+BYTE = {"kind": "byte"}
+CHAR = {"kind": "char", "chars": "abc", "end_of_text": True}
+
+
+def test_runs_of_one_tokenizer_sort_by_validation_loss_without_a_note(tmp_path: Path) -> None:
+    from llmtrain.runs.compare import COLUMNS, columns, compare_runs, ranking
+
+    fake_run(tmp_path, "a", BYTE, 2.0)
+    fake_run(tmp_path, "b", BYTE, 1.5)
+    summaries, _ = compare_runs(tmp_path)
+    assert [s.run_dir.name for s in summaries] == ["b", "a"]
+    assert ranking(summaries).note is None and columns(summaries) == list(COLUMNS)
+
+
+def test_runs_of_different_tokenizers_are_said_not_to_compare_by_their_losses(tmp_path: Path) -> None:
+    from llmtrain.runs.compare import columns, compare_runs, ranking, rows
+
+    fake_run(tmp_path, "bytes", BYTE, 4.7)
+    fake_run(tmp_path, "chars", CHAR, 3.6)
+    fake_run(tmp_path, "chars_other_text", {**CHAR, "chars": "xyz"}, 3.5)  # one kind fitted to other text
+    summaries, _ = compare_runs(tmp_path)
+    note = ranking(summaries).note
+    assert note is not None and "different tokenizers" in note and "do not compare, nor does this order" in note
+    assert "llmtrain eval RUN_DIR" in note
+    names = dict(zip((s.run_dir.name for s in summaries), (row[6] for row in rows(summaries, tmp_path))))
+    assert names["bytes"] == "byte" and names["chars"].startswith("char #") and names["chars"] != names["chars_other_text"]
+    assert "tokenizer" in columns(summaries)
+
+
+def test_runs_of_different_tokenizers_sort_by_bits_per_byte_where_they_have_it(tmp_path: Path) -> None:
+    from llmtrain.runs.compare import columns, compare_runs, ranking, write_csv
+
+    fake_run(tmp_path, "bytes", BYTE, 1.1, bits_per_byte=1.6)  # lower nats/token, but more tokens per byte
+    fake_run(tmp_path, "chars", CHAR, 1.3, bits_per_byte=1.4)
+    fake_run(tmp_path, "unscored", CHAR, 0.9)
+    summaries, _ = compare_runs(tmp_path)
+    assert [s.run_dir.name for s in summaries] == ["chars", "bytes", "unscored"]
+    order = ranking(summaries)
+    assert order.task == "perplexity:validation" and "sorted by bits per byte on perplexity:validation" in order.note
+    assert "the 1 run without that score come last" in order.note
+    assert "bits/byte (perplexity:validation)" in columns(summaries)
+    write_csv(summaries, tmp_path, tmp_path / "compare.csv")
+    with open(tmp_path / "compare.csv") as fh:
+        table = list(csv.DictReader(fh))
+    assert [(row["run"], row["tokenizer"], row["bits_per_byte"]) for row in table] == [
+        ("chars", "char", "1.4"), ("bytes", "byte", "1.6"), ("unscored", "char", "")]
+    proc = llmtrain(tmp_path, "compare", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    assert "note: the runs use different tokenizers (char: 2 runs, byte: 1 run)" in proc.stdout

@@ -19,6 +19,7 @@ RUN = [
     "model.n_head=2", "model.block_size=32", "model.dropout=0.0", "micro_batch_size=2", "global_batch_size=8",
     "max_steps=6", "schedule.warmup_steps=1", "eval_interval=3", "log_interval=1", "checkpoint.every_steps=1",
     "monitor.interval=2", "monitor.activation_interval=2",  # the health checks (collectives under fsdp) run too
+    "threads=1",  # not auto: the free cores it measures, so the thread count and the sums, would follow the machine's load
 ]
 DDP = ["parallel=ddp", "parallel.nproc=2"]
 

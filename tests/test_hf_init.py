@@ -238,7 +238,7 @@ def test_check_estimates_the_folders_shapes(folders: dict[str, Path], capsys: py
     hf = hf_model(folders["gpt2"])
     body = sum(p.numel() for name, p in hf.named_parameters() if ".wte." not in name and ".wpe." not in name)
     assert body == 25_472  # 2 blocks of width 32 + the final norm
-    assert f"{body:,} non-embedding parameters" in out
+    assert f"{body:,} parameters without embeddings" in out
     assert f"weights from {folders['gpt2']}" in out
     total = sum(p.numel() for p in hf.parameters())  # the tied head is the embedding: counted once
     assert f"weights {total * 4 / 1024:.1f} KiB" in " ".join(out.split())

@@ -103,8 +103,11 @@ def test_an_interrupted_run_gets_its_report_from_its_checkpoint(tmp_path: Path) 
     run = tmp_path / "run"
     proc = llmtrain(tmp_path, "train", *RUN, f"hydra.run.dir={run}", env={"LLMTRAIN_TEST_STOP_AT_STEP": "12"})
     assert proc.returncode == 75, proc.stderr
-    assert "post-run review" in proc.stdout and (run / "report.html").is_file()
-    assert not (run / "model.pt").exists()
+    # A run stopped on request ends promptly: a line instead of the review, which `llmtrain report` writes.
+    assert f"post-run review: not written, to stop promptly; `llmtrain report {run}` writes it" in proc.stdout
+    assert not (run / "report.html").exists() and not (run / "model.pt").exists()
+    reported = llmtrain(tmp_path, "report", str(run))
+    assert reported.returncode == 0 and "post-run review" in reported.stdout and (run / "report.html").is_file()
     report = build_report(run)
     verdict = {v.key: v for v in report.verdicts}
     assert dict(report.facts)["status"] == "stopped at 12/40"

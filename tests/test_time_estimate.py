@@ -30,7 +30,6 @@ RATE = 50e9  # the matmul rate "measured" at start-up
 
 def test_the_banner_states_the_checks_estimate_measured_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("llmtrain.training.setup.matmul_peak_flops", lambda device, repeats=8: RATE)
-    monkeypatch.setattr("llmtrain.preflight.estimate.matmul_peak_flops", lambda device: RATE)
     monkeypatch.setattr("llmtrain.health.watch.matmul_peak_flops",
                         lambda device: pytest.fail("the monitor re-measured the rate measured at start-up"))
     cfg = tiny_config(tmp_path / "run", max_steps=4, **{"monitor.interval": 2})
@@ -38,7 +37,7 @@ def test_the_banner_states_the_checks_estimate_measured_once(tmp_path: Path, mon
     train(cfg, console=ConsoleSink(4, Console(file=output, width=300, soft_wrap=True)))  # the banner as lines
     row = next(line for line in output.getvalue().splitlines() if line.lstrip().startswith("time "))
 
-    compute = run_check(cfg, measure_compute=True).facts.compute  # `llmtrain check`'s figure, same data
+    compute = run_check(cfg, matmul_flops=RATE).facts.compute  # `llmtrain check`'s figure at the same rate
     assert compute is not None
     expected = (f"~{format_seconds(compute.step_seconds)}/step, ~{format_seconds(compute.run_seconds)} for 4 steps "
                 f"(estimate: 50 GFLOP/s measured x {compute.assumed_mfu:.0%} assumed MFU)")

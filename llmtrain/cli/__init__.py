@@ -18,6 +18,7 @@ seconds to import) ends with `llmtrain: stopped: ...` and exit 75, and a Ctrl-C 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -58,7 +59,6 @@ class _Terminated(BaseException):
 
 
 def _on_sigterm(signum: int, frame: FrameType | None) -> NoReturn:
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the process is ending: a second one must not cut the message short
     raise _Terminated
 
 
@@ -70,26 +70,44 @@ def main(argv: Sequence[str] | None = None) -> None:
     previous = _catch_sigterm()
     args = list(sys.argv[1:] if argv is None else argv)
     try:
-        _dispatch(args)
-    except _Terminated:
-        _ending()
-        from llmtrain.cli.common import fail
+        try:
+            _dispatch(args)
+        except BaseException as err:
+            _ending()  # on the way out: a further signal must not cut the last line short
+            from llmtrain.cli.common import signal_stop  # llmtrain.errors and the standard library only
+
+            stop = signal_stop(err)  # also what a signal became in code it interrupted half-way
+            if stop is None:
+                raise
+            _end_by_signal(stop, args)
+    except SystemExit as exited:
         from llmtrain.errors import EXIT_INTERRUPTED
 
-        what = f"`llmtrain {args[0]}`" if args else "llmtrain"
-        fail(f"SIGTERM before {what} finished; the same command starts it again", EXIT_INTERRUPTED, label="stopped")
-    except KeyboardInterrupt as err:  # a second signal, or a Ctrl-C outside the train loop (from main()'s first line)
-        _ending()
-        from llmtrain.errors import EXIT_ABORTED
-        from llmtrain.training.interrupts import AbortRequested, abort_at_once, abort_message, announce_abort
+        if argv is None and exited.code == EXIT_INTERRUPTED:  # stopped on request, in a process of its own
+            from llmtrain.training.interrupts import exit_promptly
 
-        if isinstance(err, AbortRequested):  # at once: the interpreter's teardown can take seconds
-            abort_at_once(abort_message(err))
-        announce_abort(abort_message(err))
-        sys.exit(EXIT_ABORTED)
+            exit_promptly(EXIT_INTERRUPTED)  # without the interpreter's teardown: seconds on a busy machine
+        raise
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _end_by_signal(stop: BaseException, args: list[str]) -> NoReturn:
+    """One line and the signal's exit code: 130 for a Ctrl-C (or a second signal), 75 for a SIGTERM."""
+    if isinstance(stop, KeyboardInterrupt):  # a Ctrl-C outside the train loop (from main()'s first line), or a second signal
+        from llmtrain.errors import EXIT_ABORTED
+        from llmtrain.training.interrupts import AbortRequested, abort_at_once, abort_message, announce_abort
+
+        if isinstance(stop, AbortRequested):  # at once: the interpreter's teardown can take seconds
+            abort_at_once(abort_message(stop))
+        announce_abort(abort_message(stop))
+        sys.exit(EXIT_ABORTED)
+    from llmtrain.cli.common import fail
+    from llmtrain.errors import EXIT_INTERRUPTED
+
+    what = f"`llmtrain {args[0]}`" if args else "llmtrain"
+    fail(f"SIGTERM before {what} finished; the same command starts it again", EXIT_INTERRUPTED, label="stopped")
 
 
 def _catch_sigterm() -> dict[int, Callable | int]:
@@ -129,7 +147,7 @@ def _dispatch(args: list[str]) -> None:
     if args[0] == "--version" or (args[0] in COMMANDS and "--version" in args[1:]):  # `llmtrain train --version` too
         print(version_line())
         return
-    from llmtrain.cli.common import fail
+    from llmtrain.cli.common import fail, signals_held
     from llmtrain.errors import RunStopped
 
     command, rest = args[0], args[1:]
@@ -139,7 +157,9 @@ def _dispatch(args: list[str]) -> None:
         if command == "train":  # SIGTERM/Ctrl-C stop cleanly from here on, also while importing and setting up
             from llmtrain.training.interrupts import StopRequest
 
-            with StopRequest.shared().setting_up():
+            with contextlib.ExitStack() as stopping:
+                with signals_held():  # a signal landing while StopRequest installs itself waits until it has
+                    stopping.enter_context(StopRequest.shared().setting_up())
                 _handler(command)(rest)
         else:
             _handler(command)(rest)

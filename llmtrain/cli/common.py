@@ -1,6 +1,7 @@
 """What every command module shares: the error exit (`fail`), the reading of a command line that
-takes config overrides (`parse_command_line`), the shipped config folder, a value read off the
-command line, and the subnormal switch that must come before any compute.
+takes config overrides (`parse_command_line`), what a signal's exception became (`signal_stop`) and
+the hold on signals for work that must not be cut half-way, the shipped config folder, a value read
+off the command line, and the subnormal switch that must come before any compute.
 
 Only the standard library and `llmtrain.errors` at module level, like every module of the CLI:
 torch is imported inside the one function that needs it.
@@ -8,8 +9,11 @@ torch is imported inside the one function that needs it.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
@@ -21,12 +25,55 @@ if TYPE_CHECKING:
 
 def fail(message: str, code: int = EXIT_USER_ERROR, label: str = "error") -> NoReturn:
     """Print `llmtrain: <label>: <message>` (one paragraph, no traceback) and exit with `code`; a
-    run's train.log keeps it too (a stop's resume command)."""
+    run's train.log keeps it too (a stop's resume command). An error that a signal caused (see
+    signal_stop) is not the user's: the signal's stop goes on instead."""
+    stop = signal_stop(sys.exc_info()[1]) if label == "error" else None
+    if stop is not None:
+        raise stop
     from llmtrain.runs.rundir import log_console
 
     sys.stderr.write(f"llmtrain: {label}: {message}\n")
     log_console(f"llmtrain: {label}: {message}")
     sys.exit(code)
+
+
+def signal_stop(err: BaseException | None) -> BaseException | None:
+    """The exception a signal raised (KeyboardInterrupt, or a SIGTERM's stop: a BaseException that is
+    no Exception, so that no `except Exception` swallows it) that `err` is, or that `err` was raised
+    from or while handling; None if there is none, and for an exit (the command's own end, with its
+    code: a stop's 75 among them). Code a signal interrupts half-way (an import, a library's cleanup)
+    can turn that exception into another one; the signal still decides how the command ends."""
+    seen: set[int] = set()
+    while err is not None and not isinstance(err, SystemExit) and id(err) not in seen:
+        if not isinstance(err, Exception | GeneratorExit):
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None
+
+
+_HELD = frozenset({signal.SIGINT, signal.SIGTERM})
+
+
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """SIGINT and SIGTERM wait (blocked by the kernel, not lost) in this block, and come when it ends
+    (or at release_signals()): for work that a signal must not cut half-way, as handlers being
+    swapped, or Hydra composing a job's config (its own error report would show a traceback)."""
+    if not hasattr(signal, "pthread_sigmask"):  # Windows: no signal mask
+        yield
+        return
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, _HELD)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
+def release_signals() -> None:
+    """End a signals_held() hold early: a signal that waited is handled now."""
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _HELD)
 
 
 def parse_command_line(parser: argparse.ArgumentParser, args: list[str], intermixed: bool = False) -> argparse.Namespace:
@@ -110,8 +157,12 @@ def flush_denormals_first(overrides: list[str]) -> None:
     """Flush subnormal floats to zero before this process computes anything (flush_denormal=false on
     the command line keeps them). Subnormals make CPU kernels many times slower (a 1024^2 matmul 60x,
     fused AdamW 20x here), and the switch is per thread: torch's thread pools take it from the thread
-    that starts them, so setting it later, in train(), reaches the main thread only."""
-    import torch
+    that starts them, so setting it later, in train(), reaches the main thread only. For train, doctor
+    and eval this is torch's first import: it loads whole, with signals held (a SIGTERM or Ctrl-C that
+    cuts it half-way can abort the process in torch's C++ registrations); one that comes meanwhile is
+    taken right after."""
+    with signals_held():
+        import torch
 
     value = given(overrides, "flush_denormal")
     torch.set_flush_denormal(value is None or value.strip().lower() not in ("false", "0", "no", "off"))

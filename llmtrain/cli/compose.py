@@ -145,61 +145,73 @@ def parse_overrides(overrides: list[str], multirun: bool = False) -> list[Overri
     return parsed
 
 
+# A value holding one of these is a list, a mapping, a function or a quoted string: its commas are
+# not split here.
+_STRUCTURED = frozenset("[]{}()'\"")
+_SYNTAX = "llmtrain takes config values as key=value overrides, each one word with no spaces around '='"
+
+
 def _unreadable_override(word: str, overrides: list[str], err: Exception) -> str:
     """Why Hydra cannot read `word`, one of `overrides`, and the override that was meant."""
-    from llmtrain.config.hydra import closest_key
-    from llmtrain.config.schema import MAPPING_KEYS
-
-    key, equals, value = word.partition("=")
     at = overrides.index(word) if word in overrides else len(overrides)
     before, after = overrides[:at], overrides[at + 1:]
-    syntax = "llmtrain takes config values as key=value overrides, each one word with no spaces around '='"
-    if not equals and before and before[-1].endswith("=") and before[-1].count("=") == 1:  # `max_steps= 30`
-        return f"'{before[-1]} {word}' has a space after '=': {syntax}: write {before[-1]}{word}."
-    if not equals:  # `max_steps 30`, `max_steps = 30`, `max_steps =30`
-        given = after[1] if after[:1] == ["="] and len(after) > 1 else after[0].lstrip("=") if after else ""
-        value = given if given and "=" not in given else "<value>"
-        bare = key.lstrip("+")
-        meant = closest_key(bare)
-        if meant is not None:
-            typo = "" if meant == bare else f" ('{bare}' is no config key; {meant} is the closest)"
-            plus = key[:len(key) - len(bare)] if meant.rpartition(".")[0] in MAPPING_KEYS else ""  # '+' adds map entries only
-            return f"'{word}' is not an override: {syntax}: write {plus}{meant}={value}{typo}."
-        groups = sorted(p.parent.name for p in conf_dir().glob(f"*/{word}.yaml"))
-        if groups:  # `gpt_small` alone: an option of a group
-            return f"'{word}' is not an override: {syntax}. Did you mean {groups[0]}={word}?"
-        return (f"'{word}' is not an override: {syntax}, e.g. max_steps=30 or model=gpt_small (`llmtrain configs` "
-                "lists the groups, `llmtrain train --help` the keys).")
+    key, equals, value = word.partition("=")
+    if not equals and before[-1:] and before[-1].endswith("=") and before[-1].count("=") == 1:
+        return f"'{before[-1]} {word}' has a space after '=': {_SYNTAX}: write {before[-1]}{word}."
+    if not equals:
+        return _without_equals(word, after)
     items = value.split(",")
-    if len(items) > 1 and "" in items and not set("[]{}()'\"") & set(value):  # `max_steps=30,`: a stray comma
-        kept = [item for item in items if item]
+    kept = [item for item in items if item]
+    if len(items) > 1 and kept and len(kept) < len(items) and not _STRUCTURED & set(value):  # `max_steps=30,`
         if len(kept) == 1:
             return (f"'{word}' ends with a comma: write {key}={kept[0]}. (A comma list is a sweep, one job per value, "
                     f"and runs with -m: `llmtrain train -m {key}={kept[0]},<another value>`.)")
-        if kept:
-            return (f"'{word}' has an empty item in its comma list: give one value, e.g. {key}={kept[0]}, or run one "
-                    f"job per value with -m: `llmtrain train -m {key}={','.join(kept)}`.")
+        return (f"'{word}' has an empty item in its comma list: give one value, e.g. {key}={kept[0]}, or run one "
+                f"job per value with -m: `llmtrain train -m {key}={','.join(kept)}`.")
     return f"Cannot parse the command-line override: {' '.join(str(err).split())}"
+
+
+def _without_equals(word: str, after: list[str]) -> str:
+    """A word with no '=': `max_steps 30`, `max_steps = 30`, `max_steps =30` (the key, with a close
+    match when mistyped, and the value that follows), or a group's option alone (`gpt_small`)."""
+    from llmtrain.config.hydra import closest_key
+    from llmtrain.config.schema import MAPPING_KEYS
+
+    following = after[1] if after[:1] == ["="] and len(after) > 1 else after[0].lstrip("=") if after else ""
+    value = following if following and "=" not in following else "<value>"
+    bare = word.lstrip("+")
+    meant = closest_key(bare)
+    if meant is not None:
+        typo = "" if meant == bare else f" ('{bare}' is no config key; {meant} is the closest)"
+        plus = word[:len(word) - len(bare)] if meant.rpartition(".")[0] in MAPPING_KEYS else ""  # '+' adds mapping entries only
+        return f"'{word}' is not an override: {_SYNTAX}: write {plus}{meant}={value}{typo}."
+    groups = sorted(path.parent.name for path in conf_dir().glob(f"*/{word}.yaml"))
+    if groups:
+        return f"'{word}' is not an override: {_SYNTAX}. Did you mean {groups[0]}={word}?"
+    return (f"'{word}' is not an override: {_SYNTAX}, e.g. max_steps=30 or model=gpt_small (`llmtrain configs` "
+            "lists the groups, `llmtrain train --help` the keys).")
 
 
 def _sweep_without_multirun(override: Override) -> str:
     """A sweep outside -m: which command runs it, the single value that runs one job, and, only where
     the key holds a list, how to set the list itself."""
+    from hydra.core.override_parser.types import ValueType
+
     from llmtrain.config.hydra import takes_list
 
     line, key = override.input_line, override.key_or_group
-    raw = line.partition("=")[2]
-    if override.is_discrete_sweep():
-        plain = not set("[]{}()'\"") & set(raw)  # the first value as typed (1e-3, not 0.001) where it is plain
-        first = raw.split(",")[0] if plain else next(iter(override.sweep_string_iterator()))
-        one = f"give one value, e.g. {line.partition('=')[0]}={first}"
+    written_key, _, raw = line.partition("=")
+    comma_list = override.value_type is ValueType.SIMPLE_CHOICE_SWEEP
+    if override.is_discrete_sweep():  # the first value as typed (1e-3, not 0.001) where it is plain
+        first = raw.split(",")[0] if comma_list and not _STRUCTURED & set(raw) else next(override.sweep_string_iterator())
+        one = f"give one value, e.g. {written_key}={first}"
     else:
         one = "give one value"
-    kind = "a comma list of values" if override.value_type.name == "SIMPLE_CHOICE_SWEEP" else raw.partition("(")[0] + "()"
+    kind = "a comma list of values" if comma_list else raw.partition("(")[0] + "()"
     message = (f"'{line}' is a sweep ({kind}), which runs one job per value and needs -m: "
                f"`llmtrain train -m {line}`; for one run, {one}.")
-    if override.value_type.name == "SIMPLE_CHOICE_SWEEP" and (takes_list(key) or key in _list_groups()):
-        message += f" To set '{key}' to the list itself, put it in brackets and quote it: '{line.partition('=')[0]}=[{raw}]'."
+    if comma_list and (takes_list(key) or key in _list_groups()):
+        message += f" To set '{key}' to the list itself, put it in brackets and quote it: '{written_key}=[{raw}]'."
     return message
 
 
@@ -212,6 +224,14 @@ def _list_groups() -> set[str]:
     return {key for entry in defaults if isinstance(entry, dict) for key, value in entry.items() if isinstance(value, list)}
 
 
+# Hydra config names that only a plugin provides -> (the plugin, the llmtrain extra that installs it).
+PLUGIN_EXTRAS = {
+    "hydra/sweeper/optuna": ("Hydra's Optuna sweeper plugin", "optuna"),
+    "hydra/launcher/submitit_slurm": ("Hydra's submitit launcher plugin", "slurm"),
+    "hydra/launcher/submitit_local": ("Hydra's submitit launcher plugin", "slurm"),
+}
+
+
 def _composition_error(err: Exception) -> Exception:
     from hydra.errors import MissingConfigException
     from omegaconf.errors import OmegaConfBaseException
@@ -222,6 +242,10 @@ def _composition_error(err: Exception) -> Exception:
     if isinstance(err, MissingConfigException):
         missing = err.missing_cfg_file or ""
         group, _, option = missing.rpartition("/")
+        if missing in PLUGIN_EXTRAS:  # a shipped option that stands on a Hydra plugin not installed
+            plugin, extra = PLUGIN_EXTRAS[missing]
+            return ConfigError(f"Hydra could not load '{missing}': it comes with {plugin}, which is not installed "
+                               f"here. Install it with pip install 'llmtrain[{extra}]' (or every extra: '.[dev]').")
         if err.options and group:
             options = sorted(err.options)
             close = difflib.get_close_matches(option, options, n=1)  # as an unknown key gets its close match

@@ -21,7 +21,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from llmtrain.cli.commands import compare_command
-from llmtrain.cli.common import check_config_dir, conf_dir, fail, flush_denormals_first, given, parse_command_line
+from llmtrain.cli.common import (
+    check_config_dir,
+    conf_dir,
+    fail,
+    flush_denormals_first,
+    given,
+    parse_command_line,
+    release_signals,
+    signal_stop,
+    signals_held,
+)
 from llmtrain.cli.compose import upgrade_overrides, validate_overrides
 from llmtrain.distributed.launch import RanksStopped, ranks_from_submitit_tasks, run_local_ranks, shared_run_dir
 from llmtrain.errors import EXIT_INTERRUPTED, EXIT_USER_ERROR, Interrupted, RunStopped, StoppedBeforeStart, UserError
@@ -169,7 +179,9 @@ def run_hydra(args: list[str], task: Callable) -> None:
 
     register_configs()
     sys.argv = ["llmtrain", *args]
-    hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(task)()
+    with signals_held():  # Hydra composes the job's config uninterrupted (a signal cutting it half-way would end in
+        # Hydra's own traceback); the task takes the signals from its first line (train_task)
+        hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(task)()
 
 
 def train_task(node) -> float | None:  # node: the composed OmegaConf DictConfig (untyped: imports stay lazy)
@@ -188,14 +200,18 @@ def train_task(node) -> float | None:  # node: the composed OmegaConf DictConfig
     rundir.hold_job_log()
     describe = functools.partial(rundir.describe_run, _hydra_files(node))
     try:
+        release_signals()  # held since run_hydra: a signal that came while Hydra composed is taken now
         return _run_task(node, describe)
     except BaseException as stop:
         # Refused (2), or stopped by a signal while setting up (75, or Ctrl-C / a SIGTERM on its way
-        # out as a BaseException), before the run was accepted: no dir left behind.
-        stopped = not isinstance(stop, SystemExit | Exception) or (
-            isinstance(stop, SystemExit) and stop.code in (EXIT_USER_ERROR, EXIT_INTERRUPTED))
+        # out as a BaseException, maybe turned into another error by the code it cut), before the run
+        # was accepted: no dir left behind.
+        by_signal = signal_stop(stop)
+        stopped = by_signal is not None or (isinstance(stop, SystemExit) and stop.code in (EXIT_USER_ERROR, EXIT_INTERRUPTED))
         if stopped and not (Path(run_dir) / files.CONFIG).exists():
             rundir.discard_created(run_dir)
+        if by_signal is not None and by_signal is not stop:  # the signal goes on, not Hydra's traceback of what it became
+            raise by_signal from None
         raise
     finally:
         if rundir.absolute(run_dir) != rundir.absolute(hydra_dir):  # out_dir elsewhere: Hydra's dir holds nothing

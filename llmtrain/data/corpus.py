@@ -52,6 +52,11 @@ def input_files(path: str, source: str) -> list[SourceFile]:
         root = expanded.parent
         paths = [expanded]
         what = ""
+    elif os.path.lexists(expanded):  # a FIFO, a device, a socket, a broken link: never opened
+        from llmtrain.core.readers import regular_file_problem
+
+        raise ConfigError(f"'data.path' is '{path}', which {regular_file_problem(expanded)}; give a "
+                          f"{' or '.join(suffixes)} file, a folder of them, or a glob like 'corpus/*{suffixes[0]}'.")
     else:
         raise ConfigError(
             f"'data.path' is '{path}', which is not a file, a folder or a glob that exists (resolved to "
@@ -67,44 +72,49 @@ def input_files(path: str, source: str) -> list[SourceFile]:
     return files
 
 
+# One JSON line is one document or example: a line longer than this (a binary file, a data set
+# without line breaks) is refused before it is read whole (a book is ~1 MB of text).
+JSONL_LINE_BYTES = 256 << 20
+
+
 def jsonl_documents(source: SourceFile, field: str) -> Iterator[tuple[str, bytes]]:
     """One document per line of a JSON-lines file: the string under `field`, read lazily. Blank lines
     are skipped; a line that is not JSON, not an object or lacks the field is a ConfigError naming
     file and line."""
     import json
 
+    from llmtrain.core.readers import read_lines
     from llmtrain.errors import ConfigError
 
-    with open(source.path, "rb") as fh:
-        for number, raw in enumerate(fh, start=1):
-            if not raw.strip():
-                continue
+    for number, raw in read_lines(source.path, "a JSON-lines file", JSONL_LINE_BYTES):
+        if not raw.strip():
+            continue
+        try:
+            record = json.loads(raw)
+        except (ValueError, RecursionError) as err:  # RecursionError: nested thousands of levels deep
+            raise ConfigError(
+                f"{source.path}:{number} is not valid JSON ({err}); each line of a .jsonl file must be one JSON "
+                f"object such as {{\"{field}\": \"...\"}}. Fix or remove that line."
+            ) from None
+        if isinstance(record, dict) and field in record and not isinstance(record[field], str):
+            raise ConfigError(
+                f"{source.path}:{number}: the field '{field}' is {json_kind(record[field])}, not a string; "
+                "each document's text must be one JSON string (set data.text_field to the field that holds it)."
+            )
+        if not isinstance(record, dict) or not isinstance(record.get(field), str):
+            keys = ", ".join(sorted(record)) if isinstance(record, dict) else type(record).__name__
+            raise ConfigError(
+                f"{source.path}:{number} has no string field '{field}' (it has: {keys}); set data.text_field to "
+                "the field that holds the text."
+            )
+        if record[field]:
             try:
-                record = json.loads(raw)
-            except (ValueError, RecursionError) as err:  # RecursionError: nested thousands of levels deep
-                raise ConfigError(
-                    f"{source.path}:{number} is not valid JSON ({err}); each line of a .jsonl file must be one JSON "
-                    f"object such as {{\"{field}\": \"...\"}}. Fix or remove that line."
-                ) from None
-            if isinstance(record, dict) and field in record and not isinstance(record[field], str):
-                raise ConfigError(
-                    f"{source.path}:{number}: the field '{field}' is {json_kind(record[field])}, not a string; "
-                    "each document's text must be one JSON string (set data.text_field to the field that holds it)."
-                )
-            if not isinstance(record, dict) or not isinstance(record.get(field), str):
-                keys = ", ".join(sorted(record)) if isinstance(record, dict) else type(record).__name__
-                raise ConfigError(
-                    f"{source.path}:{number} has no string field '{field}' (it has: {keys}); set data.text_field to "
-                    "the field that holds the text."
-                )
-            if record[field]:
-                try:
-                    text = record[field].encode("utf-8")
-                except UnicodeEncodeError:  # "\ud800" in the JSON: half a surrogate pair, no character
-                    raise ConfigError(f"{source.path}:{number}: the field '{field}' holds an unpaired surrogate "
-                                      "(escaped as \\uD800-\\uDFFF in the JSON), which is not a character; remove "
-                                      "it.") from None
-                yield f"{source.name}:{number}", text
+                text = record[field].encode("utf-8")
+            except UnicodeEncodeError:  # "\ud800" in the JSON: half a surrogate pair, no character
+                raise ConfigError(f"{source.path}:{number}: the field '{field}' holds an unpaired surrogate "
+                                  "(escaped as \\uD800-\\uDFFF in the JSON), which is not a character; remove "
+                                  "it.") from None
+            yield f"{source.name}:{number}", text
 
 
 def json_kind(value: object) -> str:
@@ -126,41 +136,41 @@ def instruction_examples(
     assistant's turns are trained on). Errors name the file and line."""
     import json
 
+    from llmtrain.core.readers import read_lines
     from llmtrain.errors import ConfigError
 
     examples = []
-    with open(source.path, "rb") as fh:
-        for number, raw in enumerate(fh, start=1):
-            if not raw.strip():
-                continue
-            where = f"{source.path}:{number}"
-            try:
-                record = json.loads(raw)
-            except ValueError as err:
-                raise ConfigError(f"{where} is not valid JSON ({err}); each line must be one JSON object.") from None
-            if not isinstance(record, dict):
-                raise ConfigError(f"{where} is a {type(record).__name__}, not a JSON object.")
-            if messages_field in record:
-                messages = record[messages_field]
-                if not isinstance(messages, list) or not all(
-                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                    for m in messages
-                ):
-                    raise ConfigError(f"{where}: '{messages_field}' must be a list of {{\"role\": ..., \"content\": ...}}.")
-                segments = []
-                for m in messages:
-                    segments.append((f"<|{m['role']}|>\n", False))
-                    segments.append((m["content"] + "\n", m["role"] == "assistant"))
-            elif isinstance(record.get(prompt_field), str) and isinstance(record.get(response_field), str):
-                segments = [(record[prompt_field] + "\n\n", False), (record[response_field] + "\n\n", True)]
-            else:
-                raise ConfigError(
-                    f"{where} has neither '{messages_field}' nor string fields '{prompt_field}' and '{response_field}' "
-                    f"(it has: {', '.join(sorted(record))}); set data.prompt_field / data.response_field / "
-                    "data.messages_field to your field names."
-                )
-            if any(trained for _, trained in segments):
-                examples.append((f"{source.name}:{number}", segments))
+    for number, raw in read_lines(source.path, "an instruction-data file", JSONL_LINE_BYTES):
+        if not raw.strip():
+            continue
+        where = f"{source.path}:{number}"
+        try:
+            record = json.loads(raw)
+        except (ValueError, RecursionError) as err:
+            raise ConfigError(f"{where} is not valid JSON ({err}); each line must be one JSON object.") from None
+        if not isinstance(record, dict):
+            raise ConfigError(f"{where} is a {type(record).__name__}, not a JSON object.")
+        if messages_field in record:
+            messages = record[messages_field]
+            if not isinstance(messages, list) or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages
+            ):
+                raise ConfigError(f"{where}: '{messages_field}' must be a list of {{\"role\": ..., \"content\": ...}}.")
+            segments = []
+            for m in messages:
+                segments.append((f"<|{m['role']}|>\n", False))
+                segments.append((m["content"] + "\n", m["role"] == "assistant"))
+        elif isinstance(record.get(prompt_field), str) and isinstance(record.get(response_field), str):
+            segments = [(record[prompt_field] + "\n\n", False), (record[response_field] + "\n\n", True)]
+        else:
+            raise ConfigError(
+                f"{where} has neither '{messages_field}' nor string fields '{prompt_field}' and '{response_field}' "
+                f"(it has: {', '.join(sorted(record))}); set data.prompt_field / data.response_field / "
+                "data.messages_field to your field names."
+            )
+        if any(trained for _, trained in segments):
+            examples.append((f"{source.name}:{number}", segments))
     return examples
 
 

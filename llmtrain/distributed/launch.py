@@ -131,8 +131,8 @@ def _stopped_by_exit(err: ProcessExitedException, cfg: Config, resume_hint: Call
     if err.exit_code == EXIT_ABORTED:  # a second signal: rank 0 said so in its one line
         return RanksStopped(EXIT_ABORTED)
     if err.signal_name in ("SIGTERM", "SIGINT"):  # it came before the rank had its handlers
-        return RanksStopped(EXIT_INTERRUPTED, f"stopped by {err.signal_name} while the ranks were starting, before the "
-                            "first step: nothing to save yet; the same command starts the run again", label="stopped")
+        return RanksStopped(EXIT_INTERRUPTED, f"{err.signal_name} while the ranks were starting, before the first "
+                            "step: nothing to save yet; the same command starts the run again", label="stopped")
     code = err.exit_code if err.exit_code and err.exit_code > 0 else 1
     if code in (EXIT_INTERRUPTED, EXIT_NONFINITE_STOP, EXIT_HEALTH_STOP, EXIT_SAVE_FAILED):
         return RanksStopped(code, resume_hint(cfg.out_dir), label="stopped")

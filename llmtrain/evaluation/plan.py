@@ -10,13 +10,13 @@ read and checked here (read_tasks), so a bad line is refused before any model wo
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from llmtrain.config.hydra import config_from_dict
+from llmtrain.config.saved import read_saved
 from llmtrain.config.schema import Config, EvalConfig
-from llmtrain.core.readers import UnreadableFile, read_yaml
 from llmtrain.errors import ConfigError, UserError
 from llmtrain.evaluation.specs import VALIDATION, parse_task_specs
 from llmtrain.evaluation.tasks import TaskSource, data_source, read_tasks, validation_source
@@ -90,20 +90,9 @@ def plan(model_dir: Path, cfg: Config, data_named: bool, harness_entries: list[s
 
 
 def saved_config(model_dir: Path) -> Config | None:
-    """A run dir's config.yaml (None for an export or a Hugging Face folder)."""
+    """A run dir's config.yaml (None for an export or a Hugging Face folder), read within bounds."""
     path = model_dir / CONFIG
-    if not path.is_file():
-        return None
-    try:
-        data = read_yaml(path, "a run's config")  # bounded: the folder may come from anyone
-    except UnreadableFile as err:
-        raise UserError(f"{err} Give a run directory that `llmtrain train` wrote, or an export.") from None
-    try:
-        return config_from_dict(data)
-    except ConfigError as err:
-        reason = " ".join(str(err).split())
-        raise UserError(f"'{path}' is not a valid llmtrain config ({reason}); give a run directory that "
-                        "`llmtrain train` wrote, or an export.") from None
+    return read_saved(path) if os.path.lexists(path) else None
 
 
 def validation_task_source(saved: Config, cfg: EvalConfig, log: Any) -> TaskSource:

@@ -202,12 +202,14 @@ def gather_facts(cfg: Config, measure_compute: bool = True, data_meta: dict | No
     fitting = largest_fitting_micro_batch(cfg, shape, vocab, device.type, precision, budget * MEMORY_WARN_FRACTION,
                                           runtime_bytes=runtime, data_bytes=data_bytes)
     world, over = layout_world(cfg, device)
-    # The run's own batch over its processes; spread over this machine's GPUs, the same micro-batch per GPU.
-    spread = cfg if world == world_size_of(cfg) else dataclasses.replace(
-        cfg, global_batch_size=cfg.micro_batch_size * (world or 1))
-    layouts = {layout: estimate_memory(spread, shape, vocab, device.type, precision, layout, world,
-                                       runtime_bytes=runtime, data_bytes=data_bytes).peak
-               for layout in (("ddp", "zero1", "fsdp") if world else ())}
+    layouts = {}
+    if world:
+        # The run's own batch over its processes; over this machine's GPUs, the same micro-batch per GPU.
+        spread = cfg if world == world_size_of(cfg) else dataclasses.replace(
+            cfg, global_batch_size=cfg.micro_batch_size * world)
+        layouts = {layout: estimate_memory(spread, shape, vocab, device.type, precision, layout, world,
+                                           runtime_bytes=runtime, data_bytes=data_bytes).peak
+                   for layout in ("ddp", "zero1", "fsdp")}
     return Facts(device, precision, vocab, train_tokens, note, shape, parameters, memory, budget, source, compute,
                  fitting, layouts, world, over, depth_advice(cfg, shape, train_tokens), matmul_flops is None,
                  data_vocab=data_vocab, data_meta=meta)
@@ -280,9 +282,9 @@ def _estimated_train_tokens(cfg: Config) -> int | None:
 
 
 def check_data_content(cfg: Config, facts: Facts) -> Row | None:
-    """Degenerate data (NUL bytes, whitespace only, one repeated token, undecodable bytes) trains
-    with a loss that looks fine, since the loss to beat is about 0: warn, naming the files. From the
-    prepared data's meta; before it is prepared, from the first MB of each text file."""
+    """Data that is not text (NUL bytes, whitespace only, one repeated token, binary files, text in
+    another encoding): warn, naming the files. From the prepared data's meta; before it is
+    prepared, from the first MB of each text file."""
     meta = facts.data_meta
     if meta is None and cfg.data.source is DataSource.python_stdlib:
         return Row("data content", Status.PASS, "Python's own sources (judged in full once prepared)",
@@ -298,10 +300,10 @@ def check_data_content(cfg: Config, facts: Facts) -> Row | None:
         seen = (f"unigram entropy {float(meta['unigram_entropy_nats']):.2f} nats/token"
                 + (f", most common token {meta['dominant_token']} {float(meta['dominant_token_share']):.0%}"
                    if "dominant_token_share" in meta else ""))
-    why = ("Near-constant or undecodable text (NUL bytes, only whitespace, one token repeated, binary or "
-           "wrongly encoded files) teaches nothing, yet its loss looks fine: the loss to beat is about 0.")
-    fix = ("remove or replace the named file(s) (UTF-16 without a byte-order mark: iconv -f UTF-16LE -t UTF-8 "
-           "FILE > FILE.txt)")
+    why = ("Data that is not text teaches a text model nothing it will use: near-constant files (NUL bytes, only "
+           "whitespace, one token repeated) train to a loss that looks fine, binary or wrongly encoded files to "
+           "noise.")
+    fix = "remove or replace the named file(s), or convert them to UTF-8 as each one says"
     problems = [quality.describe(f) for f in files]
     if count > len(files):
         problems.append(f"and {count - len(files)} more file(s)")

@@ -81,6 +81,7 @@ class ModelShape:
     flops_per_token: float
     largest_block_params: int
     n_layers: int
+    n_buffer_elements: int = 0  # RoPE's tables: held whole by every rank, never trained
 
 
 def model_shape(cfg: Config, vocab_size: int) -> ModelShape:
@@ -97,6 +98,7 @@ def model_shape(cfg: Config, vocab_size: int) -> ModelShape:
         flops_per_token=tensors.flops_per_token(seq_len_of(cfg)),
         largest_block_params=tensors.block_params,
         n_layers=cfg.model.n_layer,
+        n_buffer_elements=tensors.buffer_elements,
     )
 
 
@@ -232,6 +234,7 @@ def estimate_memory(
         weights = weights / world_size + gathered
         grads = grads / world_size + 4.0 * shape.largest_block_params
         autocast = 0.0  # the gathered copies already are in the compute dtype
+    weights += 4.0 * shape.n_buffer_elements  # RoPE's cos/sin tables, block_size x head_dim each
     if layout == "ddp" and world_size > 1:
         grads *= 2  # the reducer's gradient buckets are a second copy of the gradients
     opt /= shard

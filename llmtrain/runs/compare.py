@@ -28,8 +28,6 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
-
 from llmtrain.core.readers import TOKENIZER_BYTES, UnreadableFile, read_bytes, read_json, read_yaml
 from llmtrain.errors import UserError
 from llmtrain.runs.files import CHECKPOINTS, CONFIG, EVAL_RESULTS, FINAL_WEIGHTS, METRICS, TOKENIZER, Kind
@@ -78,10 +76,13 @@ def find_runs(sweep_dir: Path) -> list[Path]:
 def recorded_overrides(run_dir: Path) -> list[str] | None:
     """The command-line overrides that made the run (Hydra's record of the job); None when there is
     no record (a run started from Python, not from the command line)."""
-    path = run_dir / HYDRA_SUBDIR / "overrides.yaml"
-    if not path.is_file():
+    try:
+        saved = read_yaml(run_dir / HYDRA_SUBDIR / "overrides.yaml", "Hydra's record of the run's overrides")
+    except UnreadableFile:  # none (or none readable): nothing to show, the run itself is fine
         return None
-    return [str(o) for o in yaml.safe_load(path.read_text()) or []]
+    if saved is None:  # an empty file: no overrides
+        return []
+    return [str(o) for o in saved] if isinstance(saved, list) else None
 
 
 def summarize(run_dir: Path, records: Records | None = None) -> RunSummary:
@@ -136,18 +137,26 @@ def _tokenizer_id(run_dir: Path) -> str | None:
 def _bits_per_byte(run_dir: Path, records: Records) -> dict[str, float]:
     """Each evaluation task's latest bits per byte: the eval.tasks scored during training, then
     `llmtrain eval`'s eval.json (the final weights on all of the text) where it has the task."""
-    found = {str(r["task"]): number(r["bits_per_byte"]) for r in records.of(Kind.EVAL_TASK)
-             if r.get("task") is not None and r.get("bits_per_byte") is not None}
+    found = {str(r["task"]): r.get("bits_per_byte") for r in records.of(Kind.EVAL_TASK) if r.get("task") is not None}
     try:
-        saved = read_json(run_dir / EVAL_RESULTS, "the run's evaluation results") if (run_dir / EVAL_RESULTS).exists() else {}
-    except UnreadableFile:
+        saved = read_json(run_dir / EVAL_RESULTS, "the run's evaluation results")
+    except UnreadableFile:  # none, or not one `llmtrain eval` wrote: the records alone
         saved = {}
     tasks = saved.get("tasks") if isinstance(saved, dict) else None
     own = str(run_dir.resolve())  # `llmtrain eval OTHER --out RUN_DIR` may have added another model's
     for task, metrics in (tasks.items() if isinstance(tasks, dict) else ()):
-        if isinstance(metrics, dict) and metrics.get("model") in (None, own) and metrics.get("bits_per_byte") is not None:
-            found[str(task)] = number(metrics["bits_per_byte"])
-    return {task: value for task, value in found.items() if math.isfinite(value)}
+        if isinstance(metrics, dict) and metrics.get("model") in (None, own) and "bits_per_byte" in metrics:
+            found[str(task)] = metrics["bits_per_byte"]
+    return {task: bits for task, value in found.items() if (bits := _finite(value)) is not None}
+
+
+def _finite(value: object) -> float | None:
+    """A record's value as a finite number; None for anything else (missing, text, NaN)."""
+    try:
+        figure = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
+    return figure if math.isfinite(figure) else None
 
 
 @dataclass(frozen=True)

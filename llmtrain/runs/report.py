@@ -37,18 +37,18 @@ import dataclasses
 import html
 import json
 import math
+import os
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
 from rich.markup import escape
 from rich.table import Table
 
-from llmtrain.config.hydra import config_from_dict
+from llmtrain.config.saved import read_saved
 from llmtrain.config.schema import REPORT_FULL_AFTER_S, DataSource
-from llmtrain.errors import ConfigError, UserError
+from llmtrain.errors import UserError
 from llmtrain.health.detectors import SPIKE_MIN_RISE, SPIKE_MIN_SHARE, is_spike, robust_z
 from llmtrain.preflight.parameters import ParameterCounts
 from llmtrain.runs.compare import recorded_overrides, summarize
@@ -158,12 +158,13 @@ def _positive(value: Any) -> bool:
 
 
 def _load_config(run_dir: Path) -> Any:
+    """The run's config (read within bounds: config/saved.py); None when it is missing or unusable."""
     path = run_dir / CONFIG
-    if not path.is_file():
+    if not os.path.lexists(path):
         return None
     try:
-        return config_from_dict(yaml.safe_load(path.read_text()))
-    except (ConfigError, ValueError, TypeError, yaml.YAMLError):
+        return read_saved(path)
+    except UserError:
         return None
 
 
@@ -436,8 +437,8 @@ def inference(run_dir: Path, cfg: Any) -> Verdict:
     from llmtrain.model import GPT
     from llmtrain.runs.artifacts import newest_weights
 
-    try:
-        state = newest_weights(run_dir, warn=lambda message: None)
+    try:  # weights that are not exactly config.yaml's model are passed over: nothing of a forged size is built
+        state = newest_weights(run_dir, warn=lambda message: None, model=cfg.model)
         data = cached_data(cfg.data)
     except Exception as err:  # noqa: BLE001 - unreadable weights or data: this question has no answer, the others do
         return Verdict("inference", question, NA, f"not checked: {type(err).__name__}: {str(err).splitlines()[0][:300]}"

@@ -1,5 +1,5 @@
 """Evaluation at the run's cadence: every eval_interval steps, at the last step and before every
-save (so a checkpoint knows its val loss, for keep_best). First the loss on the run's fixed
+save but a requested stop's (so a checkpoint knows its val loss, for keep_best). First the loss on the run's fixed
 validation batches, then every eval.tasks entry (held-out perplexity, multiple choice, harness
 tasks), one `eval_task` record each.
 

@@ -18,6 +18,7 @@ and renamed, so an abort mid-save leaves the previous ones intact.
 
 from __future__ import annotations
 
+import atexit
 import enum
 import os
 import select
@@ -367,6 +368,21 @@ def abort_at_once(message: str) -> NoReturn:
     announce_abort(message)
     _flush_briefly()
     os._exit(EXIT_ABORTED)
+
+
+def exit_promptly(code: int) -> NoReturn:
+    """End a run that stopped on request, now that it has said everything: the atexit handlers run
+    (train.log, W&B) and the streams are flushed, but not the interpreter's teardown, whose garbage
+    collections walk the ~300,000 objects torch and Hydra leave behind: 0.4-1.2 s on a quiet 2-core
+    machine and 4-5 s on a busy one, the longest wait of a Ctrl-C, for a process that is ending.
+    Only for a process of its own (the CLI's entry point), never for a caller's."""
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 def _flush_briefly() -> None:

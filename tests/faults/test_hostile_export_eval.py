@@ -368,5 +368,5 @@ def test_a_billion_laughs_config_yaml_is_refused_at_once(tmp_path: Path) -> None
     laughs = ['a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
     laughs += [f"{c}: &{c} [{', '.join(['*' + p] * 9)}]" for p, c in zip("abcdefgh", "bcdefghi")]
     (tmp_path / "config.yaml").write_text("\n".join(laughs) + "\n")
-    with pytest.raises(UserError, match=r"config.yaml \(a run's config\) expands to more than"):
+    with pytest.raises(UserError, match=r"config.yaml \(the run's config\) expands to more than"):
         saved_config(tmp_path)

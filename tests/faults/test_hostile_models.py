@@ -447,3 +447,27 @@ def test_the_guard_allows_every_character_and_nothing_broken() -> None:
     guard = Utf8Guard(tokens)
     guard.advance(0xE2)
     assert guard.banned(256)[0xFF], "end-of-text inside a character"
+
+
+# ---- data files that are not what they claim ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(("make", "piece"), [
+    pytest.param(lambda p: os.mkfifo(p), "is a FIFO (named pipe), not a regular file", id="fifo"),
+    pytest.param(lambda p: os.symlink("/dev/zero", p), "is a device, not a regular file", id="device"),
+])
+def test_a_data_path_that_is_not_a_file_is_never_opened(tmp_path: Path, make: Callable[[Path], None],
+                                                        piece: str) -> None:
+    make(tmp_path / "corpus.txt")
+    proc = run_cli("prepare", "data=text", f"data.path={tmp_path / 'corpus.txt'}", cwd=tmp_path)
+    refused(proc, piece)
+
+
+def test_a_jsonl_line_longer_than_any_document_is_refused_unread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A binary file named .jsonl has no line breaks: it was read whole into memory as one line."""
+    from llmtrain.data import corpus
+
+    monkeypatch.setattr(corpus, "JSONL_LINE_BYTES", 1000)  # the real bound is 256 MB
+    (tmp_path / "docs.jsonl").write_text('{"text": "fine"}\n' + '{"text": "' + "x" * 5000 + '"}\n')
+    proc = run_cli("prepare", "data=jsonl", f"data.path={tmp_path / 'docs.jsonl'}", cwd=tmp_path)
+    refused(proc, "docs.jsonl:2 (a JSON-lines file) is a line longer than 1,000 bytes")

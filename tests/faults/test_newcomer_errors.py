@@ -1,7 +1,9 @@
 """What a newcomer hits first: a mistyped alarm name or a value of the wrong type gets one paragraph
 with the value seen and what is valid; the README's two-process command is accepted because the
-micro-batch is derived from the global batch when the user does not set it; and no output cites a
-document the user does not have."""
+micro-batch is derived from the global batch when the user does not set it; no output cites a
+document the user does not have; and a command line written the way other tools take it
+(`--max_steps 30`, `max_steps 30`, a comma list without -m, a mistyped option) is one paragraph
+that shows the override meant."""
 
 from __future__ import annotations
 
@@ -10,12 +12,14 @@ from pathlib import Path
 
 import pytest
 
+from llmtrain import __version__
 from llmtrain.cli import COMMANDS, main
 from llmtrain.cli.compose import compose_config, validate_overrides
 from llmtrain.config.derived import accumulation_steps, micro_batch_size_derived
 from llmtrain.config.schema import ALARM_NAMES
 from llmtrain.errors import ConfigError
 
+from ..conftest import run_cli
 from ..test_cli_run import TINY, llmtrain
 
 # A citation of a section or table of a design document ("seed 8.1", "the seed's", "(8.2)",
@@ -174,3 +178,164 @@ def test_no_output_cites_a_document(tmp_path: Path) -> None:
     for name in ("report.md", "report.html"):
         found = CITATION.search((run / name).read_text())
         assert found is None, f"{name} cites {found.group(0)!r}"
+
+
+# ---------------------------------------------------------------------------------------------
+# 12. the command line: a config value typed as an option, an override without '=', a sweep
+#     without -m, a mistyped group option, --version after a command
+# ---------------------------------------------------------------------------------------------
+
+
+def refused(tmp_path: Path, *argv: str) -> str:
+    """`llmtrain ARGV` in this process: exit 2, one line on stderr (no usage block, no traceback),
+    nothing on stdout and nothing written; returns the line."""
+    proc = run_cli(*argv, cwd=tmp_path)
+    assert proc.returncode == 2, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("llmtrain: error: "), proc.stderr
+    assert "usage:" not in proc.stderr and "Traceback" not in proc.stderr and proc.stdout == ""
+    assert list(tmp_path.iterdir()) == [], "refused before anything is written"
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("argv", "fix"),
+    [
+        pytest.param(["train", "--max_steps", "30"], "write max_steps=30.", id="dashes"),
+        pytest.param(["train", "--max_steps=30"], "write max_steps=30.", id="dashes-equals"),
+        pytest.param(["train", "-max_steps=30"], "write max_steps=30.", id="one-dash"),  # argparse read it as -m
+        pytest.param(["train", "--max_step", "30"], "write max_steps=30 ('max_step' is no config key", id="dashes-typo"),
+        pytest.param(["train", "--lr", "1e-3"], "write optim.lr=1e-3 ('lr' is no config key", id="dashes-group-key"),
+        pytest.param(["train", "--max_steps", "model=gpt2"], "write max_steps=<value>.", id="dashes-no-value"),
+        pytest.param(["check", "--max_steps", "30"], "write max_steps=30.", id="check"),
+        pytest.param(["prepare", "--data.path=corpus.txt"], "write data.path=corpus.txt.", id="prepare"),
+        pytest.param(["doctor", "overfit", "--lr", "1e-3"], "write optim.lr=1e-3", id="doctor"),
+        pytest.param(["eval", "run", "--max_steps", "3"], "write max_steps=3.", id="eval"),
+    ],
+)
+def test_a_config_value_typed_as_an_option_gets_the_override(tmp_path: Path, argv: list[str], fix: str) -> None:
+    message = refused(tmp_path, *argv)
+    word = next(arg for arg in argv if arg.startswith("-"))
+    assert f"'{word}' is not an option of `llmtrain {argv[0]}`" in message and "key=value" in message, message
+    assert fix in message, message
+
+
+@pytest.mark.parametrize(
+    ("argv", "pieces"),
+    [
+        pytest.param(["train", "--multi-run"], ["Did you mean --multirun?"], id="mistyped-option"),
+        pytest.param(["train", "--verbose"], ["its options are", "-m", "--cfg", "--config-dir/-cd", "max_steps=30"],
+                     id="unknown-option"),
+        pytest.param(["train", "--cfg", "yaml"], ["invalid choice: 'yaml'", "'job'"], id="bad-choice"),
+        pytest.param(["check", "-m", "optim.lr=1,2"], ["`llmtrain train -m ...`"], id="sweep-flag-elsewhere"),
+    ],
+)
+def test_a_mistyped_option_is_one_paragraph(tmp_path: Path, argv: list[str], pieces: list[str]) -> None:
+    message = refused(tmp_path, *argv)
+    for piece in pieces:
+        assert piece in message, message
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        pytest.param(["--cfg", "job", "--resolve", "max_steps=30"], id="cfg-resolve"),
+        pytest.param(["-c", "job", "-p", "model", "max_steps=30"], id="package"),
+        pytest.param(["--cfg=job", "--config-name", "config"], id="config-name"),
+        pytest.param(["-cn", "config", "--cfg", "job", "-cd", "."], id="config-dir"),
+        pytest.param(["--cf", "job"], id="abbreviation"),
+        pytest.param(["--info", "defaults"], id="info"),
+        pytest.param(["--hydra-help"], id="hydra-help"),
+        pytest.param(["--help"], id="help"),
+    ],
+)
+def test_hydras_own_options_still_work(tmp_path: Path, flags: list[str]) -> None:
+    proc = run_cli("train", *flags, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout and "llmtrain: error" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("overrides", "pieces"),
+    [
+        pytest.param(["max_steps", "30"], ["'max_steps' is not an override", "key=value", "write max_steps=30."], id="space"),
+        pytest.param(["max_steps", "=", "30"], ["write max_steps=30."], id="spaces-around"),
+        pytest.param(["max_steps=", "30"], ["'max_steps= 30' has a space after '='", "write max_steps=30."], id="space-after"),
+        pytest.param(["max_step", "30"], ["write max_steps=30 ('max_step' is no config key"], id="space-typo"),
+        pytest.param(["+model.n_layr", "3"], ["write model.n_layer=3"], id="space-plus-typo"),
+        pytest.param(["gpt_small"], ["Did you mean model=gpt_small?"], id="option-alone"),
+        pytest.param(["max_steps=30,"], ["'max_steps=30,' ends with a comma", "write max_steps=30.", "-m"], id="trailing-comma"),
+        pytest.param(["optim.lr=1e-3,,3e-3"], ["empty item", "`llmtrain train -m optim.lr=1e-3,3e-3`"], id="double-comma"),
+        pytest.param(["+model.n_layr=3"], ["'model.n_layr'", "Did you mean 'model.n_layer'?"], id="plus-typo"),
+        pytest.param(["modle=gpt2"], ["'modle'", "Did you mean 'model'?"], id="group-name-typo"),
+    ],
+)
+def test_an_override_hydra_cannot_read_gets_the_one_meant(tmp_path: Path, overrides: list[str], pieces: list[str]) -> None:
+    message = refused(tmp_path, "train", *overrides)
+    for piece in pieces:
+        assert piece in message, message
+    assert "hydra.cc" not in message and "EOF" not in message, message
+
+
+@pytest.mark.parametrize("command", ["train", "check"])
+def test_a_comma_list_without_m_is_a_sweep_that_needs_m(tmp_path: Path, command: str) -> None:
+    message = refused(tmp_path, command, "optim.lr=1e-3,3e-3")
+    assert "'optim.lr=1e-3,3e-3' is a sweep" in message and "one job per value" in message, message
+    assert "`llmtrain train -m optim.lr=1e-3,3e-3`" in message and "give one value, e.g. optim.lr=1e-3" in message
+    # a learning rate is no list, and no string: the bracket and quoting advice is for keys that take one
+    assert "[" not in message and "Ambiguous" not in message and "quote" not in message, message
+
+
+@pytest.mark.parametrize(
+    ("override", "as_list"),
+    [
+        pytest.param("preset=stable,fast", "'preset=[stable,fast]'", id="group-of-lists"),
+        pytest.param("data.seq_len_schedule=[0,16],[100,32]", "'data.seq_len_schedule=[[0,16],[100,32]]'", id="list-key"),
+    ],
+)
+def test_a_comma_list_for_a_key_that_takes_a_list_also_says_how_to_set_the_list(
+    tmp_path: Path, override: str, as_list: str
+) -> None:
+    message = refused(tmp_path, "train", override)
+    assert "is a sweep" in message and f"`llmtrain train -m {override}`" in message and as_list in message, message
+
+
+def test_a_sweep_function_without_m_needs_m(tmp_path: Path) -> None:
+    message = refused(tmp_path, "train", "max_steps=range(10,30,10)")
+    assert "is a sweep (range())" in message and "`llmtrain train -m max_steps=range(10,30,10)`" in message, message
+
+
+@pytest.mark.parametrize(
+    ("override", "meant"),
+    [("model=gpt_smal", "model=gpt_small"), ("preset=stabel", "preset=stable"), ("optim=sdg", "optim=sgd")],
+)
+def test_a_mistyped_group_option_gets_the_close_match(tmp_path: Path, override: str, meant: str) -> None:
+    message = refused(tmp_path, "train", override)
+    assert f"Did you mean {meant}?" in message and "Valid options:" in message, message
+    assert "(e.g." not in message, "the close match, not the first option, is the example"
+
+
+def test_the_same_comma_list_with_m_is_a_sweep() -> None:
+    """Control: with -m the comma list is expanded and every job validated, nothing refused."""
+    validate_overrides(["optim.lr=1e-3,3e-3", "max_steps=30"], multirun=True)
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["train", "--version"], ["check", "--version"]])
+def test_version_is_llmtrains_own_after_any_command(tmp_path: Path, argv: list[str]) -> None:
+    proc = run_cli(*argv, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(f"llmtrain {__version__} (torch ") and "Hydra" in proc.stdout, proc.stdout
+    assert len(proc.stdout.strip().splitlines()) == 1
+
+
+def test_a_missing_plugin_names_the_extra_that_installs_it() -> None:
+    """hydra/sweeper=lr_search without the optuna extra: Hydra says only that it could not load a
+    config; the paragraph names the extra. (Simulated: this environment has every extra.)"""
+    from hydra.errors import MissingConfigException
+
+    from llmtrain.cli import compose
+
+    error = MissingConfigException("In 'hydra/sweeper/lr_search': Could not load 'hydra/sweeper/optuna'.",
+                                   missing_cfg_file="hydra/sweeper/optuna")
+    message = str(compose._composition_error(error))
+    assert "Hydra's Optuna sweeper plugin" in message and "pip install 'llmtrain[optuna]'" in message

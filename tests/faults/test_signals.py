@@ -290,3 +290,64 @@ def test_sigterm_while_the_train_module_imports_is_a_setup_stop(monkeypatch: pyt
     err = capsys.readouterr().err
     assert err.startswith("llmtrain: stopped: ") and "SIGTERM while setting up" in err and "Traceback" not in err
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+@pytest.mark.slow
+def test_ctrl_c_finishes_the_step_saves_and_leaves_without_the_review(tmp_path: Path) -> None:
+    """A first Ctrl-C mid-step: the step finishes, its checkpoint is saved, and the run leaves with
+    one plain line and the resume command. Nothing slow and optional comes between: no evaluation
+    before that save (eval_interval=2, stopped after step 3), no post-run review (a line says how to
+    get it). train.log keeps what the console said."""
+    run_dir = tmp_path / "run"
+    # From step 3 on, each backward pass is held in C++ for a second: the Ctrl-C lands inside step 3.
+    run = Run([*TINY, "max_steps=50", f"hydra.run.dir={run_dir}"], tmp_path, LLMTRAIN_TEST_SLOW_BACKWARD="3:1")
+    run.wait_for("holding the main thread in C++")
+    run.proc.send_signal(signal.SIGINT)
+    code = run.finish(timeout=ABORT_LIMIT_S)
+    assert code == EXIT_INTERRUPTED, run.output
+    assert "Traceback" not in run.output
+    checkpoint = run_dir / "checkpoints" / "step_00000003"
+    said = [line for line in run.lines if line.startswith("llmtrain: stopped")]
+    assert said == [f"llmtrain: stopped: Ctrl-C (SIGINT) after step 3; checkpoint saved: {checkpoint}"], run.output
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == checkpoint.name
+    verify(checkpoint)
+    assert f"post-run review: not written, to stop promptly; `llmtrain report {run_dir}` writes it" in run.lines
+    assert not (run_dir / "report.html").exists()
+    evaluated = [line for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"kind": "eval"' in line]
+    assert len(evaluated) == 1 and '"step": 2' in evaluated[0], "step 2's evaluation only, none before the stop's save"
+    log = (run_dir / "train.log").read_text()
+    for line in ("llmtrain: Ctrl-C (SIGINT) received: finishing the current step", said[0],
+                 f"  llmtrain train {' '.join(TINY)} max_steps=50 hydra.run.dir={run_dir}"):
+        assert line in log, log
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="reads the signal mask from /proc (Linux)")
+@pytest.mark.parametrize("delay", [0.0, 0.05, 0.3], ids=lambda d: f"{d}s")
+def test_sigterm_at_any_moment_of_prepare_stops_with_75(tmp_path: Path, delay: float) -> None:
+    """Another command than train: one line and exit 75 wherever the SIGTERM lands (an import, Hydra
+    composing the config, the tokenizing), and no cache entry a later run would trust; or, when the
+    command was faster than the signal, its usual end."""
+    big = tmp_path / "big.txt"
+    big.write_text("the quick brown fox jumps over the lazy dog, again and again\n" * 130_000)
+    cache = tmp_path / "cache"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "llmtrain", "prepare", "data=text", f"data.path={big}", "data.tokenizer=char"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "LLMTRAIN_CACHE": str(cache)},
+    )
+    deadline = time.monotonic() + 120
+    while not catches_sigterm(proc.pid):
+        assert proc.poll() is None, f"it ended (exit {proc.returncode}) before main() ran:\n{proc.communicate()}"
+        assert time.monotonic() < deadline, "main() did not start within 120 s"
+        time.sleep(0.001)
+    time.sleep(delay)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert "Traceback" not in err, err
+    stopped = [line for line in err.splitlines() if line.startswith("llmtrain: stopped:")]
+    if proc.returncode == 0:  # a fast machine: it was done before the signal came
+        assert "prepared text data" in out and not stopped, err
+        return
+    assert proc.returncode == EXIT_INTERRUPTED, f"exit {proc.returncode}\n{out}\n{err}"
+    assert stopped == ["llmtrain: stopped: SIGTERM before `llmtrain prepare` finished; the same command starts it again"]
+    assert not list(cache.rglob("meta.json")), sorted(cache.rglob("*"))
