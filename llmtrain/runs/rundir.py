@@ -120,7 +120,12 @@ class _HeldLog(logging.handlers.MemoryHandler):
 
 
 class _JobLog(logging.FileHandler):
-    """An accepted job's train.log."""
+    """An accepted job's train.log. A line it cannot write (a full disk) is left out of it, quietly:
+    train.log copies what the console shows, which says what went wrong; logging's own report would
+    print a traceback into the run's output."""
+
+    def handleError(self, record: logging.LogRecord) -> None:  # logging's name for it
+        pass
 
 
 class _JobLogFormat(logging.Formatter):

@@ -36,17 +36,6 @@ def llmtrain(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     return run_cli(*args, cwd=cwd, columns=200)
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A finished 4-step run with checkpoints at steps 2 and 4 (each test works on a copy)."""
-    tmp = tmp_path_factory.mktemp("trained")
-    proc = llmtrain("train", *TINY, "max_steps=4", "checkpoint.every_steps=2", "report=false",
-                    f"hydra.run.dir={tmp / 'run'}", cwd=tmp)
-    assert proc.returncode == 0, proc.stderr
-    assert {p.name for p in (tmp / "run" / "checkpoints").iterdir()} >= {STEP_2, STEP_4, "latest"}
-    return tmp / "run"
-
-
 @pytest.fixture
 def run(trained: Path, tmp_path: Path) -> Path:
     copy = tmp_path / "run"

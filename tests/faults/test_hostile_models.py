@@ -54,16 +54,6 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"gpt2": save_gpt2(root / "gpt2"), "llama": save_llama(root / "llama")}
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A finished 4-step run with checkpoints at steps 2 and 4 (each test works on a copy)."""
-    tmp = tmp_path_factory.mktemp("trained")
-    proc = run_cli("train", *TINY, "max_steps=4", "checkpoint.every_steps=2", "report=false",
-                   f"hydra.run.dir={tmp / 'run'}", cwd=tmp)
-    assert proc.returncode == 0, proc.stderr
-    return tmp / "run"
-
-
 def copy_of(source: Path, tmp_path: Path, name: str = "copy") -> Path:
     target = tmp_path / name
     shutil.copytree(source, target)
