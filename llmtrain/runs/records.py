@@ -26,6 +26,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from llmtrain.core.readers import read_lines
 from llmtrain.runs.files import EVENTS, METRICS, Kind
 
 Record = dict[str, Any]
@@ -80,12 +81,19 @@ class Records:
         return steps, values
 
 
+# One record is a few hundred bytes (a health record with per-block norms a few KB): a longer line is
+# not a record, and the file is refused before that line is read whole.
+RECORD_BYTES = 16 << 20
+
+
 def _read_log(path: Path) -> list[Record]:
+    """The records of a JSON-lines log, read one line at a time (core/readers.py: a regular file, no
+    line past RECORD_BYTES); a line that is not a JSON record (cut by a crash) is passed over."""
     records = []
-    for line in path.read_text(errors="replace").splitlines():
+    for _, raw in read_lines(path, "a run's log", RECORD_BYTES):
         try:
-            record = json.loads(line)
-        except ValueError:  # a line cut by a crash
+            record = json.loads(raw.decode("utf-8", errors="replace"))
+        except (ValueError, RecursionError):  # a line cut by a crash, or not a record at all
             continue
         if isinstance(record, dict) and "kind" in record:
             records.append(record)
@@ -93,7 +101,8 @@ def _read_log(path: Path) -> list[Record]:
 
 
 def read_records(run_dir: Path) -> Records:
-    """The records of the run in `run_dir`. Its metrics.jsonl must exist (OSError otherwise: the
-    callers say what a run dir is first); events.jsonl is optional (monitor off, other ranks)."""
+    """The records of the run in `run_dir`. Its metrics.jsonl must be a regular file (UnreadableFile
+    otherwise: the callers say what a run dir is first); events.jsonl is optional (monitor off, other
+    ranks)."""
     events = Path(run_dir) / EVENTS
     return Records(_read_log(Path(run_dir) / METRICS), _read_log(events) if events.is_file() else [])

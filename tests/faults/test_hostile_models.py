@@ -461,3 +461,19 @@ def test_a_jsonl_line_longer_than_any_document_is_refused_unread(tmp_path: Path,
     (tmp_path / "docs.jsonl").write_text('{"text": "fine"}\n' + '{"text": "' + "x" * 5000 + '"}\n')
     proc = run_cli("prepare", "data=jsonl", f"data.path={tmp_path / 'docs.jsonl'}", cwd=tmp_path)
     refused(proc, "docs.jsonl:2 (a JSON-lines file) is a line longer than 1,000 bytes")
+
+
+def test_a_run_log_that_is_a_fifo_or_not_a_log(trained: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`report` and `compare` read metrics.jsonl: a FIFO there blocked them forever, and a binary
+    file was read whole."""
+    from llmtrain.runs import records
+
+    run = copy_of(trained, tmp_path, "fifo")
+    (run / "metrics.jsonl").unlink()
+    os.mkfifo(run / "metrics.jsonl")
+    refused(run_cli("compare", str(run), cwd=tmp_path), "metrics.jsonl (a run's log) is a FIFO")
+    run = copy_of(trained, tmp_path, "long")
+    monkeypatch.setattr(records, "RECORD_BYTES", 10_000)  # the real bound is 16 MB
+    with open(run / "metrics.jsonl", "a") as log:
+        log.write("x" * 20_000 + "\n")
+    refused(run_cli("report", str(run), cwd=tmp_path), "(a run's log) is a line longer than 10,000 bytes")
