@@ -214,13 +214,21 @@ def test_the_docs_have_commands_and_the_ddp_example_is_among_them() -> None:
     assert any(c.error for c in COMMANDS_IN_DOCS), "the documented error examples"
 
 
-def _run(command: DocCommand) -> None:
+def _run(command: DocCommand, monkeypatch: pytest.MonkeyPatch) -> None:
     """Compose and check `command` as its CLI command would, before any work; raises UserError."""
     from hydra._internal.utils import get_args_parser
 
+    from llmtrain.cli import common
+
+    def refuse(message: str, code: int = 2, label: str = "error") -> None:
+        raise UserError(message)  # what the CLI prints as its one paragraph
+
     name, args = command.words[0], command.words[1:]
     if name == "train":
-        parsed = get_args_parser().parse_args(args)
+        parser = get_args_parser()
+        parser.prog = "llmtrain train"
+        monkeypatch.setattr(common, "fail", refuse)
+        parsed = common.parse_command_line(parser, args)
         if parsed.help or parsed.hydra_help or parsed.shell_completion:
             return  # as train_command: these print and compose nothing
         validate_overrides(parsed.overrides, multirun=parsed.multirun, extra_dir=parsed.config_dir,
@@ -259,7 +267,7 @@ def test_documented_command_is_accepted_or_fails_as_documented(
     for name, value in command.env.items():
         monkeypatch.setenv(name, value)
     try:
-        _run(command)
+        _run(command, monkeypatch)
     except CheckFailed as failed:
         machine_only = all(row.item in MACHINE_ROWS for row in failed.report.failures)
         assert machine_only and command.error is None, f"{command.where}: `{command.text}` is refused:\n{failed}"
