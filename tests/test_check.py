@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 import llmtrain.preflight.check as check
+import llmtrain.preflight.facts as facts
+import llmtrain.preflight.render as render
 from llmtrain.cli.compose import compose_config
 from llmtrain.config.schema import NormPosition, OptimizerName, Precision, ResidualInit, ScheduleName
 from llmtrain.preflight.check import Status, run_check
@@ -90,9 +92,9 @@ def test_memory_warns_near_the_budget_and_suggests_a_fitting_micro_batch(tmp_pat
                             "model.n_embd": 128, "model.n_head": 4, "model.n_layer": 4})  # activations dominate
     peak = run_check(cfg, measure_compute=False).facts.memory.peak
     runtime = run_check(cfg, measure_compute=False).facts.memory.runtime
-    monkeypatch.setattr(check, "available_memory", lambda device: (peak / 0.9 - runtime, "test budget"))
+    monkeypatch.setattr(facts, "available_memory", lambda device: (peak / 0.9 - runtime, "test budget"))
     assert status(cfg, "memory") is Status.WARN
-    monkeypatch.setattr(check, "available_memory", lambda device: (peak * 0.8 - runtime, "test budget"))
+    monkeypatch.setattr(facts, "available_memory", lambda device: (peak * 0.8 - runtime, "test budget"))
     row = run_check(cfg, measure_compute=False).row("memory")
     assert row.status is Status.FAIL
     assert "micro_batch_size=" in row.fix and "keeps the global batch 128" in row.fix
@@ -305,10 +307,10 @@ def test_the_per_rank_memory_of_parallel_layouts_shows_only_where_there_are_seve
     from llmtrain.config.schema import ParallelMode
 
     single = run_check(base(tmp_path), measure_compute=False)
-    assert single.facts.layout_world is None and "per rank" not in check.estimate_summary(single.facts)
+    assert single.facts.layout_world is None and "per rank" not in render.estimate_summary(single.facts)
     assert single.row("effective batch").seen.endswith("x 1 process)")
     ddp = run_check(base(tmp_path, **{"parallel.mode": ParallelMode.ddp, "parallel.nproc": 2}), measure_compute=False)
-    assert "per rank over the run's 2 processes: ddp " in check.estimate_summary(ddp.facts)
+    assert "per rank over the run's 2 processes: ddp " in render.estimate_summary(ddp.facts)
     assert ddp.row("effective batch").seen.endswith("x 2 processes)")
 
 
@@ -317,8 +319,8 @@ def test_several_gpus_on_this_machine_get_the_per_rank_memory_of_a_single_proces
     import torch
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
-    assert check.layout_world(base(tmp_path), torch.device("cuda")) == (8, "this machine's 8 GPUs")
-    assert check.layout_world(base(tmp_path), torch.device("cpu")) == (None, "")
+    assert facts.layout_world(base(tmp_path), torch.device("cuda")) == (8, "this machine's 8 GPUs")
+    assert facts.layout_world(base(tmp_path), torch.device("cpu")) == (None, "")
 
 
 @pytest.mark.parametrize("train_tokens", [1_000, 48_000, 1_000_000, 10_655_597, 3_000_000_000])
@@ -331,8 +333,8 @@ def test_the_depth_line_never_suggests_more_layers_than_the_data_feeds(tmp_path:
 
     cfg = base(tmp_path, **{"model.n_layer": layers, "model.n_embd": 128, "model.n_head": 4})
     shape = model_shape(cfg, 256)
-    fed = train_tokens * check.DATA_PASSES_WORTH / check.TOKENS_PER_PARAM / shape.largest_block_params
-    line = check.depth_advice(cfg, shape, train_tokens)
+    fed = train_tokens * facts.DATA_PASSES_WORTH / facts.TOKENS_PER_PARAM / shape.largest_block_params
+    line = facts.depth_advice(cfg, shape, train_tokens)
     if line is None:  # nothing to say: the configured depth is one the data feeds, and enough
         assert layers <= fed
         return
@@ -346,7 +348,7 @@ def test_the_depth_line_never_suggests_more_layers_than_the_data_feeds(tmp_path:
 
 def test_the_depth_line_for_a_small_corpus_says_it_feeds_less_than_a_layer(tmp_path: Path) -> None:
     cfg = compose_config(["data=text", f"data.path={TINY_CORPUS}", "data.tokenizer=char"])  # gpt_tiny on 48K tokens
-    summary = check.estimate_summary(run_check(cfg, measure_compute=False).facts)
+    summary = render.estimate_summary(run_check(cfg, measure_compute=False).facts)
     assert "layers is enough" not in summary
     assert "less than one layer of width 128 (198,272 parameters), 4 configured" in summary
 
@@ -361,6 +363,6 @@ def test_every_parameter_count_is_labelled_and_the_same_in_every_row(tmp_path: P
     assert (counts.total, counts.without_positions) == (param_count(built), param_count(built, exclude_positions=True))
     assert counts.text() == "858,880 total, 826,112 without the position table, 793,344 without embeddings"
     assert "for 793,344 parameters without embeddings = " in report.row("token budget").seen
-    assert "/ 793,344 parameters without embeddings = " in check.estimate_summary(report.facts)
+    assert "/ 793,344 parameters without embeddings = " in render.estimate_summary(report.facts)
     rope = run_check(compose_config(["model=modern_tiny"]), measure_compute=False).facts.parameters
     assert rope.total == rope.without_positions and "position table" not in rope.text()

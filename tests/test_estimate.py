@@ -135,7 +135,7 @@ def test_largest_fitting_micro_batch_divides_the_global_batch() -> None:
 PEAK_SCRIPT = """
 import json, sys
 import torch
-from llmtrain.preflight.check import gather_facts
+from llmtrain.preflight.facts import gather_facts
 from llmtrain.config.hydra import config_from_dict
 from llmtrain.training.loop import train
 

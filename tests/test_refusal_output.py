@@ -11,7 +11,8 @@ import pytest
 from llmtrain.cli import main
 from llmtrain.cli.common import conf_dir
 from llmtrain.cli.compose import validate_overrides
-from llmtrain.preflight.check import CheckFailed, check_command_line
+from llmtrain.preflight.check import CheckFailed
+from llmtrain.preflight.render import check_command_line
 
 from .conftest import TINY_CORPUS, tiny_config
 

@@ -88,7 +88,8 @@ def check_command(args: list[str]) -> None:
     check_config_dir(opts.config_dir)
 
     from llmtrain.errors import UserError
-    from llmtrain.preflight.check import render, run_check
+    from llmtrain.preflight.check import run_check
+    from llmtrain.preflight.render import render
 
     try:
         cfg = compose_config(opts.overrides, opts.config_dir)

@@ -43,7 +43,8 @@ def validate_overrides(
 
             hf_dataset(cfg.data)  # loaded (or refused) now, before any run dir; the run reuses it
         if preflight:
-            from llmtrain.preflight.check import CheckFailed, check_command_line, render_refusal, run_check
+            from llmtrain.preflight.check import CheckFailed, run_check
+            from llmtrain.preflight.render import check_command_line, render_refusal
 
             report = run_check(cfg, measure_compute=False)
             if report.failures and not cfg.allow_check_failures:

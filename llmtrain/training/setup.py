@@ -103,7 +103,8 @@ from llmtrain.hf.folder import load_weights
 from llmtrain.hf.init import apply_init_from, open_folder
 from llmtrain.model import GPT, uninitialized
 from llmtrain.model_tensors import model_tensors
-from llmtrain.preflight.check import CheckFailed, CheckReport, check_command_line, render_refusal, run_check
+from llmtrain.preflight.check import CheckFailed, CheckReport, run_check
+from llmtrain.preflight.render import check_command_line, render_refusal
 from llmtrain.runs import files
 from llmtrain.runs.files import Kind
 from llmtrain.sinks import ConsoleSink, MetricsSink, NullSink

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-import llmtrain.preflight.check as check
+import llmtrain.preflight.facts as facts
 from llmtrain.cli import main
 from llmtrain.cli.compose import compose_config
 from llmtrain.config.derived import (
@@ -37,7 +37,7 @@ def composed(*overrides: str):
 @pytest.fixture
 def machine_of_24_gib(monkeypatch: pytest.MonkeyPatch) -> None:
     """The memory item judged against the 24 GiB machine the defect was seen on, whatever runs the test."""
-    monkeypatch.setattr(check, "available_memory", lambda device: (24.0 * GiB, "test machine (24 GiB)"))
+    monkeypatch.setattr(facts, "available_memory", lambda device: (24.0 * GiB, "test machine (24 GiB)"))
 
 
 def test_headline_check_passes_memory_learning_rate_and_vocabulary(machine_of_24_gib, capsys) -> None:

@@ -1,0 +1,100 @@
+"""The pre-flight check's output: the table of rows (`render`), a refusal's failing rows and the
+command that shows them all (`render_refusal`), and the memory and compute estimates under it
+(`estimate_summary`)."""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Sequence
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from llmtrain.preflight.check import CheckReport, Status
+from llmtrain.preflight.estimate import format_bytes, format_seconds
+from llmtrain.preflight.facts import TOKENS_PER_PARAM, Facts
+from llmtrain.preflight.parameters import WITHOUT_EMBEDDINGS
+from llmtrain.sinks import default_console
+
+# ---------------------------------------------------------------------------------------------
+# Output
+# ---------------------------------------------------------------------------------------------
+
+_STYLE = {Status.PASS: "green", Status.WARN: "yellow", Status.FAIL: "bold red"}
+
+
+def render(report: CheckReport, console: Console | None = None, estimates: bool = True) -> None:
+    console = console or default_console()  # piped: a wide table, no padding, unwrapped lines
+    table = Table(title="llmtrain check: pre-flight checklist", title_justify="left")
+    for name, kwargs in (("item", {"no_wrap": True}), ("", {"no_wrap": True}), ("seen", {"ratio": 3}),
+                         ("why it matters", {"ratio": 4}), ("fix", {"ratio": 3})):
+        table.add_column(name, **kwargs)
+    for r in report.rows:
+        table.add_row(r.item, f"[{_STYLE[r.status]}]{r.status.value}[/]", r.seen, r.why, r.fix)
+    console.print(table)
+    if estimates:
+        console.print(estimate_summary(report.facts))
+    counts = {s: sum(r.status is s for r in report.rows) for s in Status}
+    console.print(f"{counts[Status.PASS]} pass, {counts[Status.WARN]} warn, {counts[Status.FAIL]} fail "
+                  f"-> exit {report.exit_code}")
+
+
+def render_refusal(report: CheckReport, console: Console, full_table: str) -> None:
+    """What a refused start prints: the FAIL rows only, how many rows were not shown, and
+    `full_table`, the command that prints them all with the estimates (`check_command_line`). The
+    whole table is ~180 columns of mostly passing rows; the refusal is about the failing ones."""
+    failures, warnings = report.failures, report.warnings
+    passed = len(report.rows) - len(failures) - len(warnings)
+    hidden = ", ".join(f"{n} {label}" for n, label in ((len(warnings), "warn"), (passed, "pass")) if n)
+    console.print(f"[bold]pre-flight check[/]: [{_STYLE[Status.FAIL]}]FAIL[/] on {len(failures)} of {len(report.rows)} "
+                  f"items{f' ({hidden} not shown)' if hidden else ''}")
+    for r in failures:
+        console.print(f"  [{_STYLE[Status.FAIL]}]FAIL[/] [bold]{escape(r.item)}[/]: {escape(r.seen)}")
+        console.print(f"       why: {escape(r.why)}")
+        if r.fix:
+            console.print(f"       fix: {escape(r.fix)}")
+    console.print(f"  the full table{' (the warnings too)' if warnings else ''}, with the memory and compute estimate:")
+    console.print(f"    {escape(full_table)}", highlight=False)
+
+
+def check_command_line(overrides: Sequence[str] | None, config_dir: str | None = None) -> str:
+    """`llmtrain check` with a run's overrides, which composes the config the run was refused for:
+    its run dir (hydra.*, out_dir) dropped, since check writes nothing. `overrides` None (a config
+    built in code, not from a command line): the bare command, with a word on what to add."""
+    if overrides is None:
+        return "llmtrain check  (with the overrides that make this config)"
+    kept = [o for o in overrides if not o.lstrip("+~").startswith(("hydra.", "hydra/", "out_dir="))]
+    return shlex.join(["llmtrain", "check", *(["-cd", config_dir] if config_dir else []), *kept])
+
+
+def estimate_summary(facts: Facts) -> str:
+    mem = facts.memory
+    lines = [f"[bold]memory per process[/] ({facts.device}, {facts.precision.value}, micro-batch {mem.micro_batch_size}; "
+             f"{facts.data_note}):"]
+    lines += [f"  {name:<40} {format_bytes(value):>12}" for name, value in mem.rows() if value]
+    lines.append(f"  {'predicted peak':<40} {format_bytes(mem.peak):>12}   budget {format_bytes(facts.memory_budget)} "
+                 f"({facts.memory_source})")
+    if facts.fitting_micro_batch is None:
+        lines.append("  no micro-batch fits in 85% of the budget: see the memory row's fixes")
+    else:
+        lines.append(f"  largest micro-batch within 85% of the budget: {facts.fitting_micro_batch} "
+                     f"(a divisor of the global batch; accumulation makes up the rest)")
+    if facts.layout_world:
+        lines.append(f"  per rank over {facts.layout_over}: "
+                     + ", ".join(f"{name} {format_bytes(peak)}" for name, peak in facts.layout_peaks.items()))
+    c = facts.compute
+    if c is not None:
+        lines += [
+            "[bold]compute[/]:",
+            f"  {c.flops_per_token / 1e6:,.1f} MFLOP/token (6N + attention) x {c.tokens_per_step:,} tokens/step; "
+            f"{c.steps:,} steps",
+            f"  this device: {c.matmul_flops / 1e9:,.0f} GFLOP/s fp32 matmul "
+            f"({'measured now' if facts.rate_measured_now else 'measured before'}); at {c.assumed_mfu:.0%} MFU "
+            f"~{format_seconds(c.step_seconds)}/step, ~{format_seconds(c.run_seconds)} for the run",
+            f"  {c.tokens:,} tokens / {facts.parameters.without_embeddings:,} parameters {WITHOUT_EMBEDDINGS} = "
+            f"{facts.parameters.tokens_per_param(c.tokens):.1f} tokens/param (~{TOKENS_PER_PARAM} is compute-optimal)",
+        ]
+    if facts.depth:
+        lines.append(f"  {facts.depth}")
+    return "\n".join(lines)
