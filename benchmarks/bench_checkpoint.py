@@ -25,7 +25,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from llmtrain.checkpoint.format import load_checkpoint, save_checkpoint
+from llmtrain.checkpoint.format import save_checkpoint
+from llmtrain.checkpoint.read import load_checkpoint
 from llmtrain.config.schema import ModelConfig
 from llmtrain.model import GPT, param_count
 from llmtrain.training.state import TrainState

@@ -11,14 +11,9 @@ import pytest
 import torch
 from rich.console import Console
 
-from llmtrain.checkpoint.format import (
-    LATEST,
-    find_good_checkpoint,
-    list_checkpoints,
-    load_checkpoint,
-    save_checkpoint,
-    verify,
-)
+from llmtrain.checkpoint.format import save_checkpoint
+from llmtrain.checkpoint.layout import LATEST
+from llmtrain.checkpoint.read import find_good_checkpoint, list_checkpoints, load_checkpoint, verify
 from llmtrain.config.schema import NonFinitePolicy, SaveErrorPolicy
 from llmtrain.errors import CheckpointError, ConfigError, Interrupted, NonFiniteStop, RunStopped
 from llmtrain.model import GPT

@@ -18,7 +18,7 @@ import pytest
 import torch
 from rich.console import Console
 
-from llmtrain.checkpoint.format import step_dir_name
+from llmtrain.checkpoint.layout import step_dir_name
 from llmtrain.config.derived import seq_len_of
 from llmtrain.config.schema import ModelConfig
 from llmtrain.data.tokenizers import load_tokenizer

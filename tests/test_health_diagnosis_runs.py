@@ -110,7 +110,7 @@ def test_a_resumed_run_judges_as_the_uninterrupted_one(tmp_path: Path, monkeypat
     """The interval's losses and the update ratio still to judge are saved with the monitor: after a
     stop in the middle of a check interval, the resumed run's health records (interval mean loss,
     update ratio) and its monitor state equal the uninterrupted run's."""
-    from llmtrain.checkpoint.format import load_checkpoint
+    from llmtrain.checkpoint.read import load_checkpoint
     from llmtrain.errors import Interrupted
 
     overrides = {"max_steps": 30, "monitor.interval": 10, "checkpoint.every_steps": 5}

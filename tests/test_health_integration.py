@@ -124,7 +124,7 @@ def test_stop_action_saves_and_exits_with_the_alarm(tmp_path: Path, monkeypatch:
 
 
 def test_monitor_state_survives_a_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from llmtrain.checkpoint.format import load_checkpoint
+    from llmtrain.checkpoint.read import load_checkpoint
     from llmtrain.errors import Interrupted
 
     run = tmp_path / "run"

@@ -18,8 +18,9 @@ import pytest
 import torch
 import yaml
 
-import llmtrain.checkpoint.format as fmt
-from llmtrain.checkpoint.format import read_model_weights, save_checkpoint
+import llmtrain.checkpoint.read as reader
+from llmtrain.checkpoint.format import save_checkpoint
+from llmtrain.checkpoint.read import read_model_weights
 from llmtrain.checkpoint.shards import hash_files, write_shards
 from llmtrain.config.schema import (
     Config,
@@ -241,12 +242,12 @@ def test_sampling_an_interrupted_run_reads_and_hashes_only_the_newest_model_pt(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     run, saved = interrupted_run(tmp_path)
     checked: list[str] = []
-    check_file = fmt.check_file
-    monkeypatch.setattr(fmt, "check_file", lambda path, name, entry: (checked.append(f"{path.name}/{name}"),
+    check_file = reader.check_file
+    monkeypatch.setattr(reader, "check_file", lambda path, name, entry: (checked.append(f"{path.name}/{name}"),
                                                                       check_file(path, name, entry)))
     loaded: list[str] = []
-    torch_file = fmt._torch_file
-    monkeypatch.setattr(fmt, "_torch_file", lambda path, name, device: (loaded.append(f"{path.name}/{name}"),
+    torch_file = reader._torch_file
+    monkeypatch.setattr(reader, "_torch_file", lambda path, name, device: (loaded.append(f"{path.name}/{name}"),
                                                                         torch_file(path, name, device))[1])
     assert same(load_run(run).model.state_dict(), saved[4])
     assert checked == loaded == ["step_00000004/model.pt"], "hashed once, read once; no optimizer.pt, rng.pt"

@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from llmtrain.checkpoint.format import list_checkpoints, load_checkpoint, verify
 from llmtrain.checkpoint.policy import CheckpointPolicy, RankAgreement, SavedObjects
+from llmtrain.checkpoint.read import list_checkpoints, load_checkpoint, verify
 from llmtrain.config.schema import CheckpointConfig, ModelConfig
 from llmtrain.distributed.launch import free_port
 from llmtrain.errors import CheckpointError

@@ -13,16 +13,15 @@ from typing import Any
 import torch
 
 from llmtrain.checkpoint.format import (
-    checkpoint_root,
     describe_write_error,
-    list_checkpoints,
     newest_good_checkpoint,
     previous_checkpoint_bytes,
     resume_point,
     save_checkpoint,
     staging_dir,
-    step_dir_name,
 )
+from llmtrain.checkpoint.layout import checkpoint_root, step_dir_name
+from llmtrain.checkpoint.read import list_checkpoints
 from llmtrain.checkpoint.shards import SHARDS
 from llmtrain.config.schema import CheckpointConfig, SaveErrorPolicy
 from llmtrain.errors import CheckpointSaveError, SaveFailed

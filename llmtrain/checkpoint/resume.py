@@ -12,17 +12,9 @@ from typing import Any
 
 import torch
 
-from llmtrain.checkpoint.format import (
-    CHECKPOINTS,
-    MANIFEST,
-    Checkpoint,
-    checkpoint_root,
-    find_good_checkpoint,
-    list_checkpoints,
-    load_checkpoint,
-    load_newest_good,
-    restore_rng,
-)
+from llmtrain.checkpoint.format import restore_rng
+from llmtrain.checkpoint.layout import MANIFEST, Checkpoint, checkpoint_root
+from llmtrain.checkpoint.read import find_good_checkpoint, list_checkpoints, load_checkpoint, load_newest_good
 from llmtrain.data import EpochSampler, InstructionSampler, RandomWindowSampler
 from llmtrain.data.tokenizers import Tokenizer
 from llmtrain.distributed.layout import (
@@ -35,6 +27,7 @@ from llmtrain.errors import (
     UserError,
 )
 from llmtrain.runs import files
+from llmtrain.runs.files import CHECKPOINTS
 from llmtrain.sinks import ConsoleSink
 from llmtrain.training.state import TrainState
 

@@ -1,7 +1,7 @@
 """Sharded checkpoint files for parallel=fsdp: every rank writes and reads only its own shards,
 through torch.distributed.checkpoint (DCP), so no process ever holds the whole model or optimizer.
 
-Inside a checkpoint folder (see format.py), `shards/` is a DCP checkpoint of one flat dict:
+Inside a checkpoint folder (see layout.py), `shards/` is a DCP checkpoint of one flat dict:
 
     model/<parameter name>                 the model's tensors
     optimizer/<parameter name>/<entry>     optimizer state tensors (exp_avg, exp_avg_sq, step, ...)

@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_model
 
-from llmtrain.checkpoint.format import MANIFEST, first_good_checkpoint, read_model_weights, read_weights_file
+from llmtrain.checkpoint.layout import MANIFEST
+from llmtrain.checkpoint.read import first_good_checkpoint, read_model_weights, read_weights_file
 from llmtrain.config.derived import seq_len_of
 from llmtrain.config.hydra import model_config_from_dict
 from llmtrain.config.saved import read_saved

@@ -7,7 +7,7 @@ A run dir (`out_dir`, by default Hydra's `outputs/<date>/<time>`):
     metrics.jsonl      one JSON record per line, appended (a resumed run continues the file)
     events.jsonl       the health monitor's alarms and actions (also in metrics.jsonl)
     model.pt           the final weights (the unwrapped model's state dict), for sample/export
-    checkpoints/       step_NNNNNNNN/ folders and `latest` (see checkpoint/format.py)
+    checkpoints/       step_NNNNNNNN/ folders and `latest` (see checkpoint/layout.py)
     report.md, report.html, report/   the post-run review (`llmtrain report`)
     eval.json          `llmtrain eval`'s results per task (and harness-TASK.json, the harness's own)
     train.log, .hydra/ the CLI's log and Hydra's record of the command (written on acceptance
@@ -16,7 +16,7 @@ A run dir (`out_dir`, by default Hydra's `outputs/<date>/<time>`):
 Writers log dicts whose "kind" is one of `Kind` (through sinks.py's JsonlSink); runs/records.py is
 the one reader of both logs. `layout_problems` checks that an existing run dir's names are of their kind. The data cache (data/prepare.py) keeps its tokenizer under the same
 name, TOKENIZER; an export folder's own names are in runs/artifacts.py, a checkpoint folder's in
-checkpoint/format.py. This module imports only the standard library, so any layer may name a file through it.
+checkpoint/layout.py. This module imports only the standard library, so any layer may name a file through it.
 """
 
 from __future__ import annotations

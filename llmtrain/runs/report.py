@@ -1217,7 +1217,7 @@ def tokens_text(records: Records, run_dir: Path, steps: int) -> str:
     for record in reversed(records.of(Kind.END)):
         if record.get("tokens") is not None and int(record.get("step", -1)) == steps:
             return f"{int(record['tokens']):,}"
-    from llmtrain.checkpoint.format import checkpoint_root, step_dir_name
+    from llmtrain.checkpoint.layout import checkpoint_root, step_dir_name
 
     try:
         trainer = json.loads((checkpoint_root(run_dir) / step_dir_name(steps) / TRAINER_STATE).read_text())

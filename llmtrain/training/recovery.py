@@ -16,12 +16,9 @@ from typing import Any
 
 import torch
 
-from llmtrain.checkpoint.format import (
-    find_good_checkpoint,
-    load_checkpoint,
-    restore_rng,
-)
+from llmtrain.checkpoint.format import restore_rng
 from llmtrain.checkpoint.policy import CheckpointPolicy
+from llmtrain.checkpoint.read import find_good_checkpoint, load_checkpoint
 from llmtrain.config.schema import Config, MonitorAction, NonFinitePolicy
 from llmtrain.errors import (
     HealthStop,

@@ -41,7 +41,8 @@ from rich.console import Console
 from rich.markup import escape
 from torch.nn.parallel import DistributedDataParallel
 
-from llmtrain.checkpoint.format import Checkpoint, remove_stale_temps, write_atomically
+from llmtrain.checkpoint.format import remove_stale_temps, write_atomically
+from llmtrain.checkpoint.layout import Checkpoint
 from llmtrain.checkpoint.policy import CheckpointPolicy, RankAgreement, SavedObjects
 from llmtrain.checkpoint.resume import (
     agreed_resume,

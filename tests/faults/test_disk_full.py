@@ -26,7 +26,8 @@ import pytest
 import torch
 from rich.console import Console
 
-from llmtrain.checkpoint.format import _write_file, describe_write_error, list_checkpoints, verify
+from llmtrain.checkpoint.format import _write_file, describe_write_error
+from llmtrain.checkpoint.read import list_checkpoints, verify
 from llmtrain.config.schema import SaveErrorPolicy
 from llmtrain.errors import EXIT_SAVE_FAILED, SaveFailed
 from llmtrain.sinks import ConsoleSink, MetricsSink

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from llmtrain.checkpoint.format import load_checkpoint, read_weights_file
+from llmtrain.checkpoint.read import load_checkpoint, read_weights_file
 from llmtrain.checkpoint.resume import resume_checkpoint, set_damaged_aside
 from llmtrain.checkpoint.shards import hash_files, read_full, read_metadata, write_shards
 from llmtrain.config.hydra import config_from_dict

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from llmtrain.checkpoint.format import verify
+from llmtrain.checkpoint.read import verify
 from llmtrain.errors import EXIT_ABORTED, EXIT_INTERRUPTED, RunStopped, StoppedBeforeStart
 from llmtrain.training.interrupts import StopRequest
 

@@ -1,0 +1,104 @@
+"""What a checkpoint is on disk: the folder names, the files, the format version, and the
+`Checkpoint` a verified one is read back as (checkpoint/read.py reads it, format.py writes it).
+
+Layout of a run dir:
+
+    checkpoints/
+      step_00000250/          one checkpoint, taken at an optimizer-step boundary
+        model.pt              the unwrapped model's state_dict
+        optimizer.pt          optimizer (+ fp16 loss-scaler) state
+        rng.pt                torch CPU (and CUDA) generator states
+        trainer_state.json    step, tokens, data-sampler position, Python/NumPy RNG, policy
+                              counters, best validation loss, the resolved config, versions
+        manifest.json         sha256 and size of every file above; written last
+      latest                  the newest checkpoint's folder name; replaced last
+
+Under parallel=fsdp (checkpoint.format=auto or sharded) model.pt and the optimizer's tensors are
+replaced by `shards/`, which every rank writes its own part of (torch.distributed.checkpoint, see
+shards.py); optimizer.pt then holds the optimizer's parameter groups and the loss scaler. Either
+layout resumes in any parallel mode and world size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from llmtrain.checkpoint.shards import SHARDS
+from llmtrain.distributed.wrapping import ShardedModelState, ShardedOptimizerState
+from llmtrain.runs.files import CHECKPOINTS, TRAINER_STATE
+from llmtrain.training.state import TrainState
+
+FORMAT_VERSION = 1
+
+
+LATEST = "latest"
+
+
+MANIFEST = "manifest.json"
+
+
+STATE_FILES = ("model.pt", "optimizer.pt", "rng.pt", TRAINER_STATE)
+
+
+SHARDED_FILES = ("optimizer.pt", "rng.pt", TRAINER_STATE)  # + every file under shards/
+
+
+@dataclass
+class Checkpoint:
+    """A verified checkpoint read back from disk. The tensors of a sharded one are read only when
+    asked for: whole through `model`/`optimizer`, or each rank its shards through `load_into`."""
+
+    path: Path
+    full_state: tuple[dict[str, torch.Tensor], dict] | None  # (model, optimizer); None: not read yet
+    scaler: dict | None
+    rng: dict
+    trainer: dict  # trainer_state.json
+    shards: dict | None = None  # sharded layout: optimizer.pt's non-tensor part (shards.py)
+    device: torch.device | str = "cpu"
+    state: TrainState = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.state = TrainState(**self.trainer["state"])
+
+    @property
+    def sharded(self) -> bool:
+        return self.shards is not None
+
+    @property
+    def model(self) -> dict[str, torch.Tensor]:
+        return self._full()[0]
+
+    @property
+    def optimizer(self) -> dict:
+        return self._full()[1]
+
+    def _full(self) -> tuple[dict[str, torch.Tensor], dict]:
+        if self.full_state is None:
+            from llmtrain.checkpoint.shards import read_full
+
+            self.full_state = read_full(self.path / SHARDS, self.shards, self.device)
+        return self.full_state
+
+    def load_into(self, model: Any, optimizer: Any) -> None:
+        """Weights and optimizer state into the run's objects: an FSDP2 model (its state objects
+        from distributed/wrapping.py) reads just its shards of a sharded checkpoint; anything else the whole."""
+
+        if self.sharded and isinstance(model, ShardedModelState) and isinstance(optimizer, ShardedOptimizerState):
+            from llmtrain.checkpoint.shards import read_shards_into
+
+            read_shards_into(self.path / SHARDS, model.model, optimizer.optimizer, self.shards)
+            return
+        model.load_state_dict(self.model)
+        optimizer.load_state_dict(self.optimizer)
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def checkpoint_root(run_dir: Path) -> Path:
+    return Path(run_dir) / CHECKPOINTS
