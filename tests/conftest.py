@@ -105,7 +105,7 @@ def run_cli(*argv: str, cwd: Path, env: dict[str, str | None] | None = None, col
     from hydra.core.hydra_config import HydraConfig
 
     from llmtrain.cli import main
-    from llmtrain.data import prepare
+    from llmtrain.data import cache
     from llmtrain.runs import rundir
 
     changes = {"COLUMNS": str(columns), **(env or {})}
@@ -118,8 +118,8 @@ def run_cli(*argv: str, cwd: Path, env: dict[str, str | None] | None = None, col
     # of this one must not remove) and data loaded by an earlier command.
     saved_created = dict(rundir._created)
     rundir._created.clear()
-    prepare._load_hf.cache_clear()
-    prepare._pretrained.cache_clear()
+    cache._load_hf.cache_clear()
+    cache._pretrained.cache_clear()
     out, err = io.StringIO(), io.StringIO()
     code: int = 0
     try:

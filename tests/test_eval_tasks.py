@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from llmtrain.config.schema import DataConfig, DataSource, EvalConfig, ModelConfig, TokenizerKind
-from llmtrain.data.prepare import PreparedData, prepare_data
+from llmtrain.data.cache import PreparedData
+from llmtrain.data.prepare import prepare_data
 from llmtrain.data.tokenizers import ByteTokenizer, CharTokenizer
 from llmtrain.errors import UserError
 from llmtrain.evaluation.scoring import Scorer, rolling_requests

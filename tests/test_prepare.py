@@ -212,9 +212,9 @@ def test_gpt2_without_its_files_is_a_clear_error_before_anything_runs(tmp_path: 
 
 
 def hf_config(tmp_path: Path, name: str, **kwargs) -> DataConfig:
-    import llmtrain.data.prepare as prepare
+    import llmtrain.data.cache as cache
 
-    prepare._load_hf.cache_clear()  # a test rewrites datasets in place; a run loads each once
+    cache._load_hf.cache_clear()  # a test rewrites datasets in place; a run loads each once
     return data_config(tmp_path, kwargs.pop("path", None), source=DataSource.hf, hf_name=name, **kwargs)
 
 
@@ -328,14 +328,14 @@ def expected_byte_stream(folder: Path, val_fraction: float = 0.2) -> tuple[bytes
 @pytest.mark.parametrize("piece_bytes", [7, 64, 4096])
 def test_tokens_do_not_depend_on_the_reading_piece_size(tmp_path: Path, monkeypatch, piece_bytes: int) -> None:
     import llmtrain.data.corpus as corpus
-    import llmtrain.data.prepare as prepare
+    import llmtrain.data.token_files as token_files
 
     folder = corpus_folder(tmp_path / "corpus")
     (folder / "doc5.txt").write_text("é€😀 no line break here at all " * 40)  # pieces must cut between characters
     whole = {kind: prepare_data(data_config(tmp_path / "whole", folder, tokenizer=kind), log=lambda m: None)
              for kind in (TokenizerKind.byte, TokenizerKind.char)}
     monkeypatch.setattr(corpus, "PIECE_BYTES", piece_bytes)
-    monkeypatch.setattr(prepare, "PIECE_BYTES", piece_bytes)
+    monkeypatch.setattr(token_files, "PIECE_BYTES", piece_bytes)
     for kind, reference in whole.items():
         pieces = prepare_data(data_config(tmp_path / f"pieces{piece_bytes}", folder, tokenizer=kind), log=lambda m: None)
         assert pieces.meta["undecodable_documents"] == 0
@@ -384,7 +384,7 @@ def test_a_jsonl_error_late_in_the_file_leaves_the_previous_data_intact(tmp_path
 
 
 def test_an_interrupted_build_leaves_no_folder_that_looks_prepared(tmp_path: Path, monkeypatch) -> None:
-    import llmtrain.data.prepare as prepare
+    import llmtrain.data.token_files as token_files
 
     folder = corpus_folder(tmp_path / "corpus")
     cfg = data_config(tmp_path, folder)
@@ -392,7 +392,7 @@ def test_an_interrupted_build_leaves_no_folder_that_looks_prepared(tmp_path: Pat
     def killed(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(prepare, "encode_pieces", killed)
+    monkeypatch.setattr(token_files, "encode_pieces", killed)
     with pytest.raises(KeyboardInterrupt):
         prepare_data(cfg, log=lambda m: None)
     data_root = tmp_path / "cache" / "data"

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from llmtrain.config.hydra import config_from_dict
-from llmtrain.data.prepare import cached_meta
+from llmtrain.data.cache import cached_meta
 from llmtrain.runs.records import Records, read_records
 from llmtrain.runs.report import NA, OK, WARN, alarms, build_report, overfitting, smoothness, step_time
 

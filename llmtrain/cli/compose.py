@@ -39,7 +39,7 @@ def validate_overrides(
         if cfg.data.path is not None and cfg.data.source.value in ("text", "jsonl"):
             input_files(cfg.data.path, cfg.data.source.value)  # a missing corpus fails now, before any run dir
         if cfg.data.source.value == "hf":
-            from llmtrain.data.prepare import hf_dataset
+            from llmtrain.data.cache import hf_dataset
 
             hf_dataset(cfg.data)  # loaded (or refused) now, before any run dir; the run reuses it
         if preflight:

@@ -10,7 +10,7 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "PreparedData": "prepare", "prepare_data": "prepare", "RandomWindowSampler": "sampler", "EpochSampler": "sampler",
+    "PreparedData": "cache", "prepare_data": "prepare", "RandomWindowSampler": "sampler", "EpochSampler": "sampler",
     "InstructionSampler": "sampler",
 }
 __all__ = list(_EXPORTS)

@@ -1,23 +1,19 @@
 """Raw corpus -> memory-mapped train/val token files, prepared once and cached.
 
-The cache folder is keyed by everything that changes the tokens (source, path, tokenizer, split,
-byte cap). Inside, `meta.json` records a cheap fingerprint (names, sizes, mtimes) and a content
-hash: an unchanged fingerprint reuses the files at once; a changed fingerprint with an unchanged
-content hash only refreshes the fingerprint; changed content rebuilds. Builds go to a temporary
-folder that is renamed into place, so an interrupted prepare never leaves half-written tokens.
-"""
+cache.py says where a config's prepared data lives and whether it is up to date; this module
+builds it. An unchanged fingerprint reuses the files at once; a changed fingerprint with an
+unchanged content hash only refreshes the fingerprint; changed content rebuilds: scan the corpus,
+split it by document, fit the tokenizer, and write each split's tokens (token_files.py) while the
+progress bar (progress.py) shows how far it is. Builds go to a temporary folder that is renamed
+into place, so an interrupted prepare never leaves half-written tokens."""
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import math
 import os
-import queue
 import shutil
-import threading
-import time
 from array import array
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -26,23 +22,28 @@ from pathlib import Path
 import numpy as np
 
 from llmtrain.config.schema import DataConfig, DataSource, DecodeErrors, TokenizerKind
+from llmtrain.data.cache import (
+    FORMAT_VERSION,
+    PreparedData,
+    current_fingerprint,
+    decoded_files,
+    gpt2_files_of,
+    hf_dataset,
+    location,
+    pretrained_tokenizer,
+)
 from llmtrain.data.corpus import (
-    PIECE_BYTES,
     SourceFile,
     capped_documents,
     complete_utf8_end,
     content_hash,
     document_pieces,
-    fingerprint,
     hf_documents,
-    input_files,
     instruction_examples,
-    load_hf_dataset,
-    marked_encoding,
-    stdlib_files,
-    stdlib_root,
 )
+from llmtrain.data.progress import ProgressBar
 from llmtrain.data.quality import TextStats, degenerate_files
+from llmtrain.data.token_files import TokenWriter, prefetched
 from llmtrain.data.tokenizers import (
     GPT2_SHA256,
     GPT2_URL,
@@ -51,130 +52,16 @@ from llmtrain.data.tokenizers import (
     CharTokenizer,
     PretrainedTokenizer,
     Tokenizer,
-    gpt2_files,
     gpt2_tokenizer,
-    load_tokenizer,
     save_tokenizer,
 )
 from llmtrain.runs.files import TOKENIZER  # the same file name in the data cache as in a run dir
-
-# 2: end-of-text after every document for every tokenizer (byte 255; char: one more id).
-FORMAT_VERSION = 2
-
-
-@dataclass
-class PreparedData:
-    directory: Path
-    meta: dict
-    built: bool = False  # built by this call, not reused from the cache (prepare's summary says which)
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.meta["vocab_size"])
-
-    @property
-    def unigram_entropy(self) -> float:
-        """Entropy of the train split's token frequencies, in nats: the loss of a model that
-        ignores context. A model that learned anything beats it."""
-        return float(self.meta["unigram_entropy_nats"])
-
-    def tokens(self, split: str) -> np.ndarray:
-        if self.meta[f"{split}_tokens"] == 0:  # np.memmap cannot map an empty file
-            return np.zeros(0, dtype=np.dtype(self.meta["dtype"]))
-        return np.memmap(self.directory / f"{split}.bin", dtype=np.dtype(self.meta["dtype"]), mode="r")
-
-    def tokenizer(self) -> Tokenizer:
-        return load_tokenizer(self.directory / TOKENIZER)
-
-    def loss_mask(self, split: str) -> np.ndarray:
-        """Instruction data: 1 where a token is a training target (response), 0 for prompt tokens."""
-        return np.memmap(self.directory / f"{split}.mask.bin", dtype=np.uint8, mode="r")
-
-    def offsets(self, split: str) -> np.ndarray:
-        """Instruction data: where each example starts in the token file (and, last, where the last ends)."""
-        return np.load(self.directory / f"{split}.idx.npy")
-
-
-def cache_root(cfg: DataConfig) -> Path:
-    if cfg.cache_dir:
-        return Path(cfg.cache_dir).expanduser()
-    env = os.environ.get("LLMTRAIN_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "llmtrain"
-
-
-def source_files(cfg: DataConfig) -> list[SourceFile]:
-    """The input files (none for data=hf: its dataset is not files of ours)."""
-    if cfg.source is DataSource.python_stdlib:
-        return stdlib_files()
-    if cfg.source is DataSource.hf:
-        return []
-    assert cfg.path is not None
-    return input_files(cfg.path, cfg.source.value)
-
-
-def _location(cfg: DataConfig) -> tuple[list[SourceFile], Path]:
-    """The source files and the cache folder of the prepared data for `cfg`."""
-    files = source_files(cfg)
-    identity = {
-        "format": FORMAT_VERSION,
-        "source": cfg.source.value,
-        "files": [str(f.path) for f in files] if cfg.source is not DataSource.python_stdlib else str(stdlib_root()),
-        "tokenizer": cfg.tokenizer.value,
-        "val_fraction": cfg.val_fraction,
-        "max_bytes": cfg.max_bytes,
-    }
-    # Keys that only some sources or tokenizers read enter only where they apply.
-    if cfg.source in (DataSource.jsonl, DataSource.hf):
-        identity["text_field"] = cfg.text_field
-    if cfg.source is DataSource.hf:
-        assert cfg.hf_name is not None
-        local = Path(cfg.hf_name).expanduser()
-        identity["hf"] = [str(local.resolve()) if local.is_dir() else cfg.hf_name, cfg.hf_config, cfg.hf_split,
-                          str(Path(cfg.path).expanduser().resolve()) if cfg.path else None]
-    if cfg.source is DataSource.instruct:
-        identity["fields"] = [cfg.prompt_field, cfg.response_field, cfg.messages_field]
-    if cfg.tokenizer is TokenizerKind.bpe:
-        identity["bpe_vocab_size"] = cfg.bpe_vocab_size
-        identity["bpe_sample_bytes"] = cfg.bpe_sample_bytes
-    if cfg.decode_errors is not DecodeErrors.replace:
-        identity["decode_errors"] = cfg.decode_errors.value
-    if cfg.tokenizer is TokenizerKind.gpt2:
-        identity["gpt2_files_sha256"] = [hashlib.sha256(p.read_bytes()).hexdigest() for p in _gpt2_files(cfg)]
-    if cfg.tokenizer is TokenizerKind.pretrained:
-        # The tokens are the folder's: its tokenizer.json's content and end-of-text id, not its path.
-        identity["pretrained"] = pretrained_identity(cfg)
-    if decoded := decoded_files(cfg, files):  # a cache built when such a file was read as UTF-8 is not reused
-        identity["decoded_from"] = decoded
-    key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
-    return files, cache_root(cfg) / "data" / f"{cfg.source.value}-{cfg.tokenizer.value}-{key}"
-
-
-def decoded_files(cfg: DataConfig, files: list[SourceFile]) -> dict[str, str]:
-    """The text files read as UTF-16/32 (they start with its byte-order mark): name -> encoding."""
-    if cfg.source is not DataSource.text:
-        return {}
-    return {f.name: marked[1] for f in files if (marked := marked_encoding(f.path))}
-
-
-def _gpt2_files(cfg: DataConfig) -> list[Path]:
-    from llmtrain.errors import ConfigError
-
-    try:
-        return gpt2_files(cfg.gpt2_dir)
-    except FileNotFoundError as err:
-        raise ConfigError(
-            f"data.tokenizer=gpt2 needs GPT-2's vocab.bpe and encoder.json on this machine, and {err}; nothing is "
-            f"downloaded. Either download both from {GPT2_URL} into a folder and set data.gpt2_dir=FOLDER, or "
-            "run `python -c \"import tiktoken; tiktoken.get_encoding('gpt2')\"` once online with TIKTOKEN_CACHE_DIR "
-            "set to a folder and copy that folder here (same TIKTOKEN_CACHE_DIR). Or use data.tokenizer=bpe, trained "
-            "on your corpus."
-        ) from None
 
 
 def _gpt2_tokenizer(cfg: DataConfig, log: Callable[[str], None]) -> Tokenizer:
     from llmtrain.errors import ConfigError
 
-    paths = _gpt2_files(cfg)
+    paths = gpt2_files_of(cfg)
     if [hashlib.sha256(p.read_bytes()).hexdigest() for p in paths] != list(GPT2_SHA256):
         log(f"{paths[0]} / {paths[1]} are not the published GPT-2 files (their SHA-256 differs); used as given")
     try:
@@ -185,73 +72,13 @@ def _gpt2_tokenizer(cfg: DataConfig, log: Callable[[str], None]) -> Tokenizer:
         raise ConfigError(f"data.tokenizer=gpt2: {err}; give the files from {GPT2_URL}") from None
 
 
-def pretrained_tokenizer(cfg: DataConfig) -> PretrainedTokenizer:
-    """data.tokenizer=pretrained: the tokenizer.json of data.tokenizer_dir (read once per process
-    while its files stay unchanged)."""
-    assert cfg.tokenizer_dir is not None
-    path = Path(cfg.tokenizer_dir).expanduser()
-    stamps = tuple((f.stat().st_mtime_ns, f.stat().st_size) if f.is_file() else None
-                   for f in (path / name for name in ("tokenizer.json", "config.json", "tokenizer_config.json",
-                                                      "generation_config.json")))
-    return _pretrained(cfg.tokenizer_dir, str(path.resolve()) if path.is_dir() else cfg.tokenizer_dir, stamps)
-
-
-@functools.lru_cache(maxsize=4)
-def _pretrained(location: str, _resolved: str, _stamps: tuple) -> PretrainedTokenizer:
-    return PretrainedTokenizer.from_folder(location, "data.tokenizer_dir")
-
-
-def pretrained_identity(cfg: DataConfig) -> dict:
-    """What makes a pretrained tokenizer's ids: tokenizer.json's content and the end-of-text id."""
-    tokenizer = pretrained_tokenizer(cfg)
-    content = hashlib.sha256(Path(cfg.tokenizer_dir or "").expanduser().joinpath("tokenizer.json").read_bytes())
-    return {"tokenizer_sha256": content.hexdigest(), "eos_id": tokenizer.eos_id}
-
-
-def hf_dataset(cfg: DataConfig):
-    """The data=hf dataset, loaded once per process (the CLI's pre-validation and the run share it)."""
-    assert cfg.hf_name is not None
-    return _load_hf(cfg.hf_name, cfg.hf_config, cfg.hf_split, cfg.path, cfg.text_field)
-
-
-@functools.lru_cache(maxsize=4)
-def _load_hf(name: str, config: str | None, split: str, data_files: str | None, text_field: str):
-    return load_hf_dataset(name, config, split, data_files, text_field)
-
-
-def _fingerprint(cfg: DataConfig, files: list[SourceFile]) -> str:
-    """Cheap staleness check: the files' names, sizes and mtimes; for data=hf, the dataset's own
-    fingerprint (datasets derives it from the data it loaded)."""
-    if cfg.source is DataSource.hf:
-        return f"hf:{hf_dataset(cfg)._fingerprint}"
-    return fingerprint(files)
-
-
-def cached_meta(cfg: DataConfig) -> dict | None:
-    """The metadata of already prepared, up-to-date data for `cfg`, or None (nothing is built).
-    data=hf is taken as prepared without loading the dataset (prepare_data checks it properly)."""
-    files, directory = _location(cfg)
-    meta_path = directory / "meta.json"
-    if not meta_path.is_file():
-        return None
-    meta = json.loads(meta_path.read_text())
-    return meta if cfg.source is DataSource.hf or meta.get("fingerprint") == fingerprint(files) else None
-
-
-def cached_data(cfg: DataConfig) -> PreparedData | None:
-    """The prepared, up-to-date data for `cfg` when it is in the cache; None otherwise (nothing is
-    built: for readers, like the post-run report, that must not tokenize a corpus)."""
-    meta = cached_meta(cfg)
-    return PreparedData(_location(cfg)[1], meta) if meta is not None else None
-
-
 def prepare_data(cfg: DataConfig, log: Callable[[str], None] = print, progress: bool = False) -> PreparedData:
     """Return the prepared data for `cfg`, building it only when missing or stale. `progress` shows
     a live bar (bytes, documents, tokens/s, ETA) on stderr while a build runs."""
-    files, directory = _location(cfg)
+    files, directory = location(cfg)
     meta_path = directory / "meta.json"
-    quick = _fingerprint(cfg, files)
-    with _ProgressBar(progress) as bar:
+    quick = current_fingerprint(cfg, files)
+    with ProgressBar(progress) as bar:
         log = bar.routed(log)
         if meta_path.is_file():
             meta = json.loads(meta_path.read_text())
@@ -308,7 +135,7 @@ def _source_of(cfg: DataConfig, document: str) -> str:
     return document.rsplit(":", 1)[0] if cfg.source is DataSource.jsonl else document
 
 
-def _scan(cfg: DataConfig, files: list[SourceFile], bar: _ProgressBar) -> _Scan:
+def _scan(cfg: DataConfig, files: list[SourceFile], bar: ProgressBar) -> _Scan:
     sizes, valid, buckets = array("q"), bytearray(), array("d")
     corpus_hash = hashlib.sha256()
     first_invalid = None
@@ -350,7 +177,7 @@ def _assign_splits(scan: _Scan, keep: bytearray, val_fraction: float) -> bytearr
 
 def _build(
     cfg: DataConfig, files: list[SourceFile], scan: _Scan, quick: str, directory: Path, log: Callable[[str], None],
-    bar: _ProgressBar,
+    bar: ProgressBar,
 ) -> PreparedData:
     """Plain text, streamed: documents are read in pieces, split by document, tokenized in batches and
     appended to the split's token file with end-of-text after every document."""
@@ -379,9 +206,9 @@ def _build(
     tokenizer = _fit_tokenizer(cfg, files, scan, keep, is_val, tail_cut, log, bar)
     dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
     tmp = _fresh_tmp(directory)
-    writers: dict[str, _TokenWriter] = {}
+    writers: dict[str, TokenWriter] = {}
     try:
-        writers = {split: _TokenWriter(tmp / f"{split}.bin", tokenizer, dtype) for split in ("train", "val")}
+        writers = {split: TokenWriter(tmp / f"{split}.bin", tokenizer, dtype) for split in ("train", "val")}
         bar.start("tokenizing", sum(scan.sizes[i] for i in kept))
         for split, text, end_of_document in _split_pieces(cfg, files, scan, keep, is_val, tail_cut):
             writers[split].add(text, end_of_document)
@@ -474,7 +301,7 @@ def _split_pieces(
     with U+FFFD for the bad bytes. With one document, pieces are cut where validation starts: at the
     last line break before `tail_cut` if that is in the second half, else at `tail_cut` itself."""
     index, offset, line_start = 0, 0, 0
-    for _name, piece, last in _prefetched(_pieces(cfg, files)):
+    for _name, piece, last in prefetched(_pieces(cfg, files)):
         document, index = index, index + int(last)
         if not keep[document]:
             continue
@@ -509,7 +336,7 @@ def _cut(data: str | bytes, piece: bytes, at: int, last: bool) -> Iterator[tuple
 
 def _fit_tokenizer(
     cfg: DataConfig, files: list[SourceFile], scan: _Scan, keep: bytearray, is_val: bytearray, tail_cut: int | None,
-    log: Callable[[str], None], bar: _ProgressBar,
+    log: Callable[[str], None], bar: ProgressBar,
 ) -> Tokenizer:
     """char: every character of the corpus (both splits: validation must encode too); bpe: trained on
     the train split, on at most data.bpe_sample_bytes of it spread over its documents; byte, gpt2
@@ -549,159 +376,6 @@ def _fit_tokenizer(
             document += int(end and split == "train")
 
     return BPETokenizer.fit(sample(), cfg.bpe_vocab_size)
-
-
-class _TokenWriter:
-    """Appends one split's tokens to its file, encoding pieces in batches of about PIECE_BYTES (BPE
-    encodes a batch on all cores), with end-of-text after each document; counts tokens per id."""
-
-    def __init__(self, path: Path, tokenizer: Tokenizer, dtype: type) -> None:
-        self.file = open(path, "wb")  # noqa: SIM115 - closed in close()
-        self.tokenizer, self.dtype = tokenizer, dtype
-        self.pending: list[tuple[str | bytes, bool]] = []
-        self.pending_bytes = 0
-        self.tokens = 0
-        self.counts = np.zeros(tokenizer.vocab_size, dtype=np.int64)
-
-    def add(self, text: str | bytes, end_of_document: bool) -> None:
-        self.pending.append((text, end_of_document))
-        self.pending_bytes += len(text)
-
-    def flush_if_full(self) -> int:
-        return self.flush() if self.pending_bytes >= PIECE_BYTES else 0
-
-    def flush(self) -> int:
-        if not self.pending:
-            return 0
-        ids = encode_pieces(self.tokenizer, self.pending)
-        self.pending, self.pending_bytes = [], 0
-        ids.astype(self.dtype, copy=False).tofile(self.file)
-        self.counts += np.bincount(ids, minlength=self.tokenizer.vocab_size)
-        self.tokens += int(ids.size)
-        return int(ids.size)
-
-    def close(self) -> int:
-        written = self.flush()
-        self.file.flush()
-        os.fsync(self.file.fileno())
-        self.file.close()
-        return written
-
-
-def encode_pieces(tokenizer: Tokenizer, pieces: list[tuple[str | bytes, bool]]) -> np.ndarray:
-    """Token ids of the pieces in order, end-of-text after each piece that ends a document, in the
-    narrowest type at hand (uint8 for bytes, else uint32). Valid UTF-8 arrives as bytes: the byte
-    tokenizer writes it as it is, the others decode it."""
-    if isinstance(tokenizer, ByteTokenizer):
-        joined = b"".join(
-            (p if isinstance(p, bytes) else p.encode("utf-8")) + (b"\xff" if end else b"") for p, end in pieces
-        )
-        return np.frombuffer(joined, dtype=np.uint8)
-    texts = [p.decode("utf-8") if isinstance(p, bytes) else p for p, _ in pieces]
-    if isinstance(tokenizer, CharTokenizer):
-        encoded = [tokenizer.encode_array(t).astype(np.uint32) for t in texts]
-    else:
-        encoded = tokenizer.encode_arrays(texts)
-    eos = np.asarray([tokenizer.eos_id], dtype=np.uint32)
-    parts = [part for ids, (_, end) in zip(encoded, pieces) for part in ((ids, eos) if end else (ids,))]
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint32)
-
-
-def _prefetched(items: Iterator, depth: int = 2) -> Iterator:
-    """`items`, read ahead on a background thread: file reads (and hashing) overlap with encoding
-    and writing, which release the GIL for the heavy parts (Rust BPE, numpy, I/O)."""
-    buffer: queue.Queue = queue.Queue(maxsize=depth)
-    done = object()
-    stop = threading.Event()
-
-    def produce() -> None:
-        try:
-            for item in items:
-                while not stop.is_set():
-                    try:
-                        buffer.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if stop.is_set():
-                    return
-            buffer.put(done)
-        except BaseException as err:  # handed to the consumer, raised there
-            buffer.put(err)
-
-    worker = threading.Thread(target=produce, name="llmtrain-prepare-reader", daemon=True)
-    worker.start()
-    try:
-        while (item := buffer.get()) is not done:
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        stop.set()
-        worker.join(timeout=5)
-
-
-class _ProgressBar:
-    """A rich progress bar on stderr (bytes, MB/s, documents, tokens/s, ETA) while data is prepared;
-    does nothing when disabled or when stderr is not a terminal."""
-
-    def __init__(self, enabled: bool) -> None:
-        self.progress = None
-        self.task = None
-        self.documents = self.tokens = 0
-        self.started = 0.0
-        if enabled:
-            from rich.console import Console
-
-            console = Console(stderr=True)
-            if console.is_terminal:
-                from rich.progress import (
-                    BarColumn,
-                    DownloadColumn,
-                    Progress,
-                    TextColumn,
-                    TimeRemainingColumn,
-                    TransferSpeedColumn,
-                )
-
-                self.progress = Progress(
-                    TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                    TextColumn("{task.fields[documents]:,} docs, {task.fields[rate]}"), TimeRemainingColumn(),
-                    console=console, transient=True,
-                )
-
-    def routed(self, log: Callable[[str], None]) -> Callable[[str], None]:
-        """`log`, or, while the bar is live, a print above the bar (not into its line)."""
-        if self.progress is None:
-            return log
-        from rich.text import Text
-
-        return lambda message: self.progress.console.print(Text(message, style="dim"))
-
-    def __enter__(self) -> _ProgressBar:
-        if self.progress is not None:
-            self.progress.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.progress is not None:
-            self.progress.stop()
-
-    def start(self, description: str, total_bytes: int) -> None:
-        self.documents = self.tokens = 0
-        self.started = time.perf_counter()
-        if self.progress is not None:
-            if self.task is not None:
-                self.progress.remove_task(self.task)
-            self.task = self.progress.add_task(description, total=total_bytes, documents=0, rate="")
-
-    def advance(self, nbytes: int, documents: int = 0, tokens: int = 0) -> None:
-        if self.progress is None:
-            return
-        self.documents += documents
-        self.tokens += tokens
-        rate = f"{self.tokens / max(time.perf_counter() - self.started, 1e-9):,.0f} tokens/s" if self.tokens else ""
-        self.progress.update(self.task, advance=nbytes, documents=self.documents, rate=rate)
 
 
 def _fresh_tmp(directory: Path) -> Path:

@@ -23,7 +23,7 @@ from torch import nn
 from llmtrain.config.derived import model_vocab_size, seq_len_of
 from llmtrain.config.schema import Config
 from llmtrain.config.validate import validate
-from llmtrain.data.prepare import PreparedData
+from llmtrain.data.cache import PreparedData
 from llmtrain.distributed.cores import parse_threads
 from llmtrain.distributed.layout import Layout
 from llmtrain.errors import ConfigError, UserError

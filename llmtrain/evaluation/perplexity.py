@@ -24,8 +24,8 @@ from llmtrain.evaluation.specs import TASK_BYTES, TaskSpec, encodable, target_pr
 
 if TYPE_CHECKING:
     from llmtrain.config.schema import DataConfig, EvalConfig
+    from llmtrain.data.cache import PreparedData
     from llmtrain.data.corpus import SourceFile
-    from llmtrain.data.prepare import PreparedData
     from llmtrain.data.tokenizers import Tokenizer
     from llmtrain.evaluation.scoring import Scorer
 

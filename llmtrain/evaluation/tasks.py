@@ -30,7 +30,7 @@ from llmtrain.evaluation.specs import VALIDATION, TaskSpec
 
 if TYPE_CHECKING:
     from llmtrain.config.schema import EvalConfig
-    from llmtrain.data.prepare import PreparedData
+    from llmtrain.data.cache import PreparedData
     from llmtrain.data.tokenizers import Tokenizer
     from llmtrain.evaluation.scoring import Scorer
 

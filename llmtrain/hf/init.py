@@ -146,7 +146,7 @@ def _resolve_tokenizer(data: DataConfig, folder: HFFolder, init_from: str, expli
 
 def _check_tokenizer_fits(cfg: Config, folder: HFFolder) -> None:
     """The tokenizer reads (with an end-of-text token) and each of its ids has an embedding row."""
-    from llmtrain.data.prepare import pretrained_tokenizer
+    from llmtrain.data.cache import pretrained_tokenizer
 
     tokenizer = pretrained_tokenizer(cfg.data)  # cached: prepare reads the same one
     rows = cfg.model.vocab_size

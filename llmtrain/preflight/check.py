@@ -45,7 +45,7 @@ from llmtrain.config.schema import (
     ResidualInit,
 )
 from llmtrain.data import quality
-from llmtrain.data.prepare import source_files
+from llmtrain.data.cache import source_files
 from llmtrain.errors import UserError
 from llmtrain.model import GPT
 from llmtrain.preflight.estimate import (

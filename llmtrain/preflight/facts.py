@@ -13,7 +13,7 @@ import torch
 
 from llmtrain.config.derived import expected_data_vocab, model_vocab_size, seq_len_of, total_steps, world_size_of
 from llmtrain.config.schema import Config, Precision, TokenizerKind
-from llmtrain.data.prepare import cached_meta, pretrained_tokenizer, source_files
+from llmtrain.data.cache import cached_meta, pretrained_tokenizer, source_files
 from llmtrain.distributed.layout import resolve_device
 from llmtrain.errors import UserError
 from llmtrain.model_tensors import model_tensors

@@ -141,7 +141,7 @@ def unigram_baseline(records: Records, cfg: Any) -> float | None:
             return float(start[key])
     if cfg is None:
         return None
-    from llmtrain.data.prepare import cached_meta
+    from llmtrain.data.cache import cached_meta
 
     try:
         meta = cached_meta(cfg.data) or {}
@@ -433,7 +433,7 @@ def inference(run_dir: Path, cfg: Any) -> Verdict:
         return Verdict("inference", question, NA, "config.yaml is missing or unreadable; cannot rebuild the model.")
     import torch
 
-    from llmtrain.data.prepare import cached_data
+    from llmtrain.data.cache import cached_data
     from llmtrain.model import GPT
     from llmtrain.runs.artifacts import newest_weights
 

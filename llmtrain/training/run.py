@@ -14,7 +14,7 @@ from llmtrain.checkpoint.policy import CheckpointPolicy
 from llmtrain.config.derived import SeqLenStage
 from llmtrain.config.schema import Config, PrecisionConfig
 from llmtrain.data import EpochSampler, InstructionSampler, RandomWindowSampler
-from llmtrain.data.prepare import PreparedData
+from llmtrain.data.cache import PreparedData
 from llmtrain.distributed.layout import Layout
 from llmtrain.health.watch import HealthWatch, NullWatch
 from llmtrain.preflight.check import CheckReport

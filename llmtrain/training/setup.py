@@ -73,7 +73,7 @@ from llmtrain.config.schema import (
 )
 from llmtrain.config.validate import validate
 from llmtrain.data import EpochSampler, InstructionSampler, RandomWindowSampler, prepare_data
-from llmtrain.data.prepare import PreparedData
+from llmtrain.data.cache import PreparedData
 from llmtrain.data.tokenizers import Tokenizer
 from llmtrain.distributed.cores import CoreMeter
 from llmtrain.distributed.layout import (

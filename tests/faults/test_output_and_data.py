@@ -258,7 +258,7 @@ def test_an_old_cache_of_a_marked_file_is_rebuilt(tmp_path: Path, monkeypatch: p
     """A cache prepared when the file was read as UTF-8 (U+FFFD garbage) is not reused."""
     with monkeypatch.context() as patch:  # the old reading: no byte-order mark recognised
         patch.setattr(corpus, "marked_encoding", lambda path: None)
-        patch.setattr("llmtrain.data.prepare.marked_encoding", lambda path: None)
+        patch.setattr("llmtrain.data.cache.marked_encoding", lambda path: None)
         old = _tokens(tmp_path, "UTF-16 LE", ENCODINGS["UTF-16 LE"], TokenizerKind.char)
     assert any("not valid UTF-8" in line for line in old[2])
     want = _tokens(tmp_path, "utf-8", UNICODE_TEXT.encode("utf-8"), TokenizerKind.char)
