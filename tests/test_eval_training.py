@@ -27,7 +27,8 @@ from llmtrain.evaluation.scoring import Scorer
 from llmtrain.evaluation.specs import parse_task_specs
 from llmtrain.evaluation.tasks import read_tasks
 from llmtrain.model import GPT
-from llmtrain.runs.report import render_summary, write_report
+from llmtrain.runs.report import write_report
+from llmtrain.runs.report.render import render_summary
 from llmtrain.sinks import ConsoleSink, scalars
 from llmtrain.training.evaluator import Evaluator
 from llmtrain.training.loop import train

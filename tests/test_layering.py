@@ -1,7 +1,7 @@
 """The architecture, held by tests: no import cycle inside llmtrain/ (lazy imports included), the
 config package never imports torch, the CLI's entry module imports only the standard library (so
-`llmtrain --help` answers instantly), no function is over 120 lines and the step loop `fit` is
-under 100 (docs/architecture.md)."""
+`llmtrain --help` answers instantly), no function is over 120 lines, no module over 600, and the
+step loop `fit` is under 100 (docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "llmtrain"
 MAX_FUNCTION_LINES = 120
 MAX_FIT_LINES = 100
+MAX_MODULE_LINES = 600  # a longer module usually holds several jobs
 
 
 def _modules() -> dict[str, Path]:
@@ -129,6 +130,11 @@ def _functions() -> list[tuple[str, int]]:
 
 def test_no_function_is_over_120_lines() -> None:
     assert [(name, n) for name, n in _functions() if n > MAX_FUNCTION_LINES] == []
+
+
+def test_no_module_is_over_600_lines() -> None:
+    long = {name: n for name, path in MODULES.items() if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert long == {}
 
 
 def test_the_step_loop_reads_in_one_sitting() -> None:

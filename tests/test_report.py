@@ -17,7 +17,11 @@ import yaml
 from llmtrain.config.hydra import config_from_dict
 from llmtrain.data.cache import cached_meta
 from llmtrain.runs.records import Records, read_records
-from llmtrain.runs.report import NA, OK, WARN, alarms, build_report, overfitting, smoothness, step_time
+from llmtrain.runs.report import build_report
+from llmtrain.runs.report.alarms import alarms
+from llmtrain.runs.report.learning import overfitting, smoothness
+from llmtrain.runs.report.resources import step_time
+from llmtrain.runs.report.verdict import NA, OK, WARN
 
 from .conftest import TINY_CORPUS, run_cli
 
@@ -220,7 +224,7 @@ def test_the_inference_check_never_prepares_data_that_is_not_cached(finished: tu
 
 
 def test_ranks_sharing_a_host_count_against_its_memory_together() -> None:
-    from llmtrain.runs.report import memory
+    from llmtrain.runs.report.resources import memory
 
     start = {"kind": "start", "device": "cpu", "device_memory_mb": 10000.0, "local_world_size": 4}
     verdict = memory(records(start=[start], end=[{"step": 5, "peak_rss_mb": 2200.0}]))

@@ -17,21 +17,12 @@ import matplotlib.pyplot as plt  # noqa: E402
 from rich.console import Console  # noqa: E402
 
 from llmtrain.runs.records import Records  # noqa: E402
-from llmtrain.runs.report import (  # noqa: E402
-    FAIL,
-    NA,
-    OK,
-    WARN,
-    alarm_marks,
-    alarms,
-    build_report,
-    draw_loss,
-    health_quantities,
-    learning,
-    render_summary,
-    smoothness,
-    write_report,
-)
+from llmtrain.runs.report import build_report, write_report  # noqa: E402
+from llmtrain.runs.report.alarms import alarms, health_quantities  # noqa: E402
+from llmtrain.runs.report.learning import learning, smoothness  # noqa: E402
+from llmtrain.runs.report.plots import alarm_marks, draw_loss  # noqa: E402
+from llmtrain.runs.report.render import render_summary  # noqa: E402
+from llmtrain.runs.report.verdict import FAIL, NA, OK, WARN  # noqa: E402
 
 BASELINE = 3.2492  # the default data's unigram entropy, nats/token
 CAUSE = {"cause": "lr_too_high", "title": "Learning rate too high",

@@ -265,7 +265,8 @@ def report_command(args: list[str]) -> None:
     opts = parser.parse_args(args)
 
     from llmtrain.errors import UserError
-    from llmtrain.runs.report import render_console, write_report
+    from llmtrain.runs.report import write_report
+    from llmtrain.runs.report.render import render_console
     from llmtrain.sinks import default_console
 
     console = default_console()

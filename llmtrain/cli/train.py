@@ -297,7 +297,8 @@ def _report_after_run(cfg: Config, later: bool = False) -> None:
         default_console().print(f"post-run review: not written, to stop promptly; `llmtrain report {cfg.out_dir}` "
                                 "writes it", markup=False, highlight=False)
         return
-    from llmtrain.runs.report import render_console, write_report
+    from llmtrain.runs.report import write_report
+    from llmtrain.runs.report.render import render_console
 
     try:
         render_console(write_report(Path(cfg.out_dir)), default_console(), cfg.report.console.value)

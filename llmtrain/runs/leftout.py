@@ -1,7 +1,7 @@
 """Plots with nothing to show, and the one line that says why one was left out.
 
 A curve needs CURVE_MIN_POINTS points: one or two draw a dot or a straight line, which a reader
-takes for a trend. The report (runs/report.py) and the sweep comparison (runs/compare.py) draw a
+takes for a trend. The report (runs/report/) and the sweep comparison (runs/compare.py) draw a
 plot only when at least one of its curves has that many, and otherwise write no PNG and say, in
 one line, what was recorded, how often the run records it, and the setting that gives a curve:
 

@@ -25,7 +25,8 @@ from llmtrain.data import corpus
 from llmtrain.data.prepare import prepare_data
 from llmtrain.preflight.check import Status, run_check
 from llmtrain.runs.records import Records
-from llmtrain.runs.report import build_report, overfitting
+from llmtrain.runs.report import build_report
+from llmtrain.runs.report.learning import overfitting
 from llmtrain.sinks import ConsoleSink, default_console
 from llmtrain.training.banner import threads_text
 from llmtrain.training.loop import train

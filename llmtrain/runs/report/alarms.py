@@ -1,0 +1,125 @@
+"""The questions about the health monitor: which alarms were raised and what was done
+(`alarms`), and the verdict over the health plots (`health_quantities`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llmtrain.runs.files import (
+    Kind,
+)
+from llmtrain.runs.records import Record, Records
+from llmtrain.runs.report.verdict import NA, OK, WARN, Verdict, logged, steps_text
+
+
+def raised_alarms(records: Records) -> list[Record]:
+    """The alarm records in the order raised, one per (alarm, step): a resume that redoes a step
+    may log its alarm twice."""
+    seen: set[tuple[str, Any]] = set()
+    raised = []
+    for alarm in logged(records, Kind.ALARM):
+        key = (str(alarm.get("alarm", "?")), alarm.get("step"))
+        if key not in seen:
+            seen.add(key)
+            raised.append(alarm)
+    return raised
+
+
+def top_cause(alarm: Record) -> dict | None:
+    """The alarm's most likely cause (the first of its ranked `causes`); None for a record without
+    them (runs from before the monitor ranked causes)."""
+    causes = alarm.get("causes")
+    if isinstance(causes, list) and causes and isinstance(causes[0], dict):
+        return causes[0]
+    return None
+
+
+def cause_text(cause: dict, evidence: bool = True) -> str:
+    """'Learning rate too high (LR 0.1 is 11x ...; fix: optim.lr=0.003)'; the title alone without
+    `evidence`."""
+    title = str(cause.get("title") or cause.get("cause") or "unnamed cause")
+    extra = [str(cause["evidence"])] if evidence and cause.get("evidence") else []
+    extra += [f"fix: {cause['fix']}"] if evidence and cause.get("fix") else []
+    return title + (f" ({'; '.join(extra)})" if extra else "")
+
+
+def _alarm_line(alarm: Record, action: str) -> str:
+    """One alarm as the details list it: step, name, severity, the band it left, the action, the
+    top-ranked cause when the record has one."""
+    line = f"step {alarm.get('step')}: {alarm.get('alarm', '?')} ({alarm.get('severity', '?')})"
+    if alarm.get("metric") is not None or alarm.get("band") is not None:
+        line += f": {alarm.get('metric', '?')} left the band {alarm.get('band', '?')}"
+    line += f" -> {action}"
+    cause = top_cause(alarm)
+    return line + (f"; most likely: {cause_text(cause)}" if cause else "")
+
+
+
+def _alarm_summary(raised: list[Record]) -> list[str]:
+    """Per alarm name, in the order first raised: 'grad_norm_high at step 30 (most likely: Learning
+    rate too high)'."""
+    by_name: dict[str, list[Record]] = {}
+    for alarm in raised:
+        by_name.setdefault(str(alarm.get("alarm", "?")), []).append(alarm)
+    parts = []
+    for name, records in by_name.items():
+        cause = next((c for c in map(top_cause, records) if c), None)
+        parts.append(f"{name} at {steps_text([r.get('step') for r in records])}"
+                     + (f" (most likely: {cause_text(cause, evidence=False)})" if cause else ""))
+    return parts
+
+
+def health_quantities(records: Records, plots: list[str]) -> Verdict:
+    """The section over the health plots: its verdict is the monitor's, ok only when no alarm fired
+    and no step was non-finite."""
+    question = "The health quantities over the run"
+    raised, nonfinite = raised_alarms(records), logged(records, Kind.NONFINITE)
+    what = ("learning rate, gradient norm, parameter norm, block activations (the monitor's bands are in "
+            "docs/monitoring.md)")
+    if raised or nonfinite:
+        parts = [f"{len(raised)} alarm(s) fired: " + "; ".join(_alarm_summary(raised))] if raised else []
+        if nonfinite:
+            parts.append(f"{len(nonfinite)} non-finite step(s) at {steps_text([r.get('step') for r in nonfinite])}")
+        # The evidence and the actions are listed once, under the alarms question.
+        return Verdict("curves", question, WARN, "; ".join(parts)
+                       + f" (evidence and actions under the alarms question). The plots: {what}.", plots=plots)
+    if not records.of(Kind.HEALTH):
+        return Verdict("curves", question, NA, f"no health checks recorded (monitor off?); the plots: {what}.", plots=plots)
+    return Verdict("curves", question, OK, f"every health check stayed in its band; the plots: {what}.", plots=plots)
+
+
+def alarms(records: Records) -> Verdict:
+    question = "Which alarms were raised, and what was done?"
+    raised = raised_alarms(records)
+    actions = logged(records, Kind.ACTION)
+    rollbacks, save_errors = logged(records, Kind.ROLLBACK), logged(records, Kind.CHECKPOINT_ERROR)
+    nonfinite = logged(records, Kind.NONFINITE)
+    details = []
+    for alarm in raised:
+        taken = [a for a in actions if a.get("alarm") == alarm.get("alarm") and a.get("step") == alarm.get("step")]
+        action = "; ".join(f"{a.get('action')}: {a.get('detail')}" for a in taken) or alarm.get("action") or "warn"
+        details.append(_alarm_line(alarm, str(action)))
+    for record in nonfinite:
+        details.append(f"step {record.get('step')}: non-finite loss/gradient -> {record.get('action')}")
+    for record in rollbacks:
+        details.append(f"step {record.get('step')}: rolled back to step {record.get('to_step')} "
+                       f"(LR scale {record.get('lr_scale')})")
+    for record in save_errors:
+        details.append(f"step {record.get('step')}: checkpoint save failed: {record.get('error')}")
+    if not (raised or nonfinite or rollbacks or save_errors):
+        return Verdict("alarms", question, OK, "none: every health check stayed in its band.")
+    counts: dict[str, int] = {}
+    for alarm in raised:
+        counts[alarm.get("alarm", "?")] = counts.get(alarm.get("alarm", "?"), 0) + 1
+    parts = [f"{name} x{n}" if n > 1 else name for name, n in counts.items()]
+    if nonfinite:
+        parts.append(f"{len(nonfinite)} non-finite step(s)")
+    if rollbacks:
+        parts.append(f"{len(rollbacks)} rollback(s)")
+    if save_errors:
+        parts.append(f"{len(save_errors)} failed save(s)")
+    first = next(((a, c) for a in raised if (c := top_cause(a))), None)
+    if first:
+        parts.append(f"most likely cause of {first[0].get('alarm')} (step {first[0].get('step')}): "
+                     f"{cause_text(first[1], evidence=False)}")
+    return Verdict("alarms", question, WARN, "; ".join(parts) + " (details below and in events.jsonl).", details)
