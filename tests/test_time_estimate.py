@@ -63,7 +63,7 @@ def test_the_time_row_of_one_step_and_of_no_step_left() -> None:
     from llmtrain.training.banner import time_text
 
     estimate = ComputeEstimate(flops_per_token=1e6, tokens_per_step=1000, steps=5, matmul_flops=1e10,
-                               assumed_mfu=0.5, n_params=1, n_non_embedding=1)
+                               assumed_mfu=0.5)
     assert time_text(estimate, 1, 1).startswith("~200 ms/step, ~200 ms for 1 step (estimate: 10 GFLOP/s")
     assert time_text(estimate, 1, 5).startswith("~200 ms/step, ~200 ms for the 1 step left of 5 (")
     assert time_text(estimate, 0, 5).startswith("~200 ms/step; no step left of 5 (estimate: ")

@@ -344,8 +344,6 @@ class ComputeEstimate:
     steps: int
     matmul_flops: float  # measured on this device, FLOP/s
     assumed_mfu: float
-    n_params: int
-    n_non_embedding: int
 
     @property
     def step_seconds(self) -> float:
@@ -359,10 +357,6 @@ class ComputeEstimate:
     def tokens(self) -> int:
         return self.tokens_per_step * self.steps
 
-    @property
-    def tokens_per_param(self) -> float:
-        return self.tokens / max(1, self.n_non_embedding)
-
 
 def estimate_compute(cfg: Config, shape: ModelShape, device: torch.device, matmul_flops: float | None = None,
                      world_size: int = 1) -> ComputeEstimate:
@@ -373,8 +367,6 @@ def estimate_compute(cfg: Config, shape: ModelShape, device: torch.device, matmu
         steps=total_steps(cfg, world_size),
         matmul_flops=rate,
         assumed_mfu=assumed_mfu(device.type, cfg.model.n_embd),
-        n_params=shape.n_params,
-        n_non_embedding=shape.n_params - shape.n_embedding_params,
     )
 
 
