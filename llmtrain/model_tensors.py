@@ -118,7 +118,8 @@ def stored_layers(names: Sequence[str] | Mapping[str, object], pattern: re.Patte
     return max(found) + 1 if found else 0
 
 
-def _layers(n: int) -> str:
+def layers_text(n: int) -> str:
+    """"1 layer", "2 layers", "1,000,000,000 layers"."""
     return f"{n:,} layer{'' if n == 1 else 's'}"
 
 
@@ -129,7 +130,7 @@ def check_stored(tensors: ModelTensors, stored: Mapping[str, Shape], where: str,
     so a description of a billion blocks is refused before its names are listed."""
     held = stored_layers(stored)
     if held != tensors.n_layer:
-        raise UserError(f"{where}: {config_name} describes {_layers(tensors.n_layer)} (n_layer), but the weights hold "
+        raise UserError(f"{where}: {config_name} describes {layers_text(tensors.n_layer)} (n_layer), but the weights hold "
                         f"{held:,}; the config and the weights do not belong together.")
     expected = dict(tensors.items())
     missing = [name for name in expected if name not in stored]

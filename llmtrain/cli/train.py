@@ -224,7 +224,7 @@ def _hydra_files(task_cfg) -> dict[str, str]:
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf
 
-    from llmtrain.runs.rundir import HYDRA_SUBDIR
+    from llmtrain.runs.files import HYDRA_SUBDIR
 
     hydra_cfg = HydraConfig.instance().cfg
     return {

@@ -185,7 +185,7 @@ def check_weights(folder: HFFolder, model: ModelConfig) -> None:
     of its size is listed."""
     from safetensors import safe_open
 
-    from llmtrain.model_tensors import _layers, model_tensors, stored_layers
+    from llmtrain.model_tensors import layers_text, model_tensors, stored_layers
 
     headers: dict[str, tuple[tuple[int, ...], str]] = {}
     for file in sorted(set(folder.weight_files.values())):
@@ -200,7 +200,7 @@ def check_weights(folder: HFFolder, model: ModelConfig) -> None:
     where = f"{folder.key}={folder.path}"
     held = stored_layers([n for n in headers if not IGNORED.search(n)], LAYER[folder.layout])
     if held != model.n_layer:
-        raise ConfigError(f"{where}: {CONFIG} describes {_layers(model.n_layer)}, but the weights hold {held:,}; "
+        raise ConfigError(f"{where}: {CONFIG} describes {layers_text(model.n_layer)}, but the weights hold {held:,}; "
                           "config.json and the weights do not belong together: download or save the folder again.")
     not_float = [f"{name} ({dtype})" for name, (_, dtype) in headers.items() if dtype not in FLOAT_DTYPES]
     if not_float:

@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from llmtrain.errors import ConfigError
-from llmtrain.runs.files import HYDRA_SUBDIR, JOB_LOG, layout_problems  # noqa: F401 - HYDRA_SUBDIR: for older imports
+from llmtrain.runs.files import JOB_LOG, layout_problems
 
 # Hydra's default job-log format for Python logging's records; console lines are written as shown.
 LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"
