@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 
 from llmtrain.config.schema import Config, MonitorConfig
-from llmtrain.health.cadence import samples_expected
-from llmtrain.health.probes import ActivationProbe
 from llmtrain.model import GPT
+from llmtrain.monitor.cadence import samples_expected
+from llmtrain.monitor.probes import ActivationProbe
 
 
 def step(model: GPT, x: torch.Tensor, y: torch.Tensor, probe: bool, inside: list[float]) -> float:

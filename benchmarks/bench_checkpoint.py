@@ -28,8 +28,8 @@ from rich.table import Table
 from llmtrain.checkpoint.format import save_checkpoint
 from llmtrain.checkpoint.read import load_checkpoint
 from llmtrain.config.schema import ModelConfig
+from llmtrain.engine.state import TrainState
 from llmtrain.model import GPT, param_count
-from llmtrain.training.state import TrainState
 
 CHUNK = 8 << 20
 

@@ -33,11 +33,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from llmtrain.config.eval_tasks import TaskSpec
 from llmtrain.config.schema import ModelConfig
 from llmtrain.data.tokenizers import ByteTokenizer
 from llmtrain.evaluation.perplexity import PerplexityTask
 from llmtrain.evaluation.scoring import Scorer
-from llmtrain.evaluation.specs import TaskSpec
 from llmtrain.model import GPT, param_count
 
 HERE = Path(__file__).resolve().parent

@@ -26,7 +26,7 @@ from rich.console import Console
 
 from llmtrain.config.schema import Config
 from llmtrain.data import prepare_data
-from llmtrain.health.watch import HealthWatch
+from llmtrain.monitor.watch import HealthWatch
 
 WATCH_CALLS = ("before_forward", "waited_for_data", "after_forward", "skip_check", "check", "after_step",
                "action_taken", "nonfinite")

@@ -28,8 +28,8 @@ from llmtrain.config.derived import accumulation_steps, effective_lr, model_voca
 from llmtrain.config.schema import Config
 from llmtrain.config.validate import validate
 from llmtrain.data import prepare_data
+from llmtrain.metrics.dashboard import Dashboard
 from llmtrain.model import GPT
-from llmtrain.sinks import ConsoleSink
 from llmtrain.training.loop import train
 
 
@@ -45,7 +45,7 @@ def bench_config(out_dir: Path, steps: int, warmup: int, global_batch_size: int)
 
 def time_llmtrain(cfg: Config, warmup: int) -> float:
     """Seconds per step after warm-up, read from the run's own metrics.jsonl timestamps."""
-    result = train(cfg, console=ConsoleSink(cfg.max_steps, Console(quiet=True)))
+    result = train(cfg, console=Dashboard(cfg.max_steps, Console(quiet=True)))
     records = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     elapsed = {r["step"]: r["elapsed_s"] for r in records if r["kind"] == "train"}
     return (elapsed[cfg.max_steps] - elapsed[warmup]) / (cfg.max_steps - warmup)

@@ -43,9 +43,9 @@ from bench_step import time_bare, time_llmtrain  # noqa: E402
 from llmtrain.config.derived import seq_len_of
 from llmtrain.config.schema import Config, ModelConfig
 from llmtrain.data import prepare_data  # noqa: E402
-from llmtrain.health.probes import peak_rss_mb
 from llmtrain.model import GPT  # noqa: E402
 from llmtrain.model_tensors import model_tensors  # noqa: E402
+from llmtrain.monitor.probes import peak_rss_mb
 
 THREADS = 2
 # name -> (model overrides, micro = global batch, steps, warm-up steps); log_interval = warm-up, so

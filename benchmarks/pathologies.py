@@ -6,7 +6,7 @@
 
 Each case is a small `llmtrain train` run (gpt_tiny, 8 x 128 tokens per step, one thread, 200 steps
 unless the case says otherwise) with a set of overrides and, for a sick case, its TRUE cause: a
-cause id of llmtrain's diagnosis (`llmtrain/health/diagnosis.py`). Healthy controls have no cause.
+cause id of llmtrain's diagnosis (`llmtrain/monitor/diagnosis.py`). Healthy controls have no cause.
 For each case the runner reads the run's events.jsonl, metrics.jsonl and report.md and scores:
 
     detected     an alarm (or a non-finite event) in events.jsonl

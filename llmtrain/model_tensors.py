@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from llmtrain.config.schema import ModelConfig
-from llmtrain.errors import UserError
+from llmtrain.core.errors import UserError
 
 Shape = tuple[int, ...]
 BLOCK = re.compile(r"^blocks\.(\d+)\.")

@@ -105,8 +105,8 @@ def run_cli(*argv: str, cwd: Path, env: dict[str, str | None] | None = None, col
     from hydra.core.hydra_config import HydraConfig
 
     from llmtrain.cli import main
+    from llmtrain.core import rundir
     from llmtrain.data import cache
-    from llmtrain.runs import rundir
 
     changes = {"COLUMNS": str(columns), **(env or {})}
     saved_env = {key: os.environ.get(key) for key in changes}
@@ -174,7 +174,7 @@ def run_cli(*argv: str, cwd: Path, env: dict[str, str | None] | None = None, col
 # process a test starts (subprocess.Popen / subprocess.run called from code that is not a library's)
 # gets its own session, and the kernel's parent-death signal (Linux): when pytest dies, even by
 # SIGKILL, its children are killed; the product's ranks do the same for their launcher
-# (llmtrain.distributed.launch). pytest is also a "child subreaper": what a killed child leaves
+# (llmtrain.training.launch). pytest is also a "child subreaper": what a killed child leaves
 # behind is re-parented to pytest rather than to init, so the teardown below finds it (by the
 # session it inherited) and kills it. Processes that libraries start for themselves (wandb's
 # service) are left alone: they are the library's to manage across tests. The parent-death signal

@@ -264,8 +264,8 @@ def test_fixes_are_overrides_that_work(tmp_path: Path) -> None:
 
 
 def test_check_refuses_a_model_vocabulary_smaller_than_the_data(tmp_path: Path) -> None:
+    from llmtrain.core.errors import ConfigError
     from llmtrain.data import prepare_data
-    from llmtrain.errors import ConfigError
 
     cfg = base(tmp_path, **{"model.vocab_size": 8})
     prepare_data(cfg.data, log=lambda message: None)

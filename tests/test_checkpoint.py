@@ -15,11 +15,11 @@ from llmtrain.checkpoint.format import save_checkpoint
 from llmtrain.checkpoint.layout import LATEST
 from llmtrain.checkpoint.read import find_good_checkpoint, list_checkpoints, load_checkpoint, verify
 from llmtrain.config.schema import NonFinitePolicy, SaveErrorPolicy
-from llmtrain.errors import CheckpointError, ConfigError, Interrupted, NonFiniteStop, RunStopped
+from llmtrain.core.errors import CheckpointError, ConfigError, Interrupted, NonFiniteStop, RunStopped
+from llmtrain.engine.state import TrainState
+from llmtrain.metrics.dashboard import Dashboard
 from llmtrain.model import GPT
-from llmtrain.sinks import ConsoleSink
 from llmtrain.training.loop import train
-from llmtrain.training.state import TrainState
 
 from .conftest import tiny_config
 
@@ -41,8 +41,8 @@ def records(run_dir: Path, kind: str) -> list[dict]:
     return [r for r in map(json.loads, lines) if r["kind"] == kind]
 
 
-def quiet() -> ConsoleSink:
-    return ConsoleSink(0, Console(file=io.StringIO(), width=200))
+def quiet() -> Dashboard:
+    return Dashboard(0, Console(file=io.StringIO(), width=200))
 
 
 def test_interrupted_and_resumed_equals_uninterrupted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -108,7 +108,7 @@ def test_resume_uses_the_older_checkpoint_when_the_latest_is_corrupt(tmp_path: P
     latest = tmp_path / "run" / "checkpoints" / "step_00000006" / "optimizer.pt"
     latest.write_bytes(latest.read_bytes()[:100])
     output = io.StringIO()
-    result = train(tiny_config(tmp_path / "run", **overrides), console=ConsoleSink(6, Console(file=output, width=300)))
+    result = train(tiny_config(tmp_path / "run", **overrides), console=Dashboard(6, Console(file=output, width=300)))
     text = output.getvalue()
     assert "optimizer.pt" in text and "trying an older one" in text
     assert "resumed from" in text and "step_00000004" in text
@@ -147,7 +147,7 @@ def test_a_failed_save_warns_and_keeps_the_previous_checkpoint(tmp_path: Path, m
     monkeypatch.setattr(checkpoint_module, "_write_file", failing_after_first_checkpoint)
     output = io.StringIO()
     result = train(tiny_config(tmp_path / "run", max_steps=5, **{"checkpoint.every_steps": 2}),
-                   console=ConsoleSink(5, Console(file=output, width=300)))
+                   console=Dashboard(5, Console(file=output, width=300)))
     assert result.steps == 5 and calls["n"] == 1
     assert "No space left on device" in output.getvalue()
     names = {p.name for p in list_checkpoints(tmp_path / "run")}
@@ -166,7 +166,7 @@ def test_config_changes_on_resume_are_shown_or_refused(tmp_path: Path) -> None:
     train(tiny_config(tmp_path / "run", max_steps=4))
     output = io.StringIO()
     result = train(tiny_config(tmp_path / "run", max_steps=6, **{"optim.lr": 1e-3}),
-                   console=ConsoleSink(6, Console(file=output, width=300)))
+                   console=Dashboard(6, Console(file=output, width=300)))
     text = output.getvalue()
     assert "max_steps: 4 -> 6" in text and "optim.lr: 0.003 -> 0.001" in text
     assert result.steps == 6 and sorted(result.train_losses) == [5, 6]
@@ -267,7 +267,7 @@ def test_sample_and_export_work_on_an_interrupted_run(tmp_path: Path, monkeypatc
 
 
 def test_a_damaged_checkpoint_named_by_path_is_a_user_error(tmp_path: Path) -> None:
-    from llmtrain.errors import UserError
+    from llmtrain.core.errors import UserError
 
     train(tiny_config(tmp_path / "run", max_steps=3))
     target = tmp_path / "run" / "checkpoints" / "step_00000003"

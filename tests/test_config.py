@@ -49,12 +49,12 @@ from llmtrain.config.schema import (
     field_type,
 )
 from llmtrain.config.validate import validate
+from llmtrain.core.errors import ConfigError
 from llmtrain.data import prepare_data
-from llmtrain.errors import ConfigError
+from llmtrain.engine.optim import build_optimizer
+from llmtrain.engine.precision import autocast_factory, build_grad_scaler
+from llmtrain.engine.schedule import lr_at
 from llmtrain.model import GPT
-from llmtrain.training.optim import build_optimizer
-from llmtrain.training.precision import autocast_factory, build_grad_scaler
-from llmtrain.training.schedule import lr_at
 
 CONF = conf_dir()
 GROUP_OPTIONS = [(group, path.stem) for group in GROUPS for path in sorted((CONF / group).glob("*.yaml"))]
@@ -190,13 +190,13 @@ def test_option_composes_converts_and_builds(group: str, option: str, tmp_path: 
         else:
             assert policy.every_steps and policy.on_nonfinite is NonFinitePolicy.skip
     elif group == "monitor":
-        from llmtrain.health.detectors import HealthMonitor
+        from llmtrain.monitor.detectors import HealthMonitor
 
         assert cfg.monitor.enabled == (option != "off")
         monitor = HealthMonitor(cfg.monitor)
         assert monitor.action_for("loss_spike") in set(MonitorAction)
     elif group == "eval":
-        from llmtrain.evaluation.specs import parse_task_specs
+        from llmtrain.config.eval_tasks import parse_task_specs
 
         assert cfg.eval.tasks == [] and parse_task_specs(cfg.eval.tasks) == []
         assert cfg.eval.batch_size >= 1 and cfg.eval.truncate

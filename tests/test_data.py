@@ -102,7 +102,7 @@ def test_sampler_same_windows_whatever_the_split_and_state_round_trip() -> None:
 
 
 def test_missing_text_file_is_a_config_error(tmp_path: Path) -> None:
-    from llmtrain.errors import ConfigError
+    from llmtrain.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match="data.path"):
         prepare_data(text_config(tmp_path / "absent.txt", tmp_path / "cache"))

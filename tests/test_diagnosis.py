@@ -10,8 +10,8 @@ import pytest
 from llmtrain.config.derived import default_lr, sane_lr_range
 from llmtrain.config.schema import ALARM_NAMES, Config, NormPosition, ResidualInit
 from llmtrain.config.validate import validate
-from llmtrain.health.catalog import CATALOG
-from llmtrain.health.diagnosis import CAUSES, DIFFERENTIAL, RunFacts, Signals, diagnose, run_facts
+from llmtrain.monitor.catalog import CATALOG
+from llmtrain.monitor.diagnosis import CAUSES, DIFFERENTIAL, RunFacts, Signals, diagnose, run_facts
 from llmtrain.preflight.check import run_check
 
 LOW, HIGH = sane_lr_range(Config().optim.name, 128)

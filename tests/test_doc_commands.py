@@ -22,7 +22,7 @@ import pytest
 
 from llmtrain.cli import COMMANDS
 from llmtrain.cli.compose import validate_overrides
-from llmtrain.errors import UserError
+from llmtrain.core.errors import UserError
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

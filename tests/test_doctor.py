@@ -19,6 +19,7 @@ from rich.console import Console
 from torch.utils.checkpoint import checkpoint
 
 from llmtrain.config.schema import DataSource, ModelConfig, PositionEncoding
+from llmtrain.core.errors import UserError
 from llmtrain.doctor import (
     EXPERIMENTS,
     probe_targets,
@@ -28,7 +29,6 @@ from llmtrain.doctor import (
     run_lr_range,
     run_overfit,
 )
-from llmtrain.errors import UserError
 from llmtrain.model import GPT
 from tests.conftest import TINY_CORPUS, run_cli, tiny_config
 

@@ -22,6 +22,7 @@ from llmtrain.config.schema import (
     PositionEncoding,
     Precision,
 )
+from llmtrain.engine.optim import build_optimizer
 from llmtrain.model import GPT
 from llmtrain.preflight.estimate import (
     activation_bytes_per_token,
@@ -29,7 +30,6 @@ from llmtrain.preflight.estimate import (
     largest_fitting_micro_batch,
     model_shape,
 )
-from llmtrain.training.optim import build_optimizer
 
 VOCAB = 256
 

@@ -16,15 +16,15 @@ pytest.importorskip("lm_eval")
 
 from lm_eval.api.instance import Instance  # noqa: E402
 
+from llmtrain.config.eval_tasks import TaskSpec  # noqa: E402
 from llmtrain.config.schema import EvalConfig, ModelConfig  # noqa: E402
+from llmtrain.core.errors import UserError  # noqa: E402
 from llmtrain.data.tokenizers import ByteTokenizer  # noqa: E402
-from llmtrain.errors import UserError  # noqa: E402
 from llmtrain.evaluation import harness  # noqa: E402
 from llmtrain.evaluation.harness import HarnessTask, ScorerLM, check_tasks  # noqa: E402
 from llmtrain.evaluation.multiple_choice import read_multiple_choice  # noqa: E402
 from llmtrain.evaluation.perplexity import read_perplexity  # noqa: E402
 from llmtrain.evaluation.scoring import Scorer  # noqa: E402
-from llmtrain.evaluation.specs import TaskSpec  # noqa: E402
 from llmtrain.model import GPT  # noqa: E402
 from llmtrain.runs.sample import generate  # noqa: E402
 

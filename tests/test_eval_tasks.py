@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 import torch
 
+from llmtrain.config.eval_tasks import VALIDATION, TaskSpec, parse_task_specs
 from llmtrain.config.schema import DataConfig, DataSource, EvalConfig, ModelConfig, TokenizerKind
+from llmtrain.core.errors import UserError
 from llmtrain.data.cache import PreparedData
 from llmtrain.data.prepare import prepare_data
 from llmtrain.data.tokenizers import ByteTokenizer, CharTokenizer
-from llmtrain.errors import UserError
 from llmtrain.evaluation.scoring import Scorer, rolling_requests
-from llmtrain.evaluation.specs import VALIDATION, TaskSpec, parse_task_specs
 from llmtrain.evaluation.tasks import data_source, read_tasks, validation_source
 from llmtrain.model import GPT
 

@@ -20,19 +20,20 @@ from rich.console import Console
 
 from llmtrain.checkpoint.layout import step_dir_name
 from llmtrain.config.derived import seq_len_of
+from llmtrain.config.eval_tasks import parse_task_specs
 from llmtrain.config.schema import ModelConfig
+from llmtrain.core.errors import UserError
 from llmtrain.data.tokenizers import load_tokenizer
-from llmtrain.errors import UserError
+from llmtrain.engine.state import TrainResult
 from llmtrain.evaluation.scoring import Scorer
-from llmtrain.evaluation.specs import parse_task_specs
 from llmtrain.evaluation.tasks import read_tasks
+from llmtrain.metrics.dashboard import Dashboard
+from llmtrain.metrics.writer import scalars
 from llmtrain.model import GPT
 from llmtrain.runs.report import write_report
 from llmtrain.runs.report.render import render_summary
-from llmtrain.sinks import ConsoleSink, scalars
 from llmtrain.training.evaluator import Evaluator
 from llmtrain.training.loop import train
-from llmtrain.training.state import TrainResult
 
 from .conftest import TINY_CORPUS, run_cli, tiny_config
 
@@ -158,7 +159,7 @@ def test_an_evaluation_leaves_the_generators_and_the_monitor_clock_as_they_were(
     model = GPT(ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=32), 16)
     written, paused = [], []
     evaluator = Evaluator(INTERVAL, model, [], torch.device("cpu"), contextlib.nullcontext,
-                          ConsoleSink(10, Console(file=io.StringIO())), SimpleNamespace(write=written.append),
+                          Dashboard(10, Console(file=io.StringIO())), SimpleNamespace(write=written.append),
                           TrainResult(tmp_path, 0, 0), SimpleNamespace(evaluated=lambda step, loss: None),
                           [DrawingTask()], Scorer(model, 32), SimpleNamespace(paused=paused.append))
     before = torch.rand(3), random.random(), np.random.rand()
@@ -192,7 +193,7 @@ def test_task_records_become_one_dashboard_curve_per_task_and_metric() -> None:
 
 def test_the_console_line_of_a_task_is_short() -> None:
     console = Console(file=io.StringIO(), width=200)
-    sink = ConsoleSink(10, console)
+    sink = Dashboard(10, console)
     sink.log_eval_task({"kind": "eval_task", "step": 5, "task": "perplexity:held.txt", "loss": 1.234,
                         "perplexity": 3.4349, "bits_per_byte": 1.78, "tokens": 9, "bytes": 9, "documents": 1})
     sink.log_eval_task({"kind": "eval_task", "step": 5, "task": "multiple_choice:[x].jsonl", "acc": 0.5,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from llmtrain.errors import NonFiniteStop
+from llmtrain.core.errors import NonFiniteStop
 from llmtrain.preflight.check import run_check
 from llmtrain.training.loop import train
 
@@ -111,7 +111,7 @@ def test_a_resumed_run_judges_as_the_uninterrupted_one(tmp_path: Path, monkeypat
     stop in the middle of a check interval, the resumed run's health records (interval mean loss,
     update ratio) and its monitor state equal the uninterrupted run's."""
     from llmtrain.checkpoint.read import load_checkpoint
-    from llmtrain.errors import Interrupted
+    from llmtrain.core.errors import Interrupted
 
     overrides = {"max_steps": 30, "monitor.interval": 10, "checkpoint.every_steps": 5}
     whole = tmp_path / "whole"

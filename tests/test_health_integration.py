@@ -10,7 +10,7 @@ import pytest
 
 import llmtrain.training.loop as train_module
 from llmtrain.config.schema import MonitorAction, OptimizerName, Precision
-from llmtrain.errors import HealthStop
+from llmtrain.core.errors import HealthStop
 from llmtrain.training.loop import train
 
 from .conftest import tiny_config
@@ -125,7 +125,7 @@ def test_stop_action_saves_and_exits_with_the_alarm(tmp_path: Path, monkeypatch:
 
 def test_monitor_state_survives_a_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from llmtrain.checkpoint.read import load_checkpoint
-    from llmtrain.errors import Interrupted
+    from llmtrain.core.errors import Interrupted
 
     run = tmp_path / "run"
     overrides = {**WATCH, "checkpoint.every_steps": 4}
@@ -187,7 +187,7 @@ def test_a_resumed_run_that_still_shows_the_pattern_stops_again(tmp_path: Path, 
 
 
 def test_non_finite_values_nested_in_records_stay_strict_json(tmp_path: Path) -> None:
-    from llmtrain.sinks import JsonlSink
+    from llmtrain.metrics.writer import JsonlSink
 
     sink = JsonlSink(tmp_path / "m.jsonl")
     sink.write({"kind": "health", "block_grad_norms": [float("inf"), 1.0], "nested": {"x": float("nan")}})

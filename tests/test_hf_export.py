@@ -18,6 +18,7 @@ from llmtrain.config.schema import (
     PositionEncoding,
     TokenizerKind,
 )
+from llmtrain.core.errors import UserError
 from llmtrain.data.tokenizers import (
     BPETokenizer,
     ByteTokenizer,
@@ -25,7 +26,6 @@ from llmtrain.data.tokenizers import (
     PretrainedTokenizer,
     gpt2_tokenizer,
 )
-from llmtrain.errors import UserError
 from llmtrain.hf.export import export_hf
 from llmtrain.hf.layouts import UnsupportedModel
 from llmtrain.hf.tokenizer_files import tokenizer_files

@@ -15,10 +15,10 @@ import torch
 from llmtrain.cli import main
 from llmtrain.cli.compose import compose_config
 from llmtrain.config.schema import Config, PositionEncoding, TokenizerKind
+from llmtrain.core.errors import ConfigError, Interrupted
 from llmtrain.data.prepare import prepare_data
 from llmtrain.data.tokenizers import PretrainedTokenizer
 from llmtrain.distributed.layout import Layout
-from llmtrain.errors import ConfigError, Interrupted
 from llmtrain.hf.init import apply_init_from
 from llmtrain.training.loop import train
 from llmtrain.training.setup import build_model, build_runtime

@@ -20,11 +20,11 @@ from llmtrain.config.schema import (
     Precision,
     ResidualInit,
 )
+from llmtrain.engine.optim import param_groups
+from llmtrain.engine.step import loss_sum
 from llmtrain.model import GPT, param_count
 from llmtrain.model_tensors import model_tensors
 from llmtrain.training.loop import train
-from llmtrain.training.optim import param_groups
-from llmtrain.training.step import loss_sum
 
 from .conftest import tiny_config
 

@@ -9,9 +9,9 @@ import random
 import pytest
 
 from llmtrain.config.schema import ALARM_NAMES, MonitorAction, MonitorConfig
-from llmtrain.health.catalog import CATALOG, explain
-from llmtrain.health.detectors import Alarm, HealthMonitor, Sample, robust_z, theil_sen_slope
-from llmtrain.health.diagnosis import RunFacts
+from llmtrain.monitor.catalog import CATALOG, explain
+from llmtrain.monitor.detectors import Alarm, HealthMonitor, Sample, robust_z, theil_sen_slope
+from llmtrain.monitor.diagnosis import RunFacts
 
 
 def sample(step: int, **kw: object) -> Sample:
@@ -323,7 +323,7 @@ def test_state_round_trip_keeps_the_best_loss() -> None:
 
 
 def test_every_alarm_but_the_configuration_one_has_a_dashboard_row() -> None:
-    from llmtrain.sinks import ALARMS_BY_METRIC
+    from llmtrain.metrics.dashboard import ALARMS_BY_METRIC
 
     shown = [name for names in ALARMS_BY_METRIC.values() for name in names]
     assert sorted(shown) == sorted(set(ALARM_NAMES) - {"fp16_no_scaler"})

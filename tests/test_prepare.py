@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from llmtrain.config.schema import DataConfig, DataSource, DecodeErrors, TokenizerKind
+from llmtrain.core.errors import ConfigError
 from llmtrain.data.prepare import prepare_data
 from llmtrain.data.tokenizers import BPETokenizer, load_tokenizer
-from llmtrain.errors import ConfigError
 
 from .conftest import TINY_CORPUS, run_cli
 
@@ -518,7 +518,7 @@ def test_rank_shards_are_disjoint_and_cover_the_epoch() -> None:
 
 def test_mid_epoch_resume_gives_exactly_the_uninterrupted_batches(tmp_path: Path, monkeypatch) -> None:
     from llmtrain.config.schema import Sampling
-    from llmtrain.errors import Interrupted
+    from llmtrain.core.errors import Interrupted
     from llmtrain.training.loop import train
 
     from .conftest import tiny_config
@@ -639,7 +639,7 @@ def test_a_bad_instruction_line_names_its_fields(tmp_path: Path) -> None:
 def test_label_smoothing_raises_the_training_loss_of_a_confident_model() -> None:
     import torch
 
-    from llmtrain.training.step import loss_sum
+    from llmtrain.engine.step import loss_sum
 
     logits = torch.full((1, 4, 10), -5.0)
     targets = torch.tensor([[1, 2, 3, 4]])

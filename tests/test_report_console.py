@@ -15,7 +15,7 @@ from llmtrain.checkpoint.resume import config_changes
 from llmtrain.cli.compose import compose_config, upgrade_overrides
 from llmtrain.config.hydra import config_from_dict
 from llmtrain.config.schema import Config, ReportConfig, ReportConsole, config_to_dict
-from llmtrain.errors import ConfigError
+from llmtrain.core.errors import ConfigError
 from llmtrain.runs.report.render import console_mode, render_console
 from llmtrain.runs.report.verdict import FAIL, NA, OK, WARN, Report, Verdict
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from llmtrain.errors import EXIT_INTERRUPTED
+from llmtrain.core.errors import EXIT_INTERRUPTED
 from llmtrain.training.interrupts import StopRequest
 
 from .conftest import TINY_CORPUS

@@ -12,8 +12,8 @@ import torch
 
 from llmtrain.config.schema import CompileMode, Precision
 from llmtrain.data.sampler import RandomWindowSampler
+from llmtrain.engine.precision import resolve_precision
 from llmtrain.training.loop import train
-from llmtrain.training.precision import resolve_precision
 
 from .conftest import tiny_config
 
@@ -67,7 +67,7 @@ def test_auto_precision_and_compile_on_cpu_train_in_plain_fp32(tmp_path: Path) -
 def test_a_drawn_seed_survives_a_resume(tmp_path: Path, monkeypatch) -> None:
     import pytest
 
-    from llmtrain.errors import Interrupted
+    from llmtrain.core.errors import Interrupted
 
     run = tmp_path / "run"
     monkeypatch.setenv("LLMTRAIN_TEST_STOP_AT_STEP", "3")

@@ -31,12 +31,12 @@ from llmtrain.config.schema import (
     PositionEncoding,
     config_to_dict,
 )
+from llmtrain.core.errors import CheckpointError, UserError
 from llmtrain.data.tokenizers import ByteTokenizer, save_tokenizer
-from llmtrain.errors import CheckpointError, UserError
+from llmtrain.engine.state import TrainState
 from llmtrain.model import GPT, KVCache, param_count
 from llmtrain.runs.artifacts import load_run
 from llmtrain.runs.sample import ONE_THREAD_BELOW, generate, generation_threads, sample_text, stream_tokens
-from llmtrain.training.state import TrainState
 
 VOCAB = 50
 WINDOW = 32

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from llmtrain.config.schema import ScheduleConfig, ScheduleName
-from llmtrain.training.schedule import lr_at
+from llmtrain.engine.schedule import lr_at
 
 
 def sched(name: ScheduleName, **kw: float) -> ScheduleConfig:
@@ -78,7 +78,7 @@ def test_batch_size_lr_scaling(scaling: str, expected: float) -> None:
 def test_lr_scaling_needs_a_reference_batch() -> None:
     from llmtrain.config.schema import Config, LRScaling
     from llmtrain.config.validate import validate
-    from llmtrain.errors import ConfigError
+    from llmtrain.core.errors import ConfigError
 
     cfg = Config()
     cfg.schedule.lr_scaling = LRScaling.linear
@@ -110,7 +110,7 @@ def test_train_uses_the_scaled_lr(tmp_path: Path) -> None:
 @pytest.mark.parametrize("name", list(ScheduleName))
 @pytest.mark.parametrize("min_lr_ratio", [0.1, 0.0])
 def test_past_its_end_every_schedule_holds_its_final_lr(name: ScheduleName, min_lr_ratio: float) -> None:
-    from llmtrain.training.schedule import final_lr
+    from llmtrain.engine.schedule import final_lr
 
     cfg = ScheduleConfig(name=name, warmup_steps=5, min_lr_ratio=min_lr_ratio)
     expected = 2.0 if name is ScheduleName.constant else 2.0 * min_lr_ratio
@@ -120,7 +120,7 @@ def test_past_its_end_every_schedule_holds_its_final_lr(name: ScheduleName, min_
 
 
 def test_held_lr_text_names_zero_the_floor_and_the_peak() -> None:
-    from llmtrain.training.schedule import held_lr_text
+    from llmtrain.engine.schedule import held_lr_text
 
     assert held_lr_text(0.0, 3e-3) == "LR 0"
     assert held_lr_text(3e-3 * 0.1, 3e-3) == "the floor LR 0.0003"
@@ -183,7 +183,7 @@ def test_a_run_past_its_schedule_trains_at_the_floor(tmp_path: Path) -> None:
 
     from rich.console import Console
 
-    from llmtrain.sinks import ConsoleSink
+    from llmtrain.metrics.dashboard import Dashboard
     from llmtrain.training.loop import train
 
     from .conftest import tiny_config
@@ -191,7 +191,7 @@ def test_a_run_past_its_schedule_trains_at_the_floor(tmp_path: Path) -> None:
     cfg = tiny_config(tmp_path / "run", max_steps=12, micro_batch_size=2, global_batch_size=2,
                       **{"schedule.total_steps": 6})
     output = io.StringIO()
-    train(cfg, console=ConsoleSink(12, Console(file=output, width=300)))
+    train(cfg, console=Dashboard(12, Console(file=output, width=300)))
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     lrs = {r["step"]: r["lr"] for r in records if r["kind"] == "train"}
     floor = cfg.optim.lr * cfg.schedule.min_lr_ratio

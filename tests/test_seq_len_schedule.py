@@ -10,7 +10,7 @@ import pytest
 from llmtrain.config.derived import seq_len_of, seq_len_stages
 from llmtrain.config.schema import Sampling, SeqLenKeep
 from llmtrain.config.validate import validate
-from llmtrain.errors import ConfigError, Interrupted
+from llmtrain.core.errors import ConfigError, Interrupted
 from llmtrain.training.loop import train
 
 from .conftest import tiny_config

@@ -16,10 +16,10 @@ import torch.multiprocessing as mp
 from llmtrain.checkpoint.policy import CheckpointPolicy, RankAgreement, SavedObjects
 from llmtrain.checkpoint.read import list_checkpoints, load_checkpoint, verify
 from llmtrain.config.schema import CheckpointConfig, ModelConfig
-from llmtrain.distributed.launch import free_port
-from llmtrain.errors import CheckpointError
+from llmtrain.core.errors import CheckpointError
+from llmtrain.engine.state import TrainState
 from llmtrain.model import GPT
-from llmtrain.training.state import TrainState
+from llmtrain.training.launch import free_port
 
 pytestmark = pytest.mark.slow  # spawns gloo process groups (a few seconds each)
 

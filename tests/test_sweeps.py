@@ -73,7 +73,7 @@ def test_each_task_of_a_submitit_job_becomes_a_rank_as_torchrun_would_set_it(mon
     submitit = pytest.importorskip("submitit")
     from types import SimpleNamespace
 
-    from llmtrain.distributed.launch import ranks_from_submitit_tasks
+    from llmtrain.training.launch import ranks_from_submitit_tasks
 
     job = SimpleNamespace(num_tasks=4, global_rank=3, local_rank=1, num_nodes=2, hostnames=["node-a", "node-b"],
                           job_id="4242")

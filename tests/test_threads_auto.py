@@ -14,24 +14,18 @@ from rich.console import Console
 
 from llmtrain.config.hydra import config_from_dict
 from llmtrain.config.schema import Config, config_to_dict
+from llmtrain.config.threads import parse_threads, threads_error
 from llmtrain.config.validate import validate
-from llmtrain.distributed.cores import (
-    CoreMeter,
-    auto_threads,
-    parse_proc_stat,
-    parse_threads,
-    pick_threads,
-    threads_error,
-)
+from llmtrain.core.errors import ConfigError
+from llmtrain.distributed.cores import CoreMeter, auto_threads, parse_proc_stat, pick_threads
 from llmtrain.distributed.layout import Layout, resolve_threads
-from llmtrain.errors import ConfigError
-from llmtrain.sinks import ConsoleSink
+from llmtrain.engine.state import TrainResult, TrainState
+from llmtrain.engine.timing import StepTimer
+from llmtrain.metrics.dashboard import Dashboard
 from llmtrain.training.banner import threads_text
 from llmtrain.training.eta import StepClock
 from llmtrain.training.progress import Progress
-from llmtrain.training.state import TrainResult, TrainState
 from llmtrain.training.throughput import SlowdownWatch
-from llmtrain.training.timing import StepTimer
 
 from .conftest import run_cli
 
@@ -254,7 +248,7 @@ def test_progress_feeds_the_detector_its_intervals_and_pauses() -> None:
     interval keeps that interval out; the collapse warns once, on the console."""
     now = [0.0]
     console = Console(file=io.StringIO(), width=300)
-    sink = ConsoleSink(400, console)
+    sink = Dashboard(400, console)
     records: list[dict] = []
     metrics = SimpleNamespace(write=records.append)
     slowdown = SlowdownWatch(lambda message: sink.print(f"warning: {message}"), metrics, 2, BusyMeter(1.5))

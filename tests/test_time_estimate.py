@@ -14,14 +14,14 @@ import pytest
 import torch
 from rich.console import Console
 
+from llmtrain.engine.state import TrainResult, TrainState
+from llmtrain.engine.timing import StepTimer
+from llmtrain.metrics.dashboard import Dashboard
 from llmtrain.preflight.check import run_check
 from llmtrain.preflight.estimate import ComputeEstimate, format_seconds
-from llmtrain.sinks import ConsoleSink
 from llmtrain.training.eta import StepClock, clock_text
 from llmtrain.training.loop import train
 from llmtrain.training.progress import Progress
-from llmtrain.training.state import TrainResult, TrainState
-from llmtrain.training.timing import StepTimer
 
 from .conftest import tiny_config
 
@@ -30,11 +30,11 @@ RATE = 50e9  # the matmul rate "measured" at start-up
 
 def test_the_banner_states_the_checks_estimate_measured_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("llmtrain.training.setup.matmul_peak_flops", lambda device, repeats=8: RATE)
-    monkeypatch.setattr("llmtrain.health.watch.matmul_peak_flops",
+    monkeypatch.setattr("llmtrain.monitor.watch.matmul_peak_flops",
                         lambda device: pytest.fail("the monitor re-measured the rate measured at start-up"))
     cfg = tiny_config(tmp_path / "run", max_steps=4, **{"monitor.interval": 2})
     output = io.StringIO()
-    train(cfg, console=ConsoleSink(4, Console(file=output, width=300, soft_wrap=True)))  # the banner as lines
+    train(cfg, console=Dashboard(4, Console(file=output, width=300, soft_wrap=True)))  # the banner as lines
     row = next(line for line in output.getvalue().splitlines() if line.lstrip().startswith("time "))
 
     compute = run_check(cfg, matmul_flops=RATE).facts.compute  # `llmtrain check`'s figure at the same rate
@@ -51,10 +51,10 @@ def test_a_resumed_runs_banner_counts_the_steps_left(tmp_path: Path, monkeypatch
     monkeypatch.setattr("llmtrain.training.setup.matmul_peak_flops", lambda device, repeats=8: RATE)
     overrides = {"checkpoint.every_steps": 2, "schedule.warmup_steps": 1}
     train(tiny_config(tmp_path / "run", max_steps=2, **overrides),
-          console=ConsoleSink(2, Console(file=io.StringIO(), width=300)))
+          console=Dashboard(2, Console(file=io.StringIO(), width=300)))
     output = io.StringIO()
     train(tiny_config(tmp_path / "run", max_steps=6, **overrides),
-          console=ConsoleSink(6, Console(file=output, width=300, soft_wrap=True)))
+          console=Dashboard(6, Console(file=output, width=300, soft_wrap=True)))
     row = next(line for line in output.getvalue().splitlines() if line.lstrip().startswith("time "))
     assert "for the 4 steps left of 6 (estimate: " in row
 
@@ -83,9 +83,9 @@ class Clock:
 
 
 def progress_with(clock: Clock, total: int, log_interval: int, estimate_s: float | None,
-                  terminal: bool = False) -> tuple[Progress, ConsoleSink, list[dict]]:
+                  terminal: bool = False) -> tuple[Progress, Dashboard, list[dict]]:
     console = Console(file=io.StringIO(), width=250, force_terminal=terminal)
-    sink = ConsoleSink(total, console)
+    sink = Dashboard(total, console)
     records: list[dict] = []
     metrics = SimpleNamespace(write=records.append)
     progress = Progress(log_interval, StepTimer(0, torch.device("cpu")), sink, metrics, TrainResult(Path("."), 0, 0),
@@ -103,7 +103,7 @@ def take_steps(progress: Progress, clock: Clock, state: TrainState, seconds: lis
         progress.step_done(state, one, one, 1e-3, applied=True, last_step=state.step == progress.eta.steps_total)
 
 
-def lines(sink: ConsoleSink) -> list[str]:
+def lines(sink: Dashboard) -> list[str]:
     return [line for line in sink.console.file.getvalue().splitlines() if line.startswith("step ")]
 
 

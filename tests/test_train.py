@@ -13,9 +13,9 @@ import torch
 
 from llmtrain.config.schema import ModelConfig, OptimizerName
 from llmtrain.data.sampler import IGNORE_INDEX
+from llmtrain.engine.step import accumulate_gradients, evaluate, loss_sum
 from llmtrain.model import GPT
 from llmtrain.training.loop import train
-from llmtrain.training.step import accumulate_gradients, evaluate, loss_sum
 
 from .conftest import ASSETS, tiny_config
 

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from llmtrain.errors import EXIT_INTERRUPTED
-from llmtrain.runs import rundir
-from llmtrain.sinks import ConsoleSink, LoggedConsole
+from llmtrain.core import rundir
+from llmtrain.core.console import LoggedConsole
+from llmtrain.core.errors import EXIT_INTERRUPTED
+from llmtrain.metrics.dashboard import Dashboard
 
 from .conftest import run_cli
 from .test_cli_run import TINY
@@ -84,7 +85,7 @@ def test_on_a_terminal_the_log_gets_the_step_lines_not_the_bar(tmp_path: Path, j
     rundir.hold_job_log()
     rundir.describe_run({}, tmp_path)
     screen = io.StringIO()
-    sink = ConsoleSink(3, LoggedConsole(file=screen, force_terminal=True, width=100))
+    sink = Dashboard(3, LoggedConsole(file=screen, force_terminal=True, width=100))
     sink.banner("llmtrain: a run", [("steps", "3"), ("check", "all pass")])
     sink.start()
     for step in (1, 2, 3):

@@ -34,12 +34,12 @@ from llmtrain.checkpoint.layout import (
     step_dir_name,
 )
 from llmtrain.checkpoint.read import find_good_checkpoint, list_checkpoints
-from llmtrain.errors import (
+from llmtrain.core.errors import (
     CheckpointSaveError,
     SaveFailed,
 )
-from llmtrain.runs.files import FINAL_WEIGHTS, TRAINER_STATE
-from llmtrain.training.state import TrainState
+from llmtrain.core.files import FINAL_WEIGHTS, TRAINER_STATE
+from llmtrain.engine.state import TrainState
 
 # ---------------------------------------------------------------------------------------------
 # saving

@@ -28,9 +28,9 @@ from typing import Any
 import torch
 
 from llmtrain.checkpoint.shards import SHARDS
+from llmtrain.core.files import CHECKPOINTS, TRAINER_STATE
 from llmtrain.distributed.wrapping import ShardedModelState, ShardedOptimizerState
-from llmtrain.runs.files import CHECKPOINTS, TRAINER_STATE
-from llmtrain.training.state import TrainState
+from llmtrain.engine.state import TrainState
 
 FORMAT_VERSION = 1
 

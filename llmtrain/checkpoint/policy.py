@@ -24,9 +24,9 @@ from llmtrain.checkpoint.layout import checkpoint_root, step_dir_name
 from llmtrain.checkpoint.read import list_checkpoints
 from llmtrain.checkpoint.shards import SHARDS
 from llmtrain.config.schema import CheckpointConfig, SaveErrorPolicy
-from llmtrain.errors import CheckpointSaveError, SaveFailed
-from llmtrain.runs.files import Kind
-from llmtrain.training.state import TrainState
+from llmtrain.core.errors import CheckpointSaveError, SaveFailed
+from llmtrain.core.files import Kind
+from llmtrain.engine.state import TrainState
 
 
 def apply_retention(run_dir: Path, keep_last: int, keep_step: int | None = None) -> list[Path]:

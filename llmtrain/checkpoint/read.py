@@ -32,9 +32,9 @@ from llmtrain.checkpoint.layout import (
     checkpoint_root,
 )
 from llmtrain.checkpoint.shards import SHARDS
-from llmtrain.errors import CheckpointError
-from llmtrain.runs.files import TRAINER_STATE
-from llmtrain.training.state import TrainState
+from llmtrain.core.errors import CheckpointError
+from llmtrain.core.files import TRAINER_STATE
+from llmtrain.engine.state import TrainState
 
 # ---------------------------------------------------------------------------------------------
 # finding, verifying, loading

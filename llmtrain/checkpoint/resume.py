@@ -15,21 +15,21 @@ import torch
 from llmtrain.checkpoint.format import restore_rng
 from llmtrain.checkpoint.layout import MANIFEST, Checkpoint, checkpoint_root
 from llmtrain.checkpoint.read import find_good_checkpoint, list_checkpoints, load_checkpoint, load_newest_good
+from llmtrain.core import files
+from llmtrain.core.errors import (
+    CheckpointError,
+    ConfigError,
+    UserError,
+)
+from llmtrain.core.files import CHECKPOINTS
 from llmtrain.data import EpochSampler, InstructionSampler, RandomWindowSampler
 from llmtrain.data.tokenizers import Tokenizer
 from llmtrain.distributed.layout import (
     Layout,
     broadcast_from_main,
 )
-from llmtrain.errors import (
-    CheckpointError,
-    ConfigError,
-    UserError,
-)
-from llmtrain.runs import files
-from llmtrain.runs.files import CHECKPOINTS
-from llmtrain.sinks import ConsoleSink
-from llmtrain.training.state import TrainState
+from llmtrain.engine.state import TrainState
+from llmtrain.metrics.dashboard import Dashboard
 
 
 def all_damaged(run_dir: Path, failures: list[str], what: str, own: bool = True) -> CheckpointError:
@@ -219,7 +219,7 @@ def check_same_tokenizer(checkpoint: Checkpoint, tokenizer: Tokenizer) -> None:
 def restore(
     checkpoint: Checkpoint, config_dict: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     scaler: torch.amp.GradScaler | None, sampler: RandomWindowSampler | EpochSampler | InstructionSampler,
-    sink: ConsoleSink,
+    sink: Dashboard,
 ) -> TrainState:
     """Load a checkpoint into the freshly built objects and report what came back and what changed."""
     changes = config_changes(checkpoint.trainer["config"], config_dict)

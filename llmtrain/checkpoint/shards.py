@@ -173,7 +173,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 def read_metadata(folder: Path) -> Any:
     """The DCP Metadata of a shards folder, unpickled with only its own classes allowed and then
     checked against the files it points at; raises CheckpointError naming .metadata otherwise."""
-    from llmtrain.errors import CheckpointError
+    from llmtrain.core.errors import CheckpointError
 
     path = Path(folder) / METADATA
     try:
@@ -301,7 +301,7 @@ def _as_checkpoint_error(folder: Path) -> Iterator[None]:
     raise anything torch.load or a copy raises: each made a user-facing error naming the folder."""
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from llmtrain.errors import CheckpointError
+    from llmtrain.core.errors import CheckpointError
 
     try:
         yield
@@ -314,7 +314,7 @@ def _as_checkpoint_error(folder: Path) -> Iterator[None]:
 
 
 def _check_same_keys(folder: Path, wanted: set[str], saved: set[str]) -> None:
-    from llmtrain.errors import CheckpointError
+    from llmtrain.core.errors import CheckpointError
 
     missing, extra = sorted(wanted - saved), sorted(saved - wanted)
     if missing or extra:

@@ -74,14 +74,14 @@ def main(argv: Sequence[str] | None = None) -> None:
             _dispatch(args)
         except BaseException as err:
             _ending()  # on the way out: a further signal must not cut the last line short
-            from llmtrain.cli.common import signal_stop  # llmtrain.errors and the standard library only
+            from llmtrain.cli.common import signal_stop  # llmtrain.core.errors and the standard library only
 
             stop = signal_stop(err)  # also what a signal became in code it interrupted half-way
             if stop is None:
                 raise
             _end_by_signal(stop, args)
     except SystemExit as exited:
-        from llmtrain.errors import EXIT_INTERRUPTED
+        from llmtrain.core.errors import EXIT_INTERRUPTED
 
         if argv is None and exited.code == EXIT_INTERRUPTED:  # stopped on request, in a process of its own
             from llmtrain.training.interrupts import exit_promptly
@@ -96,7 +96,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 def _end_by_signal(stop: BaseException, args: list[str]) -> NoReturn:
     """One line and the signal's exit code: 130 for a Ctrl-C (or a second signal), 75 for a SIGTERM."""
     if isinstance(stop, KeyboardInterrupt):  # a Ctrl-C outside the train loop (from main()'s first line), or a second signal
-        from llmtrain.errors import EXIT_ABORTED
+        from llmtrain.core.errors import EXIT_ABORTED
         from llmtrain.training.interrupts import AbortRequested, abort_at_once, abort_message, announce_abort
 
         if isinstance(stop, AbortRequested):  # at once: the interpreter's teardown can take seconds
@@ -104,7 +104,7 @@ def _end_by_signal(stop: BaseException, args: list[str]) -> NoReturn:
         announce_abort(abort_message(stop))
         sys.exit(EXIT_ABORTED)
     from llmtrain.cli.common import fail
-    from llmtrain.errors import EXIT_INTERRUPTED
+    from llmtrain.core.errors import EXIT_INTERRUPTED
 
     what = f"`llmtrain {args[0]}`" if args else "llmtrain"
     fail(f"SIGTERM before {what} finished; the same command starts it again", EXIT_INTERRUPTED, label="stopped")
@@ -148,7 +148,7 @@ def _dispatch(args: list[str]) -> None:
         print(version_line())
         return
     from llmtrain.cli.common import fail, signals_held
-    from llmtrain.errors import RunStopped
+    from llmtrain.core.errors import RunStopped
 
     command, rest = args[0], args[1:]
     if command not in COMMANDS:

@@ -36,9 +36,9 @@ def prepare_command(args: list[str]) -> None:
 
     from rich.markup import escape
 
+    from llmtrain.core.console import default_console
+    from llmtrain.core.errors import UserError
     from llmtrain.data.prepare import prepare_data
-    from llmtrain.errors import UserError
-    from llmtrain.sinks import default_console
 
     console = default_console()
     try:
@@ -87,7 +87,7 @@ def check_command(args: list[str]) -> None:
     opts = parse_command_line(parser, args)
     check_config_dir(opts.config_dir)
 
-    from llmtrain.errors import UserError
+    from llmtrain.core.errors import UserError
     from llmtrain.preflight.check import run_check
     from llmtrain.preflight.render import render
 
@@ -131,7 +131,7 @@ def sample_command(args: list[str]) -> None:
     if not -(2**63) <= opts.seed < 2**64:
         fail(f"--seed is {opts.seed}; use an integer between -2**63 and 2**64 - 1 (e.g. --seed 1).")
 
-    from llmtrain.errors import UserError
+    from llmtrain.core.errors import UserError
     from llmtrain.runs.sample import sample_text
 
     try:
@@ -162,7 +162,7 @@ def export_command(args: list[str]) -> None:
                         "tokenizer files for transformers' from_pretrained")
     opts = parser.parse_args(args)
 
-    from llmtrain.errors import UserError
+    from llmtrain.core.errors import UserError
     from llmtrain.runs.export import export_run
 
     try:
@@ -214,9 +214,9 @@ def compare_command(args: list[str]) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    from llmtrain.errors import UserError
+    from llmtrain.core.console import default_console
+    from llmtrain.core.errors import UserError
     from llmtrain.runs.compare import columns, compare_runs, plot_curves, ranking, rows, write_csv
-    from llmtrain.sinks import default_console
 
     try:
         summaries, common = compare_runs(opts.sweep_dir)
@@ -264,10 +264,10 @@ def report_command(args: list[str]) -> None:
                         "train does with report.console=short) instead of the table")
     opts = parser.parse_args(args)
 
-    from llmtrain.errors import UserError
+    from llmtrain.core.console import default_console
+    from llmtrain.core.errors import UserError
     from llmtrain.runs.report import write_report
     from llmtrain.runs.report.render import render_console
-    from llmtrain.sinks import default_console
 
     console = default_console()
     try:
@@ -304,9 +304,9 @@ def doctor_command(args: list[str]) -> None:
     opts = parse_command_line(parser, args)
     check_config_dir(opts.config_dir)
 
+    from llmtrain.core.console import default_console
+    from llmtrain.core.errors import UserError
     from llmtrain.doctor import run_doctor
-    from llmtrain.errors import UserError
-    from llmtrain.sinks import default_console
 
     flush_denormals_first(opts.overrides)  # as train does: the doctor's steps are the train loop's
     try:

@@ -3,7 +3,7 @@ takes config overrides (`parse_command_line`), what a signal's exception became 
 the hold on signals for work that must not be cut half-way, the shipped config folder, a value read
 off the command line, and the subnormal switch that must come before any compute.
 
-Only the standard library and `llmtrain.errors` at module level, like every module of the CLI:
+Only the standard library and `llmtrain.core.errors` at module level, like every module of the CLI:
 torch is imported inside the one function that needs it.
 """
 
@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
-from llmtrain.errors import EXIT_USER_ERROR
+from llmtrain.core.errors import EXIT_USER_ERROR
 
 if TYPE_CHECKING:
     import argparse
@@ -30,7 +30,7 @@ def fail(message: str, code: int = EXIT_USER_ERROR, label: str = "error") -> NoR
     stop = signal_stop(sys.exc_info()[1]) if label == "error" else None
     if stop is not None:
         raise stop
-    from llmtrain.runs.rundir import log_console
+    from llmtrain.core.rundir import log_console
 
     sys.stderr.write(f"llmtrain: {label}: {message}\n")
     log_console(f"llmtrain: {label}: {message}")

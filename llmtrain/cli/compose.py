@@ -48,7 +48,7 @@ def validate_overrides(
 
             report = run_check(cfg, measure_compute=False)
             if report.failures and not cfg.allow_check_failures:
-                from llmtrain.sinks import default_console
+                from llmtrain.core.console import default_console
 
                 render_refusal(report, default_console(stderr=True), check_command_line(job, extra_dir))
                 raise CheckFailed(report.refusal(), report)
@@ -80,7 +80,7 @@ def compose_config(overrides: list[str], extra_dir: str | None = None, config_na
     from hydra.core.global_hydra import GlobalHydra
 
     from llmtrain.config.hydra import register_configs, to_config
-    from llmtrain.errors import ConfigError
+    from llmtrain.core.errors import ConfigError
 
     parse_overrides(overrides)  # a word Hydra cannot read, or a sweep without -m: one paragraph that says what to write
     register_configs()
@@ -134,7 +134,7 @@ def parse_overrides(overrides: list[str], multirun: bool = False) -> list[Overri
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import OverrideParseException
 
-    from llmtrain.errors import ConfigError
+    from llmtrain.core.errors import ConfigError
 
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
@@ -238,7 +238,7 @@ def _composition_error(err: Exception) -> Exception:
     from omegaconf.errors import OmegaConfBaseException
 
     from llmtrain.config.hydra import describe_omegaconf_error
-    from llmtrain.errors import ConfigError
+    from llmtrain.core.errors import ConfigError
 
     if isinstance(err, MissingConfigException):
         missing = err.missing_cfg_file or ""

@@ -50,7 +50,7 @@ def configs_command(args: list[str]) -> None:
     check_config_dir(opts.config_dir)
 
     from llmtrain.config.catalog import catalog, find_group
-    from llmtrain.errors import UserError
+    from llmtrain.core.errors import UserError
 
     extra = Path(opts.config_dir).expanduser() if opts.config_dir else None
     width = max(MIN_WIDTH, shutil.get_terminal_size((100, 24)).columns)

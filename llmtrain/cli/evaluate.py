@@ -82,8 +82,8 @@ def eval_command(args: list[str]) -> None:
 
 def _device(name: str) -> torch.device:
     """--device as a torch device; a name torch does not know, or a device this machine lacks: UserError."""
+    from llmtrain.core.errors import ConfigError, UserError
     from llmtrain.distributed.layout import resolve_device
-    from llmtrain.errors import ConfigError, UserError
 
     try:
         return resolve_device(name)
@@ -99,13 +99,13 @@ def _evaluate(opts: argparse.Namespace, out: Path) -> None:
     from rich.markup import escape
 
     from llmtrain.cli.compose import compose_config
-    from llmtrain.errors import UserError
+    from llmtrain.core.console import default_console
+    from llmtrain.core.errors import UserError
     from llmtrain.evaluation.plan import plan, split_harness_shorthand, validation_task_source
     from llmtrain.evaluation.runner import render_results, run_tasks, write_results
     from llmtrain.evaluation.scoring import Scorer
     from llmtrain.model import param_count
     from llmtrain.runs.artifacts import load_run
-    from llmtrain.sinks import default_console
 
     console = default_console()
 

@@ -5,7 +5,7 @@
 it (llmtrain.cli.compose), and checks the run dirs it will write, so a bad value or an unwritable
 dir fails with exit code 2 and one readable paragraph before any work starts, instead of Hydra's
 exit 1 and stack-trace hint. This is where Hydra and OmegaConf end: the task converts the composed
-node into a typed Config and hands it to training (one process, or the ranks llmtrain.distributed.launch
+node into a typed Config and hands it to training (one process, or the ranks llmtrain.training.launch
 starts).
 """
 
@@ -33,9 +33,16 @@ from llmtrain.cli.common import (
     signals_held,
 )
 from llmtrain.cli.compose import upgrade_overrides, validate_overrides
-from llmtrain.distributed.launch import RanksStopped, ranks_from_submitit_tasks, run_local_ranks, shared_run_dir
-from llmtrain.errors import EXIT_INTERRUPTED, EXIT_USER_ERROR, Interrupted, RunStopped, StoppedBeforeStart, UserError
-from llmtrain.runs import files
+from llmtrain.core import files
+from llmtrain.core.errors import (
+    EXIT_INTERRUPTED,
+    EXIT_USER_ERROR,
+    Interrupted,
+    RunStopped,
+    StoppedBeforeStart,
+    UserError,
+)
+from llmtrain.training.launch import RanksStopped, ranks_from_submitit_tasks, run_local_ranks, shared_run_dir
 
 if TYPE_CHECKING:
     from llmtrain.config.schema import Config
@@ -95,7 +102,7 @@ def train_command(args: list[str]) -> None:
         # Refused, or stopped before a run was accepted: a dir this command made goes if it holds no run.
         # train_task removes its run's own; this also covers a signal landing between Hydra making the
         # run dir and the task's start, and a new sweep dir left with nothing but Hydra's multirun.yaml.
-        from llmtrain.runs.rundir import discard_created
+        from llmtrain.core.rundir import discard_created
 
         for made in ([sweep_dir] if sweep_dir is not None else run_dirs):
             discard_created(made, only_if_empty=True, keep=frozenset({"multirun.yaml"} if sweep_dir else ()))
@@ -110,7 +117,7 @@ def _plan_sweep_dir(overrides: list[str], args: list[str]) -> tuple[str, list[st
     before any work. Returns it and the arguments for Hydra."""
     import datetime
 
-    from llmtrain.runs.rundir import check_dir
+    from llmtrain.core.rundir import check_dir
 
     sweep_dir = given(overrides, "hydra.sweep.dir")
     if sweep_dir is None:
@@ -128,7 +135,7 @@ def _plan_run_dir(args: list[str], extra_dir: str | None, config_name: str | Non
     makes. Returns the arguments for Hydra and the dirs checked."""
     from hydra._internal.utils import get_args_parser
 
-    from llmtrain.runs.rundir import check_dir
+    from llmtrain.core.rundir import check_dir
 
     planned = _planned_dirs(get_args_parser().parse_args(args).overrides, extra_dir, config_name)
     if planned is None:  # the composition fails: validate_overrides says why, in one paragraph
@@ -193,7 +200,7 @@ def train_task(node) -> float | None:  # node: the composed OmegaConf DictConfig
     as it was, and removes a run dir this command created."""
     from hydra.core.hydra_config import HydraConfig
 
-    from llmtrain.runs import rundir
+    from llmtrain.core import rundir
 
     hydra_dir = HydraConfig.get().runtime.output_dir
     run_dir = node.get("out_dir") or hydra_dir
@@ -224,7 +231,7 @@ def _hydra_files(task_cfg) -> dict[str, str]:
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf
 
-    from llmtrain.runs.files import HYDRA_SUBDIR
+    from llmtrain.core.files import HYDRA_SUBDIR
 
     hydra_cfg = HydraConfig.instance().cfg
     return {
@@ -269,7 +276,7 @@ def _run_task(node, describe: Callable[[Path], None]) -> float | None:
 
 
 def _train_on_local_ranks(cfg: Config, resume_hint: Callable[[object], str], describe: Callable[[Path], None]) -> float | None:
-    """parallel.nproc=N: the ranks train (llmtrain.distributed.launch); this process exits with a
+    """parallel.nproc=N: the ranks train (llmtrain.training.launch); this process exits with a
     failed rank's code, or reads their results, writes the review and returns the run's objective."""
     try:
         run_local_ranks(cfg, resume_hint, describe)
@@ -291,7 +298,7 @@ def _report_after_run(cfg: Config, later: bool = False) -> None:
     review (plots, the weights reloaded) takes as long as several steps and the user is waiting."""
     if not cfg.report.enabled or os.environ.get("RANK", "0") != "0" or not (Path(cfg.out_dir) / files.METRICS).is_file():
         return
-    from llmtrain.sinks import default_console
+    from llmtrain.core.console import default_console
 
     if later:
         default_console().print(f"post-run review: not written, to stop promptly; `llmtrain report {cfg.out_dir}` "

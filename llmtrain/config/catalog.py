@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 
 from llmtrain.config.schema import GROUPS, Config, ModelConfig, config_to_dict, field_type, schema_fields
-from llmtrain.errors import ConfigError
+from llmtrain.core.errors import ConfigError
 
 # Hydra's own groups that llmtrain ships options for; their default is Hydra's built-in `basic`,
 # which has no file here. hydra/job_logging is llmtrain's plumbing (console.yaml), not a choice.

@@ -19,7 +19,7 @@ from llmtrain.config.schema import (
     SeqLenKeep,
     TokenizerKind,
 )
-from llmtrain.errors import ConfigError
+from llmtrain.core.errors import ConfigError
 
 
 def seq_len_schedule(cfg: Config) -> dict[int, int]:

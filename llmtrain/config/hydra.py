@@ -9,7 +9,7 @@ from typing import Any
 
 from llmtrain.config.schema import GROUPS, MAPPING_KEYS, Config, ModelConfig, enum_names, field_type, schema_fields
 from llmtrain.config.validate import validate
-from llmtrain.errors import ConfigError
+from llmtrain.core.errors import ConfigError
 
 
 def register_configs() -> None:

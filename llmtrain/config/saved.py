@@ -12,8 +12,8 @@ from pathlib import Path
 
 from llmtrain.config.hydra import config_from_dict
 from llmtrain.config.schema import Config
+from llmtrain.core.errors import ConfigError, UserError
 from llmtrain.core.readers import read_yaml
-from llmtrain.errors import ConfigError, UserError
 
 
 def read_saved(path: Path) -> Config:

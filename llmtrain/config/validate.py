@@ -20,6 +20,7 @@ from llmtrain.config.derived import (
     total_steps,
     world_size_of,
 )
+from llmtrain.config.eval_tasks import parse_task_specs  # standard library only: the config package stays torch-free
 from llmtrain.config.schema import (
     ALARM_NAMES,
     INIT_SCHEMES,
@@ -44,9 +45,8 @@ from llmtrain.config.schema import (
     TokenizerKind,
     WandbMode,
 )
-from llmtrain.distributed.cores import threads_error  # standard library only (torch lazily, to time a fallback)
-from llmtrain.errors import ConfigError
-from llmtrain.evaluation.specs import parse_task_specs  # standard library only: the config package stays torch-free
+from llmtrain.config.threads import threads_error
+from llmtrain.core.errors import ConfigError
 
 
 def validate(cfg: Config, world_size: int | None = None) -> None:

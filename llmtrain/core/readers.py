@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from llmtrain.errors import ConfigError
+from llmtrain.core.errors import ConfigError
 
 MB = 1 << 20
 # Limits by what a file is: far above any real one (GPT-2's config.json is 1 KB, a composed

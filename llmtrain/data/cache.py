@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from llmtrain.config.schema import DataConfig, DataSource, DecodeErrors, TokenizerKind
+from llmtrain.core.files import TOKENIZER  # the same file name in the data cache as in a run dir
 from llmtrain.core.readers import UnreadableFile, read_json
 from llmtrain.data.corpus import (
     SourceFile,
@@ -30,7 +31,6 @@ from llmtrain.data.corpus import (
     stdlib_root,
 )
 from llmtrain.data.tokenizers import GPT2_URL, PretrainedTokenizer, Tokenizer, gpt2_files, load_tokenizer
-from llmtrain.runs.files import TOKENIZER  # the same file name in the data cache as in a run dir
 
 # 2: end-of-text after every document for every tokenizer (byte 255; char: one more id).
 FORMAT_VERSION = 2
@@ -131,7 +131,7 @@ def decoded_files(cfg: DataConfig, files: list[SourceFile]) -> dict[str, str]:
 
 
 def gpt2_files_of(cfg: DataConfig) -> list[Path]:
-    from llmtrain.errors import ConfigError
+    from llmtrain.core.errors import ConfigError
 
     try:
         return gpt2_files(cfg.gpt2_dir)

@@ -35,7 +35,7 @@ def input_files(path: str, source: str) -> list[SourceFile]:
     paragraph) when nothing usable is found."""
     import glob as globbing
 
-    from llmtrain.errors import ConfigError
+    from llmtrain.core.errors import ConfigError
 
     expanded = Path(path).expanduser()
     suffixes = SUFFIXES[source]
@@ -83,8 +83,8 @@ def jsonl_documents(source: SourceFile, field: str) -> Iterator[tuple[str, bytes
     file and line."""
     import json
 
+    from llmtrain.core.errors import ConfigError
     from llmtrain.core.readers import read_lines
-    from llmtrain.errors import ConfigError
 
     for number, raw in read_lines(source.path, "a JSON-lines file", JSONL_LINE_BYTES):
         if not raw.strip():
@@ -136,8 +136,8 @@ def instruction_examples(
     assistant's turns are trained on). Errors name the file and line."""
     import json
 
+    from llmtrain.core.errors import ConfigError
     from llmtrain.core.readers import read_lines
-    from llmtrain.errors import ConfigError
 
     examples = []
     for number, raw in read_lines(source.path, "an instruction-data file", JSONL_LINE_BYTES):
@@ -347,7 +347,7 @@ def load_hf_dataset(name: str, config: str | None, split: str, data_files: str |
     """A Hugging Face `datasets.Dataset`: from a save_to_disk folder, or through load_dataset (a Hub
     name, cached after the first download, or a builder such as json/csv/parquet/text reading
     `data_files`). Every failure is a ConfigError naming the dataset and what would be valid."""
-    from llmtrain.errors import ConfigError
+    from llmtrain.core.errors import ConfigError
 
     try:
         import datasets

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from llmtrain.config.schema import DataConfig, DataSource, DecodeErrors, TokenizerKind
+from llmtrain.core.files import TOKENIZER  # the same file name in the data cache as in a run dir
 from llmtrain.data.cache import (
     FORMAT_VERSION,
     PreparedData,
@@ -55,11 +56,10 @@ from llmtrain.data.tokenizers import (
     gpt2_tokenizer,
     save_tokenizer,
 )
-from llmtrain.runs.files import TOKENIZER  # the same file name in the data cache as in a run dir
 
 
 def _gpt2_tokenizer(cfg: DataConfig, log: Callable[[str], None]) -> Tokenizer:
-    from llmtrain.errors import ConfigError
+    from llmtrain.core.errors import ConfigError
 
     paths = gpt2_files_of(cfg)
     if [hashlib.sha256(p.read_bytes()).hexdigest() for p in paths] != list(GPT2_SHA256):
@@ -181,7 +181,7 @@ def _build(
 ) -> PreparedData:
     """Plain text, streamed: documents are read in pieces, split by document, tokenized in batches and
     appended to the split's token file with end-of-text after every document."""
-    from llmtrain.errors import ConfigError
+    from llmtrain.core.errors import ConfigError
 
     skip = cfg.decode_errors is DecodeErrors.skip
     keep = bytearray(v or not skip for v in scan.valid)
@@ -426,7 +426,7 @@ def _build_instructions(
 ) -> PreparedData:
     """Examples -> tokens, a loss mask (1 = response token, trained on) and example offsets. The
     end-of-text token closes every example and is a target: the model learns to stop."""
-    from llmtrain.errors import ConfigError
+    from llmtrain.core.errors import ConfigError
 
     if len(raw) < 2:
         raise ConfigError(f"'data.path' ({cfg.path}) has {len(raw)} instruction example(s) with something to train on; "

@@ -263,8 +263,8 @@ class PretrainedTokenizer:
     def from_folder(cls, location: str, key: str = "data.tokenizer_dir") -> PretrainedTokenizer:
         """The folder's tokenizer.json with its end-of-text and beginning-of-text ids; ConfigError
         names a missing or unreadable file, or a tokenizer without end-of-text."""
-        from llmtrain.errors import ConfigError
-        from llmtrain.hf.folder import TOKENIZER
+        from llmtrain.core.errors import ConfigError
+        from llmtrain.core.hf_files import TOKENIZER
 
         path = _tokenizer_folder(location, key)
         file = path / TOKENIZER
@@ -317,7 +317,7 @@ class PretrainedTokenizer:
 
 
 def _tokenizer_folder(location: str, key: str) -> Path:
-    from llmtrain.hf.folder import folder_path
+    from llmtrain.core.hf_files import folder_path
 
     return folder_path(location, key)
 
@@ -325,8 +325,8 @@ def _tokenizer_folder(location: str, key: str) -> Path:
 def _read_tokenizer_json(file: Path):
     from tokenizers import Tokenizer as HFTokenizer
 
+    from llmtrain.core.errors import ConfigError
     from llmtrain.core.readers import TOKENIZER_BYTES, read_text
-    from llmtrain.errors import ConfigError
 
     text = read_text(file, "a tokenizer", TOKENIZER_BYTES)  # a regular file of a tokenizer's size, UTF-8
     try:
@@ -339,12 +339,12 @@ def _read_tokenizer_json(file: Path):
 def _special_ids(path: Path, inner, key: str) -> tuple[int | None, int | None, str]:
     """(bos, eos, where eos was found): config.json's ids when it has them, else the token strings
     of tokenizer_config.json looked up in the tokenizer."""
-    from llmtrain.hf.folder import CONFIG, TOKENIZER_CONFIG, HFFolder, read_config
+    from llmtrain.core.hf_files import CONFIG, TOKENIZER_CONFIG, read_config, special_ids
 
     bos = eos = None
     if (path / CONFIG).is_file():
         # Any architecture's config.json names its special ids; the layout does not matter here.
-        bos, eos = HFFolder(path, key, read_config(path, key), "", {}).special_ids()
+        bos, eos = special_ids(path, read_config(path, key))
         if eos is not None:
             return bos, eos, CONFIG
     settings = path / TOKENIZER_CONFIG
@@ -513,8 +513,8 @@ def save_tokenizer(tokenizer: Tokenizer, path: Path) -> None:
 def load_tokenizer(path: Path) -> Tokenizer:
     """A tokenizer.json that `save_tokenizer` wrote (a run's, an export's); UserError naming the file
     when it is not one (truncated, another program's, of an unknown kind)."""
+    from llmtrain.core.errors import UserError
     from llmtrain.core.readers import TOKENIZER_BYTES, read_json
-    from llmtrain.errors import UserError
 
     data = read_json(path, "the run's tokenizer", TOKENIZER_BYTES)
     kind = data.get("kind") if isinstance(data, dict) else None

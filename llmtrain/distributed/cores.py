@@ -23,40 +23,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-AUTO = "auto"
 SAMPLE_SECONDS = 0.25  # long enough for a few scheduler ticks on every core, short beside start-up
 # A core counts as free when at least this much of it is: 2 threads where 1.85 of 2 cores are free
 # beat 1 thread, at 1.5 they stall on the busy one (OpenMP spin-waits; see the module docstring).
 FREE_CORE_SHARE = 0.8
-
-
-def parse_threads(value: object) -> int | None:
-    """The `threads` setting as a count, or None for auto (`auto`, or null from an older config).
-    A count given as a string ("4": a quoted override) is a count too. ValueError when neither."""
-    if value is None or (isinstance(value, str) and value.strip().lower() == AUTO):
-        return None
-    if isinstance(value, bool):  # bool is an int to Python; `threads=true` is no count
-        raise ValueError(str(value).lower())
-    if isinstance(value, int):
-        count = value
-    elif isinstance(value, str) and value.strip().lstrip("+").isdigit():
-        count = int(value.strip())
-    else:
-        raise ValueError(str(value))
-    if count < 1:
-        raise ValueError(str(count))
-    return count
-
-
-def threads_error(value: object) -> str | None:
-    """The one paragraph a bad `threads` value gets (None: the value is good)."""
-    try:
-        parse_threads(value)
-    except ValueError as err:
-        return (f"'threads' is {err}; use auto (the default: count the CPU cores other processes leave free at "
-                "start-up and use those), a number of threads per process >= 1 (e.g. threads=2), or null (the "
-                "same as auto).")
-    return None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Process layout: device choice, CPU threads per process (threads=auto measures the free cores:
 distributed/cores.py), and the torch.distributed side of a run of several processes (process
 group, the few collectives the loop needs). How the processes
-start is llmtrain.distributed.launch; how the model is wrapped, llmtrain.distributed.wrapping.
+start is llmtrain.training.launch; how the model is wrapped, llmtrain.distributed.wrapping.
 
 A distributed run is several processes that each run the whole train loop on their own slice of
 every batch; `Layout` says which one this is. Rank 0 alone prints and writes files.
@@ -18,7 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from llmtrain.distributed.cores import ThreadChoice, auto_threads, cgroup_cpu_quota, parse_threads, usable_cores
+from llmtrain.config.threads import parse_threads
+from llmtrain.distributed.cores import ThreadChoice, auto_threads, cgroup_cpu_quota, usable_cores
 
 
 def local_world_size() -> int:
@@ -63,7 +64,7 @@ def resolve_device(name: str) -> torch.device:
         if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
             return torch.device("mps")
         return torch.device("cpu")
-    from llmtrain.errors import ConfigError
+    from llmtrain.core.errors import ConfigError
 
     device = torch.device(name)
     if device.type == "cuda":

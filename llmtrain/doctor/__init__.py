@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llmtrain.config.schema import Config
-from llmtrain.errors import UserError
+from llmtrain.core.errors import UserError
 
 if TYPE_CHECKING:
     from rich.console import Console

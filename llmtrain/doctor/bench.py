@@ -22,15 +22,15 @@ from torch import nn
 
 from llmtrain.config.derived import model_vocab_size, seq_len_of
 from llmtrain.config.schema import Config
+from llmtrain.config.threads import parse_threads
 from llmtrain.config.validate import validate
+from llmtrain.core.errors import ConfigError, UserError
 from llmtrain.data.cache import PreparedData
-from llmtrain.distributed.cores import parse_threads
 from llmtrain.distributed.layout import Layout
-from llmtrain.errors import ConfigError, UserError
+from llmtrain.engine.precision import resolve_precision
+from llmtrain.engine.step import Batch, accumulate_gradients
 from llmtrain.model import GPT
-from llmtrain.training.precision import resolve_precision
 from llmtrain.training.setup import ModelFactory, build_data, build_runtime, build_train_sampler, new_model
-from llmtrain.training.step import Batch, accumulate_gradients
 
 ONE_PROCESS = Layout()  # a doctor experiment runs in this process alone
 

@@ -27,7 +27,7 @@ from llmtrain.doctor.bench import (
     render_checks,
     write_json,
 )
-from llmtrain.training.step import evaluate
+from llmtrain.engine.step import evaluate
 
 # ---------------------------------------------------------------------------------------------
 # eval-consistency

@@ -29,7 +29,7 @@ from llmtrain.doctor.bench import (
     render_checks,
     write_json,
 )
-from llmtrain.training.precision import autocast_factory, native_bf16
+from llmtrain.engine.precision import autocast_factory, native_bf16
 
 # ---------------------------------------------------------------------------------------------
 # grad-check

@@ -14,6 +14,7 @@ from rich.console import Console
 
 from llmtrain.config.derived import describe_lr, effective_lr
 from llmtrain.config.schema import Config
+from llmtrain.core.errors import UserError
 from llmtrain.doctor.bench import (
     Bench,
     ModelFactory,
@@ -25,10 +26,9 @@ from llmtrain.doctor.bench import (
     prepare_out_dir,
     write_json,
 )
-from llmtrain.errors import UserError
-from llmtrain.training.optim import build_optimizer, clip_gradients
-from llmtrain.training.precision import autocast_factory, build_grad_scaler
-from llmtrain.training.step import accumulate_gradients
+from llmtrain.engine.optim import build_optimizer, clip_gradients
+from llmtrain.engine.precision import autocast_factory, build_grad_scaler
+from llmtrain.engine.step import accumulate_gradients
 
 # ---------------------------------------------------------------------------------------------
 # lr-range

@@ -34,8 +34,8 @@ from llmtrain.doctor.bench import (
     prepare_out_dir,
     write_json,
 )
-from llmtrain.training.optim import build_optimizer, grad_norm
-from llmtrain.training.precision import autocast_factory, build_grad_scaler
+from llmtrain.engine.optim import build_optimizer, grad_norm
+from llmtrain.engine.precision import autocast_factory, build_grad_scaler
 
 # ---------------------------------------------------------------------------------------------
 # overfit

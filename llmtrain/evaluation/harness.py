@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from llmtrain.errors import UserError
-from llmtrain.evaluation.specs import TaskSpec, encodable
+from llmtrain.config.eval_tasks import TaskSpec, encodable
+from llmtrain.core.errors import UserError
 
 if TYPE_CHECKING:
     from llmtrain.config.schema import EvalConfig

@@ -24,10 +24,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from llmtrain.config.eval_tasks import TASK_BYTES, TaskSpec, encodable, target_problem
+from llmtrain.core.errors import UserError
 from llmtrain.core.readers import UnreadableFile, parse_json, read_lines
 from llmtrain.data.corpus import json_kind
-from llmtrain.errors import UserError
-from llmtrain.evaluation.specs import TASK_BYTES, TaskSpec, encodable, target_problem
 
 if TYPE_CHECKING:
     from llmtrain.config.schema import EvalConfig

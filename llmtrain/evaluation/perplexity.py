@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from llmtrain.errors import ConfigError, UserError
-from llmtrain.evaluation.specs import TASK_BYTES, TaskSpec, encodable, target_problem
+from llmtrain.config.eval_tasks import TASK_BYTES, TaskSpec, encodable, target_problem
+from llmtrain.core.errors import ConfigError, UserError
 
 if TYPE_CHECKING:
     from llmtrain.config.schema import DataConfig, EvalConfig
@@ -269,7 +269,7 @@ def validation_source(data: PreparedData, cfg: EvalConfig | None = None) -> Vali
     """perplexity:validation: the documents of the prepared data's val split (the first eval.limit),
     each scored on its own as held-out text is. UserError for instruction data (its prompts are not
     scored in training) and for an empty split."""
-    from llmtrain.evaluation.specs import VALIDATION
+    from llmtrain.config.eval_tasks import VALIDATION
 
     if data.meta.get("loss_mask"):
         raise UserError(f"{VALIDATION.name}: the run's data is instruction data (only the responses are trained on), "

@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from llmtrain.config.eval_tasks import VALIDATION, parse_task_specs
 from llmtrain.config.saved import read_saved
 from llmtrain.config.schema import Config, EvalConfig
-from llmtrain.errors import ConfigError, UserError
-from llmtrain.evaluation.specs import VALIDATION, parse_task_specs
+from llmtrain.core.errors import ConfigError, UserError
+from llmtrain.core.files import CONFIG
 from llmtrain.evaluation.tasks import TaskSource, data_source, read_tasks, validation_source
-from llmtrain.runs.files import CONFIG
 
 # Overrides `llmtrain eval` takes: the eval section, the data to measure, and the harness shorthand.
 HARNESS_SHORTHAND = "harness.tasks"

@@ -27,12 +27,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from llmtrain.checkpoint.format import write_atomically
+from llmtrain.core.console import is_plain
+from llmtrain.core.errors import UserError
+from llmtrain.core.files import EVAL_RESULTS
 from llmtrain.core.readers import MB, UnreadableFile, read_json
-from llmtrain.errors import UserError
 from llmtrain.evaluation.scoring import Scorer
 from llmtrain.evaluation.tasks import Task
-from llmtrain.runs.files import EVAL_RESULTS
-from llmtrain.sinks import is_plain, scored_text
+from llmtrain.metrics.text import scored_text
 
 # The table's columns: (metric key, heading, format); other metrics of a task go into "other".
 COLUMNS = (("loss", "loss", "{:.4f}"), ("perplexity", "perplexity", "{:.3f}"), ("bits_per_byte", "bits/byte", "{:.4f}"),

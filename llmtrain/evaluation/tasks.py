@@ -16,7 +16,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
-from llmtrain.errors import UserError
+from llmtrain.config.eval_tasks import VALIDATION, TaskSpec
+from llmtrain.core.errors import UserError
 from llmtrain.evaluation.multiple_choice import MultipleChoiceSource, MultipleChoiceTask, read_multiple_choice
 from llmtrain.evaluation.perplexity import (
     PerplexityTask,
@@ -26,7 +27,6 @@ from llmtrain.evaluation.perplexity import (
     read_perplexity,
     validation_source,
 )
-from llmtrain.evaluation.specs import VALIDATION, TaskSpec
 
 if TYPE_CHECKING:
     from llmtrain.config.schema import EvalConfig

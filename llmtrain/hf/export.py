@@ -27,10 +27,10 @@ from typing import Any
 
 import torch
 
+from llmtrain.core.errors import UserError
+from llmtrain.core.hf_files import CONFIG, GENERATION_CONFIG, WEIGHTS
 from llmtrain.core.readers import UnreadableFile, read_json
-from llmtrain.errors import UserError
 from llmtrain.hf import layouts
-from llmtrain.hf.folder import CONFIG, GENERATION_CONFIG, WEIGHTS
 from llmtrain.hf.tokenizer_files import SPECIAL_TOKENS_MAP, TOKENIZER, TOKENIZER_CONFIG, HFTokenizer, tokenizer_files
 
 # Every file either export format writes: a folder holding only these, with an export's mark, is a

@@ -20,9 +20,10 @@ from typing import Any
 
 from llmtrain.config.schema import Config, DataConfig, ModelConfig, TokenizerKind
 from llmtrain.config.validate import validate
-from llmtrain.errors import ConfigError
+from llmtrain.core.errors import ConfigError
+from llmtrain.core.hf_files import CONFIG, TOKENIZER
 from llmtrain.hf import layouts
-from llmtrain.hf.folder import CONFIG, TOKENIZER, HFFolder, check_weights
+from llmtrain.hf.folder import HFFolder, check_weights
 
 KEY = "model.init_from"
 

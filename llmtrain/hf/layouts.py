@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from llmtrain.config.schema import MlpKind, ModelConfig, NormKind, NormPosition, PositionEncoding
-from llmtrain.errors import ConfigError
+from llmtrain.core.errors import ConfigError
 
 GPT2 = "gpt2"
 LLAMA = "llama"

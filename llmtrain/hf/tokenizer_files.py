@@ -24,7 +24,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from llmtrain.errors import ConfigError
+from llmtrain.core.errors import ConfigError
 
 END_OF_TEXT = "<|endoftext|>"
 TOKENIZER = "tokenizer.json"

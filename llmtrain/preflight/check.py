@@ -44,9 +44,12 @@ from llmtrain.config.schema import (
     Precision,
     ResidualInit,
 )
+from llmtrain.core.errors import UserError
 from llmtrain.data import quality
 from llmtrain.data.cache import source_files
-from llmtrain.errors import UserError
+from llmtrain.engine.precision import native_bf16
+from llmtrain.engine.schedule import final_lr, held_lr_text
+from llmtrain.engine.step import evaluate
 from llmtrain.model import GPT
 from llmtrain.preflight.estimate import (
     estimate_memory,
@@ -57,9 +60,6 @@ from llmtrain.preflight.estimate import (
 )
 from llmtrain.preflight.facts import MEMORY_WARN_FRACTION, TOKENS_PER_PARAM, Facts, gather_facts
 from llmtrain.preflight.parameters import WITHOUT_EMBEDDINGS
-from llmtrain.training.precision import native_bf16
-from llmtrain.training.schedule import final_lr, held_lr_text
-from llmtrain.training.step import evaluate
 
 EXIT_PASS, EXIT_WARN, EXIT_FAIL = 0, 1, 2
 # An explicit model.vocab_size this many times the data's vocabulary (and 64+ ids above it) warns:

@@ -47,9 +47,9 @@ from llmtrain.config.schema import (
     PositionEncoding,
     Precision,
 )
-from llmtrain.health.probes import matmul_peak_flops, rss_mb
 from llmtrain.model import mlp_width
 from llmtrain.model_tensors import model_tensors
+from llmtrain.monitor.probes import matmul_peak_flops, rss_mb
 
 MB = 2**20
 LAYOUTS = ("single", "ddp", "zero1", "fsdp")

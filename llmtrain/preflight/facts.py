@@ -13,9 +13,10 @@ import torch
 
 from llmtrain.config.derived import expected_data_vocab, model_vocab_size, seq_len_of, total_steps, world_size_of
 from llmtrain.config.schema import Config, Precision, TokenizerKind
+from llmtrain.core.errors import UserError
 from llmtrain.data.cache import cached_meta, pretrained_tokenizer, source_files
 from llmtrain.distributed.layout import resolve_device
-from llmtrain.errors import UserError
+from llmtrain.engine.precision import resolve_precision
 from llmtrain.model_tensors import model_tensors
 from llmtrain.preflight.estimate import (
     ComputeEstimate,
@@ -30,7 +31,6 @@ from llmtrain.preflight.estimate import (
     runtime_bytes,
 )
 from llmtrain.preflight.parameters import WITHOUT_EMBEDDINGS, ParameterCounts, parameter_counts
-from llmtrain.training.precision import resolve_precision
 
 MEMORY_WARN_FRACTION = 0.85  # above this share of the free memory, fragmentation and spikes can OOM
 TOKENS_PER_PARAM = 20  # compute-optimal training (Chinchilla): ~20 tokens per parameter without embeddings

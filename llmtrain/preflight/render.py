@@ -11,11 +11,11 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from llmtrain.core.console import default_console
 from llmtrain.preflight.check import CheckReport, Status
 from llmtrain.preflight.estimate import format_bytes, format_seconds
 from llmtrain.preflight.facts import TOKENS_PER_PARAM, Facts
 from llmtrain.preflight.parameters import WITHOUT_EMBEDDINGS
-from llmtrain.sinks import default_console
 
 # ---------------------------------------------------------------------------------------------
 # Output

@@ -25,13 +25,13 @@ from llmtrain.config.hydra import model_config_from_dict
 from llmtrain.config.saved import read_saved
 from llmtrain.config.schema import Config, ModelConfig
 from llmtrain.config.validate import validate_model
+from llmtrain.core.errors import CheckpointError, ConfigError, UserError
+from llmtrain.core.files import CONFIG, FINAL_WEIGHTS, TOKENIZER
 from llmtrain.core.readers import UnreadableFile, read_json, require_regular_file
 from llmtrain.data.tokenizers import Tokenizer, load_tokenizer
-from llmtrain.errors import CheckpointError, ConfigError, UserError
 from llmtrain.model import GPT, uninitialized
 from llmtrain.model_tensors import check_stored, model_tensors
 from llmtrain.preflight.estimate import available_memory, format_bytes
-from llmtrain.runs.files import CONFIG, FINAL_WEIGHTS, TOKENIZER
 
 # An `llmtrain export` folder: these two files and the run's tokenizer.json.
 WEIGHTS = "model.safetensors"
@@ -148,9 +148,9 @@ def is_export(path: Path) -> bool:
 def is_hf_folder(path: Path) -> bool:
     """A Hugging Face model folder (`llmtrain export --format hf`, or transformers' save_pretrained):
     config.json, safetensors weights (whole or sharded) and tokenizer.json."""
-    from llmtrain.hf.folder import CONFIG as HF_CONFIG
-    from llmtrain.hf.folder import TOKENIZER as HF_TOKENIZER
-    from llmtrain.hf.folder import WEIGHTS_INDEX
+    from llmtrain.core.hf_files import CONFIG as HF_CONFIG
+    from llmtrain.core.hf_files import TOKENIZER as HF_TOKENIZER
+    from llmtrain.core.hf_files import WEIGHTS_INDEX
 
     weights = (path / WEIGHTS).is_file() or (path / WEIGHTS_INDEX).is_file()
     return weights and (path / HF_CONFIG).is_file() and (path / HF_TOKENIZER).is_file() and not is_export(path)
@@ -176,7 +176,7 @@ def load_hf_folder(path: Path, device: str = "cpu") -> TrainedRun:
 
 def _max_length(path: Path) -> int:
     """tokenizer_config.json's model_max_length (transformers writes ~1e30 when it is unknown)."""
-    from llmtrain.hf.folder import TOKENIZER_CONFIG
+    from llmtrain.core.hf_files import TOKENIZER_CONFIG
 
     try:
         settings = read_json(path / TOKENIZER_CONFIG, "the tokenizer's settings")

@@ -28,9 +28,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from llmtrain.core.errors import UserError
+from llmtrain.core.files import CHECKPOINTS, CONFIG, EVAL_RESULTS, FINAL_WEIGHTS, HYDRA_SUBDIR, METRICS, TOKENIZER, Kind
 from llmtrain.core.readers import TOKENIZER_BYTES, UnreadableFile, read_bytes, read_json, read_yaml
-from llmtrain.errors import UserError
-from llmtrain.runs.files import CHECKPOINTS, CONFIG, EVAL_RESULTS, FINAL_WEIGHTS, HYDRA_SUBDIR, METRICS, TOKENIZER, Kind
 from llmtrain.runs.leftout import denser, enough
 from llmtrain.runs.records import Records, number, read_records
 

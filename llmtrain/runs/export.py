@@ -19,12 +19,12 @@ import torch
 from safetensors.torch import save_model
 
 from llmtrain.config.schema import config_to_dict
+from llmtrain.core.errors import UserError
+from llmtrain.core.files import TOKENIZER
 from llmtrain.data.tokenizers import Tokenizer, save_tokenizer
-from llmtrain.errors import UserError
 from llmtrain.hf.export import check_target, export_hf, write_export
 from llmtrain.model import GPT
 from llmtrain.runs.artifacts import MODEL_CONFIG, WEIGHTS, load_run
-from llmtrain.runs.files import TOKENIZER
 
 
 def export_model(model: GPT, tokenizer: Tokenizer, context: int, out_dir: Path,

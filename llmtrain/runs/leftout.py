@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from llmtrain.health.cadence import activation_every, cadence_text
+from llmtrain.monitor.cadence import activation_every, cadence_text
 
 CURVE_MIN_POINTS = 3
 TARGET_POINTS = 5  # what a suggested setting aims for: a curve with a shape

@@ -26,8 +26,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from llmtrain.core.files import EVENTS, METRICS, Kind
 from llmtrain.core.readers import read_lines
-from llmtrain.runs.files import EVENTS, METRICS, Kind
 
 Record = dict[str, Any]
 

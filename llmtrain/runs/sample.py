@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
+from llmtrain.core.errors import UserError
 from llmtrain.data.tokenizers import Utf8Guard
-from llmtrain.errors import UserError
 from llmtrain.model import GPT, param_count
 from llmtrain.model_tensors import model_tensors
 from llmtrain.preflight.estimate import available_memory, format_bytes

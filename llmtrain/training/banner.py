@@ -6,9 +6,9 @@ import torch
 
 from llmtrain.config.derived import SeqLenStage, describe_lr, micro_batch_size_derived, resolved_warmup_steps
 from llmtrain.config.schema import Config, ParallelMode, Precision, SeqLenKeep
+from llmtrain.engine.schedule import final_lr, held_lr_text, lr_at
 from llmtrain.preflight.estimate import ComputeEstimate, estimate_compute, format_seconds
 from llmtrain.training.run import Run
-from llmtrain.training.schedule import final_lr, held_lr_text, lr_at
 
 
 def print_banner(run: Run) -> None:

@@ -21,16 +21,16 @@ from typing import Any
 import torch
 
 from llmtrain.checkpoint.policy import CheckpointPolicy
+from llmtrain.core.files import Kind
+from llmtrain.engine.state import TrainResult
+from llmtrain.engine.step import Batch, evaluate
 from llmtrain.evaluation.scoring import Scorer, random_states_kept
-from llmtrain.runs.files import Kind
-from llmtrain.sinks import ConsoleSink
-from llmtrain.training.state import TrainResult
-from llmtrain.training.step import Batch, evaluate
+from llmtrain.metrics.dashboard import Dashboard
 
 
 class Evaluator:
     def __init__(self, eval_interval: int, model: torch.nn.Module, batches: list[Batch], device: torch.device,
-                 autocast: Callable[[], ContextManager], sink: ConsoleSink, metrics: Any, result: TrainResult,
+                 autocast: Callable[[], ContextManager], sink: Dashboard, metrics: Any, result: TrainResult,
                  saver: CheckpointPolicy, tasks: Sequence[Any] = (), scorer: Scorer | None = None,
                  watch: Any = None) -> None:
         # model: the plain model (not the DDP wrapper): evaluation needs no gradient sync

@@ -32,9 +32,8 @@ from contextlib import contextmanager
 from types import FrameType, TracebackType
 from typing import NoReturn
 
-from llmtrain.errors import EXIT_ABORTED, StoppedBeforeStart
-from llmtrain.runs import rundir
-from llmtrain.training import faults
+from llmtrain.core import faults, rundir
+from llmtrain.core.errors import EXIT_ABORTED, StoppedBeforeStart
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 # After a second signal, the main thread gets this long to unwind by itself (the metrics' end

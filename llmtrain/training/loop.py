@@ -43,22 +43,22 @@ import torch
 
 from llmtrain.checkpoint.format import save_final_weights
 from llmtrain.config.schema import Config
+from llmtrain.core import files
+from llmtrain.core.errors import Interrupted, RunStopped
+from llmtrain.core.files import Kind
 from llmtrain.distributed.layout import all_reduce_sum, barrier, broadcast_from_main, end_process_group, layout_from_env
-from llmtrain.errors import Interrupted, RunStopped
-from llmtrain.health.probes import cuda_memory_mb, peak_rss_mb
-from llmtrain.runs import files
-from llmtrain.runs.files import Kind
-from llmtrain.sinks import ConsoleSink
+from llmtrain.engine.schedule import lr_at
+from llmtrain.engine.state import TrainResult, TrainState
+from llmtrain.engine.step import Batch, accumulate_gradients, apply_update, count_tokens, is_finite, unscale_and_clip
+from llmtrain.metrics.dashboard import Dashboard
+from llmtrain.monitor.probes import cuda_memory_mb, peak_rss_mb
 from llmtrain.training.interrupts import StopRequest, signal_text
 from llmtrain.training.recovery import Outcome, Verdict, act_on_alarms, handle_nonfinite
 from llmtrain.training.run import Run
-from llmtrain.training.schedule import lr_at
 from llmtrain.training.setup import build_run
-from llmtrain.training.state import TrainResult, TrainState
-from llmtrain.training.step import Batch, accumulate_gradients, apply_update, count_tokens, is_finite, unscale_and_clip
 
 
-def train(cfg: Config, console: ConsoleSink | None = None,
+def train(cfg: Config, console: Dashboard | None = None,
           on_accept: Callable[[Path], None] | None = None) -> TrainResult:
     """Train as this process's part of the run: the whole run for one process; under torchrun or
     parallel.nproc, one rank of a ddp/zero1/fsdp run (rank 0 prints and writes). `on_accept(run_dir)`
@@ -208,7 +208,7 @@ def finish(run: Run) -> TrainResult:
     if run.layout.is_main:
         save_final_weights(weights, run.run_dir, run.state.step)
         # The peaks again, now that the final save and (FSDP2) the gather of the weights are done.
-        # The sinks are closed: MetricsSink appends this record to metrics.jsonl alone (TensorBoard
+        # The sinks are closed: MetricsWriter appends this record to metrics.jsonl alone (TensorBoard
         # and W&B are finished), through a handle of its own.
         run.metrics.write(end_record(run.state, run.device))
     summary = run.progress.summary(run.state, run.data.unigram_entropy)

@@ -16,18 +16,18 @@ from typing import Any
 
 import torch
 
+from llmtrain.core.files import Kind
 from llmtrain.data.sampler import EpochOrder
-from llmtrain.runs.files import Kind
-from llmtrain.sinks import ConsoleSink
+from llmtrain.engine.state import TrainResult, TrainState
+from llmtrain.engine.timing import StepTimer
+from llmtrain.metrics.dashboard import Dashboard
 from llmtrain.training.eta import StepClock
 from llmtrain.training.stages import SeqLenStages
-from llmtrain.training.state import TrainResult, TrainState
 from llmtrain.training.throughput import SlowdownWatch
-from llmtrain.training.timing import StepTimer
 
 
 class Progress:
-    def __init__(self, log_interval: int, timer: StepTimer, sink: ConsoleSink, metrics: Any,
+    def __init__(self, log_interval: int, timer: StepTimer, sink: Dashboard, metrics: Any,
                  result: TrainResult, flops_per_token: float, scaler: torch.amp.GradScaler | None, sampler: Any,
                  stages: SeqLenStages, eta: StepClock | None = None, slowdown: SlowdownWatch | None = None,
                  clock: Callable[[], float] = time.perf_counter) -> None:

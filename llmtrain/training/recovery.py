@@ -20,15 +20,15 @@ from llmtrain.checkpoint.format import restore_rng
 from llmtrain.checkpoint.policy import CheckpointPolicy
 from llmtrain.checkpoint.read import find_good_checkpoint, load_checkpoint
 from llmtrain.config.schema import Config, MonitorAction, NonFinitePolicy
-from llmtrain.errors import (
+from llmtrain.core.errors import (
     HealthStop,
     NonFiniteStop,
 )
-from llmtrain.health.detectors import Alarm
-from llmtrain.health.watch import HealthWatch, NullWatch
-from llmtrain.runs.files import Kind
-from llmtrain.sinks import MetricsSink
-from llmtrain.training.state import TrainState
+from llmtrain.core.files import Kind
+from llmtrain.engine.state import TrainState
+from llmtrain.metrics.writer import MetricsWriter
+from llmtrain.monitor.detectors import Alarm
+from llmtrain.monitor.watch import HealthWatch, NullWatch
 
 
 class Verdict(enum.Enum):
@@ -56,7 +56,7 @@ class Restored:
 
 def handle_nonfinite(
     cfg: Config, state: TrainState, loss: torch.Tensor, grad_norm: torch.Tensor, saver: CheckpointPolicy,
-    metrics: MetricsSink, warn: Callable[[str], None], model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+    metrics: MetricsWriter, warn: Callable[[str], None], model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     scaler: torch.amp.GradScaler | None, watch: HealthWatch | NullWatch | None = None,
 ) -> Outcome:
     """The update of this step was not applied. Skip it, roll back, or stop, as configured. The
@@ -106,7 +106,7 @@ def agreed_good_checkpoint(saver: CheckpointPolicy, warn: Callable[[str], None])
 
 def roll_back(
     target: Path, state: TrainState, lr_factor: float, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-    scaler: torch.amp.GradScaler | None, metrics: MetricsSink | Any,
+    scaler: torch.amp.GradScaler | None, metrics: MetricsWriter | Any,
 ) -> Restored:
     """Reload weights, optimizer, scaler and RNG from a checkpoint; the data sampler is NOT rewound,
     so the windows since the checkpoint (the bad one included) are skipped."""
@@ -128,7 +128,7 @@ def roll_back(
 
 def act_on_alarm(
     alarm: Alarm, cfg: Config, state: TrainState, watch: HealthWatch | NullWatch, saver: CheckpointPolicy,
-    warn: Callable[[str], None], metrics: MetricsSink | Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+    warn: Callable[[str], None], metrics: MetricsWriter | Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     scaler: torch.amp.GradScaler | None,
 ) -> Outcome:
     """Carry out an alarm's configured action: APPLY (the update goes ahead, maybe with a cut LR
@@ -163,7 +163,7 @@ def act_on_alarm(
 
 def act_on_alarms(
     alarms: list[Alarm], cfg: Config, state: TrainState, watch: HealthWatch | NullWatch, saver: CheckpointPolicy,
-    warn: Callable[[str], None], metrics: MetricsSink | Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+    warn: Callable[[str], None], metrics: MetricsWriter | Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     scaler: torch.amp.GradScaler | None,
 ) -> Outcome:
     """Every alarm's action, in order, each on the state the previous one left: a rollback wins

@@ -13,18 +13,19 @@ import torch
 from llmtrain.checkpoint.policy import CheckpointPolicy
 from llmtrain.config.derived import SeqLenStage
 from llmtrain.config.schema import Config, PrecisionConfig
+from llmtrain.core.faults import Faults
 from llmtrain.data import EpochSampler, InstructionSampler, RandomWindowSampler
 from llmtrain.data.cache import PreparedData
 from llmtrain.distributed.layout import Layout
-from llmtrain.health.watch import HealthWatch, NullWatch
+from llmtrain.engine.state import TrainResult, TrainState
+from llmtrain.engine.step import Batch
+from llmtrain.metrics.dashboard import Dashboard
+from llmtrain.metrics.writer import MetricsWriter, NullMetricsWriter
+from llmtrain.monitor.watch import HealthWatch, NullWatch
 from llmtrain.preflight.check import CheckReport
-from llmtrain.sinks import ConsoleSink, MetricsSink, NullSink
 from llmtrain.training.evaluator import Evaluator
-from llmtrain.training.faults import Faults
 from llmtrain.training.progress import Progress
 from llmtrain.training.stages import SeqLenStages
-from llmtrain.training.state import TrainResult, TrainState
-from llmtrain.training.step import Batch
 
 TrainSampler = RandomWindowSampler | EpochSampler | InstructionSampler
 
@@ -70,7 +71,7 @@ class Run:
     cfg: Config
     layout: Layout
     run_dir: Path
-    sink: ConsoleSink
+    sink: Dashboard
     warn: Callable[[str], None]  # a warning on the console
     runtime: Runtime
     data: PreparedData
@@ -97,7 +98,7 @@ class Run:
     faults: Faults
     eval_tasks: list[Any]  # eval.tasks, encoded (llmtrain.evaluation.tasks.Task): run at every evaluation
     # The loop's parts, built after the banner (the sinks open files, and W&B prints):
-    metrics: MetricsSink | NullSink = field(init=False)
+    metrics: MetricsWriter | NullMetricsWriter = field(init=False)
     flops_per_token: float = field(init=False)
     result: TrainResult = field(init=False)
     watch: HealthWatch | NullWatch = field(init=False)

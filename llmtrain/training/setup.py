@@ -61,6 +61,7 @@ from llmtrain.config.derived import (
     total_micro_batches,
     total_steps,
 )
+from llmtrain.config.eval_tasks import VALIDATION, parse_task_specs
 from llmtrain.config.schema import (
     CheckpointFormat,
     CompileMode,
@@ -72,6 +73,10 @@ from llmtrain.config.schema import (
     config_to_dict,
 )
 from llmtrain.config.validate import validate
+from llmtrain.core import files
+from llmtrain.core.errors import ConfigError
+from llmtrain.core.faults import Faults
+from llmtrain.core.files import Kind
 from llmtrain.data import EpochSampler, InstructionSampler, RandomWindowSampler, prepare_data
 from llmtrain.data.cache import PreparedData
 from llmtrain.data.tokenizers import Tokenizer
@@ -93,41 +98,37 @@ from llmtrain.distributed.wrapping import (
     shard_model,
     zero_redundancy,
 )
-from llmtrain.errors import ConfigError
+from llmtrain.engine.optim import build_optimizer
+from llmtrain.engine.precision import autocast_factory, build_grad_scaler, resolve_precision
+from llmtrain.engine.schedule import lr_at
+from llmtrain.engine.state import TrainResult, TrainState
+from llmtrain.engine.step import Batch
+from llmtrain.engine.timing import StepTimer
 from llmtrain.evaluation.scoring import Scorer, random_states_kept
-from llmtrain.evaluation.specs import VALIDATION, parse_task_specs
 from llmtrain.evaluation.tasks import Task, TaskSource, read_tasks
-from llmtrain.health.diagnosis import run_facts
-from llmtrain.health.probes import device_memory_mb, matmul_peak_flops
-from llmtrain.health.watch import HealthWatch, NullWatch
 from llmtrain.hf.folder import load_weights
 from llmtrain.hf.init import apply_init_from, open_folder
+from llmtrain.metrics.dashboard import Dashboard
+from llmtrain.metrics.writer import MetricsWriter, NullMetricsWriter
 from llmtrain.model import GPT, uninitialized
 from llmtrain.model_tensors import model_tensors
+from llmtrain.monitor.diagnosis import run_facts
+from llmtrain.monitor.probes import device_memory_mb, matmul_peak_flops
+from llmtrain.monitor.watch import HealthWatch, NullWatch
 from llmtrain.preflight.check import CheckFailed, CheckReport, run_check
 from llmtrain.preflight.render import check_command_line, render_refusal
-from llmtrain.runs import files
-from llmtrain.runs.files import Kind
-from llmtrain.sinks import ConsoleSink, MetricsSink, NullSink
 from llmtrain.training.banner import print_banner, run_estimate
 from llmtrain.training.eta import StepClock
 from llmtrain.training.evaluator import Evaluator
-from llmtrain.training.faults import Faults
-from llmtrain.training.optim import build_optimizer
-from llmtrain.training.precision import autocast_factory, build_grad_scaler, resolve_precision
 from llmtrain.training.progress import Progress
 from llmtrain.training.run import Model, Optimization, Run, Runtime, TrainSampler
-from llmtrain.training.schedule import lr_at
 from llmtrain.training.stages import SeqLenStages
-from llmtrain.training.state import TrainResult, TrainState
-from llmtrain.training.step import Batch
 from llmtrain.training.throughput import SlowdownWatch
-from llmtrain.training.timing import StepTimer
 
 ModelFactory = Callable[[ModelConfig, int], torch.nn.Module]
 
 
-def build_run(cfg: Config, console: ConsoleSink | None, layout: Layout,
+def build_run(cfg: Config, console: Dashboard | None, layout: Layout,
               on_accept: Callable[[Path], None] | None = None) -> Run:
     """Set up the run as this process's part of it (see the module docstring for the order)."""
     apply_init_from(cfg)  # model.init_from: already resolved by the CLI (idempotent); a Config built in code is here
@@ -143,7 +144,7 @@ def build_run(cfg: Config, console: ConsoleSink | None, layout: Layout,
     runtime = build_runtime(cfg, layout)
     device = runtime.device
     steps_total, seq_len, stages = total_steps(cfg), seq_len_of(cfg), seq_len_stages(cfg)
-    sink = console or ConsoleSink(steps_total, Console(quiet=True) if not layout.is_main else None)
+    sink = console or Dashboard(steps_total, Console(quiet=True) if not layout.is_main else None)
     warn = console_warning(sink)
 
     data = build_data(cfg, layout, lambda msg: sink.print(f"[dim]{escape(msg)}[/]"), progress=layout.is_main)
@@ -188,7 +189,7 @@ def build_run(cfg: Config, console: ConsoleSink | None, layout: Layout,
     return run
 
 
-def console_warning(sink: ConsoleSink) -> Callable[[str], None]:
+def console_warning(sink: Dashboard) -> Callable[[str], None]:
     def warn(message: str) -> None:
         sink.print(f"[bold yellow]warning:[/] {message}")
 
@@ -257,7 +258,7 @@ def build_data(cfg: Config, layout: Layout, log: Callable[[str], None], progress
     return data
 
 
-def refuse_failed_check(cfg: Config, data: PreparedData, sink: ConsoleSink) -> CheckReport:
+def refuse_failed_check(cfg: Config, data: PreparedData, sink: Dashboard) -> CheckReport:
     """The pre-flight checklist (`llmtrain check`), now with the data's real size: FAIL refuses
     (unless allow_check_failures)."""
     check = run_check(cfg, measure_compute=False, data_meta=data.meta)
@@ -445,8 +446,8 @@ def accept_run(run_dir: Path, config_dict: dict, tokenizer: Tokenizer, fresh_sta
 def build_loop_parts(run: Run, checkpoint: Checkpoint | None) -> None:
     """The sinks (and the `start` record), then the watch, saver, evaluator, stages and progress."""
     cfg, layout, state = run.cfg, run.layout, run.state
-    run.metrics = (MetricsSink(run.run_dir, cfg.tensorboard, cfg.wandb.value, cfg.wandb_project, run.config_dict,
-                               run.warn) if layout.is_main else NullSink())
+    run.metrics = (MetricsWriter(run.run_dir, cfg.tensorboard, cfg.wandb.value, cfg.wandb_project, run.config_dict,
+                               run.warn) if layout.is_main else NullMetricsWriter())
     run.flops_per_token = model_tensors(cfg.model, run.model.model.vocab_size).flops_per_token(run.seq_len)
     # Appending (never truncating) keeps earlier records (a resumed run continues the same file).
     run.metrics.write({"kind": Kind.START, "time": time.time(), "steps": run.steps_total,

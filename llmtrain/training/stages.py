@@ -10,12 +10,12 @@ from __future__ import annotations
 from typing import Any
 
 from llmtrain.config.derived import SeqLenStage, stage_at
-from llmtrain.runs.files import Kind
-from llmtrain.sinks import ConsoleSink
+from llmtrain.core.files import Kind
+from llmtrain.metrics.dashboard import Dashboard
 
 
 class SeqLenStages:
-    def __init__(self, stages: list[SeqLenStage], sampler: Any, sink: ConsoleSink, metrics: Any,
+    def __init__(self, stages: list[SeqLenStage], sampler: Any, sink: Dashboard, metrics: Any,
                  processes_per_step: int) -> None:
         # processes_per_step: accumulation steps x world size, the micro-batches of one optimizer step
         self.stages, self.sampler, self.sink, self.metrics = stages, sampler, sink, metrics

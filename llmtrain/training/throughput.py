@@ -17,8 +17,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from llmtrain.core.files import Kind
 from llmtrain.distributed.cores import CoreMeter, CpuSample
-from llmtrain.runs.files import Kind
 
 REFERENCE_INTERVALS = 5
 MIN_REFERENCE_INTERVALS = 3  # intervals before there is a reference at all

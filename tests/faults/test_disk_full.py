@@ -29,8 +29,9 @@ from rich.console import Console
 from llmtrain.checkpoint.format import _write_file, describe_write_error
 from llmtrain.checkpoint.read import list_checkpoints, verify
 from llmtrain.config.schema import SaveErrorPolicy
-from llmtrain.errors import EXIT_SAVE_FAILED, SaveFailed
-from llmtrain.sinks import ConsoleSink, MetricsSink
+from llmtrain.core.errors import EXIT_SAVE_FAILED, SaveFailed
+from llmtrain.metrics.dashboard import Dashboard
+from llmtrain.metrics.writer import MetricsWriter
 from llmtrain.training.loop import train
 
 from ..conftest import tiny_config
@@ -86,9 +87,9 @@ def after_checkpoint(run_dir: Path, step: int) -> Callable[[Path], bool]:
     return lambda path: folder.is_dir()
 
 
-def captured() -> tuple[ConsoleSink, io.StringIO]:
+def captured() -> tuple[Dashboard, io.StringIO]:
     output = io.StringIO()
-    return ConsoleSink(0, Console(file=output, width=400)), output
+    return Dashboard(0, Console(file=output, width=400)), output
 
 
 def jsonl(path: Path) -> list[dict]:
@@ -199,7 +200,7 @@ def test_a_failed_final_save_is_retried_after_the_loop_without_a_closed_sink_cra
 
 
 def test_metrics_written_after_close_are_appended_not_raised(tmp_path: Path) -> None:
-    metrics = MetricsSink(tmp_path)
+    metrics = MetricsWriter(tmp_path)
     metrics.write({"kind": "start", "step": 0})
     metrics.close()
     metrics.write({"kind": "checkpoint_error", "step": 1, "error": "disk full"})

@@ -16,14 +16,14 @@ from pathlib import Path
 
 import pytest
 
+from llmtrain.config.eval_tasks import parse_task_specs
 from llmtrain.config.schema import EvalConfig
+from llmtrain.core.errors import UserError
 from llmtrain.data.tokenizers import ByteTokenizer
-from llmtrain.errors import UserError
 from llmtrain.evaluation import multiple_choice, perplexity
 from llmtrain.evaluation.plan import saved_config
 from llmtrain.evaluation.runner import write_results
 from llmtrain.evaluation.scoring import Scorer, encode_pair
-from llmtrain.evaluation.specs import parse_task_specs
 from llmtrain.evaluation.tasks import read_tasks
 from llmtrain.hf.export import PARTIAL
 from llmtrain.model import GPT

@@ -17,7 +17,7 @@ from llmtrain.cli import COMMANDS, main
 from llmtrain.cli.compose import compose_config, validate_overrides
 from llmtrain.config.derived import accumulation_steps, micro_batch_size_derived
 from llmtrain.config.schema import ALARM_NAMES
-from llmtrain.errors import ConfigError
+from llmtrain.core.errors import ConfigError
 
 from ..conftest import run_cli
 from ..test_cli_run import TINY, llmtrain

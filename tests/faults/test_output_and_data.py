@@ -21,13 +21,14 @@ import pytest
 from rich.console import Console
 
 from llmtrain.config.schema import DataConfig, DataSource, TokenizerKind
+from llmtrain.core.console import default_console
 from llmtrain.data import corpus
 from llmtrain.data.prepare import prepare_data
+from llmtrain.metrics.dashboard import Dashboard
 from llmtrain.preflight.check import Status, run_check
 from llmtrain.runs.records import Records
 from llmtrain.runs.report import build_report
 from llmtrain.runs.report.learning import overfitting
-from llmtrain.sinks import ConsoleSink, default_console
 from llmtrain.training.banner import threads_text
 from llmtrain.training.loop import train
 
@@ -82,7 +83,7 @@ def test_default_console_off_a_terminal(monkeypatch: pytest.MonkeyPatch, capsys:
     console = default_console()
     long = "word " * 60 + "end"
     console.print(long)
-    sink = ConsoleSink(1, console)
+    sink = Dashboard(1, console)
     sink.banner("title", [("key", "value " * 40 + "(the loss to beat)"), ("longer key", "v")])
     out = capsys.readouterr().out
     assert_plain(out)
@@ -123,12 +124,12 @@ def test_report_tokens_are_the_tokens_resume_reports(tmp_path: Path, monkeypatch
     overrides = {"max_steps": 8, "log_interval": 3, "checkpoint.every_steps": 5, "report": False}
     monkeypatch.setenv("LLMTRAIN_TEST_CRASH_RANK_AT", "0:6")
     with pytest.raises(RuntimeError, match="test crash"):
-        train(tiny_config(run, **overrides), console=ConsoleSink(8, Console(file=io.StringIO(), width=300)))
+        train(tiny_config(run, **overrides), console=Dashboard(8, Console(file=io.StringIO(), width=300)))
     monkeypatch.delenv("LLMTRAIN_TEST_CRASH_RANK_AT")
     report_tokens = dict(build_report(run, inference_check=False).facts)["tokens"]
 
     output = io.StringIO()
-    train(tiny_config(run, **overrides), console=ConsoleSink(8, Console(file=output, width=300)))
+    train(tiny_config(run, **overrides), console=Dashboard(8, Console(file=output, width=300)))
     resumed = re.search(r"resumed from .*?: step (\d+), ([\d,]+) tokens", output.getvalue())
     assert resumed, output.getvalue()
     assert resumed.group(1) == "5"
@@ -200,7 +201,7 @@ def test_train_on_degenerate_data_runs_and_its_banner_lists_the_warning(tmp_path
     path.write_bytes(DEGENERATE["nul.txt"])
     output = io.StringIO()
     result = train(_text_config(path, tmp_path / "run", max_steps=3, report=False),
-                   console=ConsoleSink(2, Console(file=output, width=400)))
+                   console=Dashboard(2, Console(file=output, width=400)))
     assert result.steps == 3
     assert re.search(r"warn\s+data content: nul\.txt", output.getvalue()), output.getvalue()
 

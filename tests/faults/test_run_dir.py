@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 
 from llmtrain.cli import main
-from llmtrain.runs import rundir
+from llmtrain.core import rundir
 
 from ..test_cli_run import TINY, llmtrain
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from llmtrain.checkpoint.read import verify
-from llmtrain.errors import EXIT_ABORTED, EXIT_INTERRUPTED, RunStopped, StoppedBeforeStart
+from llmtrain.core.errors import EXIT_ABORTED, EXIT_INTERRUPTED, RunStopped, StoppedBeforeStart
 from llmtrain.training.interrupts import StopRequest
 
 from ..conftest import run_cli

@@ -47,10 +47,11 @@ from typing import Any
 from llmtrain.checkpoint.format import write_atomically
 from llmtrain.config.saved import read_saved
 from llmtrain.config.schema import DataSource
-from llmtrain.errors import UserError
+from llmtrain.core.errors import UserError
+from llmtrain.core.files import CONFIG, METRICS, REPORT_HTML, REPORT_MD, TRAINER_STATE, Kind
+from llmtrain.metrics.text import is_number
 from llmtrain.preflight.parameters import ParameterCounts
 from llmtrain.runs.compare import recorded_overrides, summarize
-from llmtrain.runs.files import CONFIG, METRICS, REPORT_HTML, REPORT_MD, TRAINER_STATE, Kind
 from llmtrain.runs.leftout import Reasons
 from llmtrain.runs.records import Record, Records, read_records
 from llmtrain.runs.report.alarms import alarms, health_quantities
@@ -61,7 +62,6 @@ from llmtrain.runs.report.plots import draw_plots
 from llmtrain.runs.report.render import to_html, to_markdown
 from llmtrain.runs.report.resources import memory, step_time
 from llmtrain.runs.report.verdict import NA, Report, Verdict
-from llmtrain.sinks import is_number
 
 # ---------------------------------------------------------------------------------------------
 # reading the run

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from llmtrain.runs.files import (
+from llmtrain.core.files import (
     Kind,
 )
 from llmtrain.runs.records import Record, Records

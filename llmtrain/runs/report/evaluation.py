@@ -7,15 +7,15 @@ import json
 from pathlib import Path
 from typing import Any
 
-from llmtrain.runs.files import (
+from llmtrain.core.files import (
     EVAL_RESULTS,
     Kind,
 )
+from llmtrain.metrics.text import TASK_COUNTS, TASK_HEADLINE, is_number, scored_text, task_metrics_text
 from llmtrain.runs.leftout import Reasons, enough
 from llmtrain.runs.records import Record, Records, number
 from llmtrain.runs.report.plots import remove_stale
 from llmtrain.runs.report.verdict import Evaluation
-from llmtrain.sinks import TASK_COUNTS, TASK_HEADLINE, is_number, scored_text, task_metrics_text
 
 # ---------------------------------------------------------------------------------------------
 # evaluation tasks

@@ -7,8 +7,8 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from llmtrain.errors import UserError
-from llmtrain.runs.files import (
+from llmtrain.core.errors import UserError
+from llmtrain.core.files import (
     TOKENIZER,
 )
 from llmtrain.runs.report.verdict import NA, OK, WARN, Verdict

@@ -8,10 +8,10 @@ import math
 import statistics
 from dataclasses import dataclass
 
-from llmtrain.health.detectors import SPIKE_MIN_RISE, SPIKE_MIN_SHARE, is_spike, robust_z
-from llmtrain.runs.files import (
+from llmtrain.core.files import (
     Kind,
 )
+from llmtrain.monitor.detectors import SPIKE_MIN_RISE, SPIKE_MIN_SHARE, is_spike, robust_z
 from llmtrain.runs.records import Records
 from llmtrain.runs.report.verdict import FAIL, NA, OK, WARN, Verdict, logged
 

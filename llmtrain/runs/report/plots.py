@@ -8,7 +8,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from llmtrain.runs.files import (
+from llmtrain.core.files import (
     Kind,
 )
 from llmtrain.runs.leftout import Reasons, enough

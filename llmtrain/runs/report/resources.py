@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import statistics
 
-from llmtrain.runs.files import (
+from llmtrain.core.files import (
     Kind,
 )
 from llmtrain.runs.records import Records, number

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from llmtrain.runs.files import (
+from llmtrain.core.files import (
     EVENTS,
     METRICS,
 )

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 
 from llmtrain.config.schema import OptimConfig
 from llmtrain.data.sampler import IGNORE_INDEX
-from llmtrain.training.optim import clip_gradients
-from llmtrain.training.timing import StepTimer
+from llmtrain.engine.optim import clip_gradients
+from llmtrain.engine.timing import StepTimer
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 

@@ -38,8 +38,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmtrain.config.schema import MonitorAction, MonitorConfig
-from llmtrain.health.diagnosis import Cause, RunFacts, Signals, diagnose
-from llmtrain.runs.files import Kind
+from llmtrain.core.files import Kind
+from llmtrain.monitor.diagnosis import Cause, RunFacts, Signals, diagnose
 
 
 @dataclass
@@ -83,7 +83,7 @@ class Alarm:
                 "causes": [cause.to_record() for cause in self.causes]}
 
     def explain(self) -> str:
-        from llmtrain.health.catalog import explain, explain_ranked
+        from llmtrain.monitor.catalog import explain, explain_ranked
 
         recent = ", ".join(f"{v:.4g}" for v in self.values[-6:])
         where = f" (blocks {', '.join(map(str, self.blocks))})" if self.blocks else ""

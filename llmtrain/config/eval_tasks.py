@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmtrain.errors import ConfigError, UserError
+from llmtrain.core.errors import ConfigError, UserError
 
 KINDS = ("perplexity", "multiple_choice", "harness")
 # The most text one task may hold: a task is read whole into memory (and tokenized there), so a

@@ -19,10 +19,14 @@ from pathlib import Path
 import torch
 
 from llmtrain.config.schema import MonitorConfig
-from llmtrain.health.cadence import activation_every
-from llmtrain.health.detectors import Alarm, HealthMonitor, Sample
-from llmtrain.health.diagnosis import RunFacts
-from llmtrain.health.probes import (
+from llmtrain.core import faults, files
+from llmtrain.core.files import Kind
+from llmtrain.metrics.dashboard import Dashboard
+from llmtrain.metrics.writer import JsonlSink, MetricsWriter, NullMetricsWriter
+from llmtrain.monitor.cadence import activation_every
+from llmtrain.monitor.detectors import Alarm, HealthMonitor, Sample
+from llmtrain.monitor.diagnosis import RunFacts
+from llmtrain.monitor.probes import (
     ActivationProbe,
     block_norms,
     cuda_memory_mb,
@@ -30,10 +34,6 @@ from llmtrain.health.probes import (
     rss_mb,
     total_norm,
 )
-from llmtrain.runs import files
-from llmtrain.runs.files import Kind
-from llmtrain.sinks import ConsoleSink, JsonlSink, MetricsSink, NullSink
-from llmtrain.training import faults
 
 INTERVAL_LOSSES_KEPT = 1000  # a check interval's losses kept for its mean: bounded memory at any monitor.interval
 
@@ -42,8 +42,8 @@ class HealthWatch:
     """The monitor, as the loop sees it: one call per moment of the step (before/after the forward,
     the check, after the optimizer step), plus what a checkpoint, a rollback or a stop needs."""
 
-    def __init__(self, cfg: MonitorConfig, model: torch.nn.Module, run_dir: Path, sink: ConsoleSink,
-                 metrics: MetricsSink | NullSink, steps_total: int, fp16_without_scaler: bool = False,
+    def __init__(self, cfg: MonitorConfig, model: torch.nn.Module, run_dir: Path, sink: Dashboard,
+                 metrics: MetricsWriter | NullMetricsWriter, steps_total: int, fp16_without_scaler: bool = False,
                  flops_per_token: float = 0.0, write_events: bool = True, world_size: int = 1,
                  facts: RunFacts | None = None, peak_flops: float | None = None) -> None:
         self.flops_per_token = flops_per_token
@@ -58,7 +58,7 @@ class HealthWatch:
         self.blocks = model.blocks
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.monitor = HealthMonitor(cfg, facts)
-        self.events = JsonlSink(run_dir / files.EVENTS) if write_events else NullSink()
+        self.events = JsonlSink(run_dir / files.EVENTS) if write_events else NullMetricsWriter()
         self.steps_total = steps_total
         # From the planned total, not the resume point: a resumed run samples the steps the
         # uninterrupted one does (sampling itself draws no random numbers).

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from llmtrain.errors import (
+from llmtrain.core.errors import (
     EXIT_ABORTED,
     EXIT_HEALTH_STOP,
     EXIT_INTERRUPTED,
@@ -148,7 +148,7 @@ def rank_main(cfg: Config, on_accept: Callable[[Path], None] | None = None) -> N
     The exit skips interpreter teardown (os._exit after flushing): torch's C++ threads (FSDP2 over
     gloo) can abort it ("terminate called without an active exception") after a run that went
     well. An unexpected exception still propagates, so the parent shows its traceback."""
-    from llmtrain.errors import RunStopped
+    from llmtrain.core.errors import RunStopped
     from llmtrain.training.loop import train
 
     is_main = os.environ.get("RANK") == "0"

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from llmtrain.runs.files import Kind
+from llmtrain.core.files import Kind
 
 PHASES = ("data", "forward", "backward", "optimizer", "other")
 

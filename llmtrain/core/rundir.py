@@ -25,8 +25,8 @@ import shutil
 from collections.abc import Mapping
 from pathlib import Path
 
-from llmtrain.errors import ConfigError
-from llmtrain.runs.files import JOB_LOG, layout_problems
+from llmtrain.core.errors import ConfigError
+from llmtrain.core.files import JOB_LOG, layout_problems
 
 # Hydra's default job-log format for Python logging's records; console lines are written as shown.
 LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"
