@@ -82,9 +82,9 @@ def main(argv: list[str] | None = None) -> int:
           f"probe, {on * 1e3:.1f} ms with it ({(on / off - 1) * 100:+.1f}%, within the machine's noise)")
     print(f"inside the hooks: {per_sample * 1e3:.3f} ms per sample = {per_sample / off:.2%} of one step")
     monitor = MonitorConfig()
-    for steps_total in (50, 100, 1000):
-        samples = samples_expected(monitor, steps_total)
-        print(f"a {steps_total}-step run: {samples} samples = {samples * per_sample / (steps_total * off):.3%} of its "
+    for total_steps in (50, 100, 1000):
+        samples = samples_expected(monitor, total_steps)
+        print(f"a {total_steps}-step run: {samples} samples = {samples * per_sample / (total_steps * off):.3%} of its "
               "step time")
     return 0
 

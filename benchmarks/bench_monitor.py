@@ -6,7 +6,7 @@ Both configurations run the real `train()` on the default model and data, altern
 process; each timing covers the steps after `--warmup`. Reported: median ms/step of each and the
 overhead of the monitor (target <= 3%). On a machine whose speed drifts between repetitions that
 difference is noisy, so one more run with the monitor on measures its cost directly: the wall time
-spent inside the watch's calls (every `HealthWatch` method the loop calls, the check's sync
+spent inside the watch's calls (every `Monitor` method the loop calls, the check's sync
 included) as a share of the loop's time.
 """
 
@@ -26,7 +26,7 @@ from rich.console import Console
 
 from llmtrain.config.schema import Config
 from llmtrain.data import prepare_data
-from llmtrain.monitor.watch import HealthWatch
+from llmtrain.monitor.watch import Monitor
 
 WATCH_CALLS = ("before_forward", "waited_for_data", "after_forward", "skip_check", "check", "after_step",
                "action_taken", "nonfinite")
@@ -36,7 +36,7 @@ def time_inside_the_watch(cfg: Config, warmup: int) -> tuple[float, float]:
     """(seconds per step inside the watch's calls, seconds per step of the loop) after `warmup`."""
     spent = [0.0]
     counting = [False]
-    originals = {name: getattr(HealthWatch, name) for name in WATCH_CALLS}
+    originals = {name: getattr(Monitor, name) for name in WATCH_CALLS}
 
     def timed(method: Callable) -> Callable:
         def call(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
@@ -55,12 +55,12 @@ def time_inside_the_watch(cfg: Config, warmup: int) -> tuple[float, float]:
 
     try:
         for name, method in originals.items():
-            setattr(HealthWatch, name, timed(method))
-        HealthWatch.before_forward = timed(start_counting)
+            setattr(Monitor, name, timed(method))
+        Monitor.before_forward = timed(start_counting)
         per_step = time_llmtrain(cfg, warmup)
     finally:
         for name, method in originals.items():
-            setattr(HealthWatch, name, method)
+            setattr(Monitor, name, method)
     return spent[0] / (cfg.max_steps - warmup), per_step
 
 

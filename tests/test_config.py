@@ -190,10 +190,10 @@ def test_option_composes_converts_and_builds(group: str, option: str, tmp_path: 
         else:
             assert policy.every_steps and policy.on_nonfinite is NonFinitePolicy.skip
     elif group == "monitor":
-        from llmtrain.monitor.detectors import HealthMonitor
+        from llmtrain.monitor.detectors import Detectors
 
         assert cfg.monitor.enabled == (option != "off")
-        monitor = HealthMonitor(cfg.monitor)
+        monitor = Detectors(cfg.monitor)
         assert monitor.action_for("loss_spike") in set(MonitorAction)
     elif group == "eval":
         from llmtrain.config.eval_tasks import parse_task_specs

@@ -15,7 +15,7 @@ from llmtrain.monitor.diagnosis import CAUSES, DIFFERENTIAL, RunFacts, Signals, 
 from llmtrain.preflight.check import run_check
 
 LOW, HIGH = sane_lr_range(Config().optim.name, 128)
-HEALTHY = RunFacts(lr=3e-3, lr_low=LOW, lr_high=HIGH, n_embd=128, n_layer=4, warmup_steps=50, steps_total=1000,
+HEALTHY = RunFacts(lr=3e-3, lr_low=LOW, lr_high=HIGH, n_embd=128, n_layer=4, warmup_steps=50, total_steps=1000,
                    schedule_steps=1000, init_gain=128 * 0.02**2, init_std=0.02, weight_decay=0.1, baseline=3.25,
                    chance=math.log(256))
 
@@ -39,7 +39,7 @@ def top(alarm: str, facts: RunFacts, **signals: object) -> str:
     ("grad_norm_high", {"fp16_without_scaler": True}, {"step": 30}, "fp16_no_scaler"),
     ("loss_spike", {"shuffled": False}, {"step": 80}, "data_unshuffled"),
     ("update_ratio_high", {"weight_decay": 10.0}, {"step": 30, "update_ratio": 0.2}, "weight_decay_too_high"),
-    ("lr_zero", {"schedule_steps": 100, "steps_total": 300}, {"step": 130}, "schedule_ended"),
+    ("lr_zero", {"schedule_steps": 100, "total_steps": 300}, {"step": 130}, "schedule_ended"),
 ])
 def test_the_true_cause_ranks_first(alarm: str, change: dict, signals: dict, expected: str) -> None:
     assert top(alarm, dataclasses.replace(HEALTHY, **change), **signals) == expected
@@ -86,7 +86,7 @@ def test_every_alarm_has_a_differential_of_known_causes() -> None:
 def fixes_of(cfg: Config) -> tuple[dict[str, str], RunFacts]:
     validate(cfg)
     rows = run_check(cfg, measure_compute=False).rows
-    facts = run_facts(cfg, rows, peak_lr=cfg.optim.lr, steps_total=1000, schedule_steps=1000, schedule_floor=0.0,
+    facts = run_facts(cfg, rows, peak_lr=cfg.optim.lr, total_steps=1000, schedule_steps=1000, schedule_floor=0.0,
                       baseline=3.25, vocab_size=256, fp16_without_scaler=False)
     return {row.item: row.fix for row in rows if row.fix}, facts
 

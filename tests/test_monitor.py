@@ -10,20 +10,20 @@ import pytest
 
 from llmtrain.config.schema import ALARM_NAMES, MonitorAction, MonitorConfig
 from llmtrain.monitor.catalog import CATALOG, explain
-from llmtrain.monitor.detectors import Alarm, HealthMonitor, Sample, robust_z, theil_sen_slope
+from llmtrain.monitor.detectors import Alarm, Detectors, Sample, robust_z, theil_sen_slope
 from llmtrain.monitor.diagnosis import RunFacts
 
 
 def sample(step: int, **kw: object) -> Sample:
     base = dict(loss=3.0, grad_norm=1.0, block_grad_norms=[0.5, 0.6, 0.7], param_norm=100.0,
-                lr_applied=1e-3, lr_schedule=1e-3, rss_mb=500.0, steps_total=10_000)
+                lr_applied=1e-3, lr_schedule=1e-3, rss_mb=500.0, total_steps=10_000)
     base.update(kw)
     return Sample(step=step, **base)  # type: ignore[arg-type]
 
 
 def run(stream: list[Sample], cfg: MonitorConfig | None = None) -> dict[str, int]:
     """Feed a stream; return {alarm name: step it was first raised}."""
-    monitor = HealthMonitor(cfg or MonitorConfig())
+    monitor = Detectors(cfg or MonitorConfig())
     first: dict[str, int] = {}
     for s in stream:
         for alarm in monitor.check(s):
@@ -73,7 +73,7 @@ def test_starved_blocks_raise_grad_norm_low_with_the_blocks_named() -> None:
     stream = noisy(10)
     for s in stream:
         s.block_grad_norms = [1e-9, 1e-9, 1e-9]
-    monitor = HealthMonitor(MonitorConfig())
+    monitor = Detectors(MonitorConfig())
     alarms = [a for s in stream for a in monitor.check(s)]
     assert [a.name for a in alarms] == ["grad_norm_low"] and alarms[0].blocks == [0, 1, 2]
 
@@ -102,7 +102,7 @@ def test_lr_zero_and_exploding() -> None:
     for s in stream[5:]:
         s.lr_applied = s.lr_schedule = 0.0  # a schedule at zero with 9,980 steps to go
     assert run(stream).get("lr_zero") == 8
-    end = noisy(20, steps_total=20)
+    end = noisy(20, total_steps=20)
     end[-1].lr_applied = end[-1].lr_schedule = 0.0  # zero on the last step is a schedule ending
     assert "lr_zero" not in run(end)
     exploding = noisy(20)
@@ -117,7 +117,7 @@ def test_activation_mean_drift_and_variance_trends() -> None:
     for s in drift:
         if s.activation_mean is not None:
             s.activation_mean = [0.0, 3.0, 0.0]
-    monitor = HealthMonitor(cfg)
+    monitor = Detectors(cfg)
     raised = [a for s in drift for a in monitor.check(s)]
     assert [a.name for a in raised] == ["activation_mean_drift"], "raised once, not at every sample"
     assert raised[0].blocks == [1]
@@ -156,7 +156,7 @@ def test_fp16_without_scaler_fires_at_once() -> None:
 
 
 def test_reduce_lr_has_a_cooldown() -> None:
-    monitor = HealthMonitor(MonitorConfig(cooldown_checks=10))
+    monitor = Detectors(MonitorConfig(cooldown_checks=10))
     first = monitor.action_for("grad_norm_high")
     second = monitor.action_for("grad_norm_high")
     assert (first, second) == (MonitorAction.reduce_lr, MonitorAction.warn)
@@ -166,10 +166,10 @@ def test_state_round_trip_keeps_windows_and_active_alarms() -> None:
     stream = noisy(30)
     for s in stream[10:]:
         s.grad_norm = 500.0
-    a = HealthMonitor(MonitorConfig())
+    a = Detectors(MonitorConfig())
     for s in stream[:20]:
         a.check(s)
-    b = HealthMonitor(MonitorConfig())
+    b = Detectors(MonitorConfig())
     b.load_state_dict(a.state_dict())
     assert b.active == a.active == {"grad_norm_high", "grad_norm_surge"} and b.checks == 20
     assert [x.name for s in stream[20:] for x in b.check(s)] == [], "an active alarm is not raised again after resume"
@@ -181,13 +181,13 @@ def test_helpers() -> None:
 
 
 # ---- learning progress and the new bands (with the run's facts: baseline and chance) ---------------
-FACTS = RunFacts(lr=3e-3, lr_low=1e-4, lr_high=9e-3, n_embd=128, n_layer=3, warmup_steps=50, steps_total=10_000,
+FACTS = RunFacts(lr=3e-3, lr_low=1e-4, lr_high=9e-3, n_embd=128, n_layer=3, warmup_steps=50, total_steps=10_000,
                  schedule_steps=10_000, init_gain=0.05, init_std=0.02, baseline=3.25, chance=5.55)
 
 
 def run_with(stream: list[Sample], facts: RunFacts = FACTS, cfg: MonitorConfig | None = None) -> dict[str, Alarm]:
     """Feed a stream to a monitor that knows the run's facts; {alarm name: the first alarm}."""
-    monitor = HealthMonitor(cfg or MonitorConfig(), facts)
+    monitor = Detectors(cfg or MonitorConfig(), facts)
     first: dict[str, Alarm] = {}
     for s in stream:
         for alarm in monitor.check(s):
@@ -274,7 +274,7 @@ def test_frozen_blocks_are_named_and_critical() -> None:
 
 
 def test_the_schedule_ending_before_the_run() -> None:
-    facts = dataclasses.replace(FACTS, schedule_steps=100, steps_total=300, schedule_floor=0.0)
+    facts = dataclasses.replace(FACTS, schedule_steps=100, total_steps=300, schedule_floor=0.0)
     alarm = run_with(checks_every(20), facts)["schedule_ended"]
     assert alarm.step == 110 and alarm.causes[0].cause == "schedule_ended"
 
@@ -309,10 +309,10 @@ def test_alarms_carry_their_ranked_causes_in_the_record() -> None:
 
 
 def test_state_round_trip_keeps_the_best_loss() -> None:
-    a = HealthMonitor(MonitorConfig(), FACTS)
+    a = Detectors(MonitorConfig(), FACTS)
     for s in checks_every(20):
         a.check(s)
-    b = HealthMonitor(MonitorConfig(), FACTS)
+    b = Detectors(MonitorConfig(), FACTS)
     b.load_state_dict(a.state_dict())
     assert (b.best_loss, b.best_check, b.update_ratio) == (a.best_loss, a.best_check, a.update_ratio)
     older = a.state_dict()

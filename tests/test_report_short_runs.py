@@ -20,7 +20,7 @@ from llmtrain.metrics.dashboard import Dashboard
 from llmtrain.metrics.writer import NullMetricsWriter
 from llmtrain.model import GPT
 from llmtrain.monitor.cadence import activation_every, samples_expected
-from llmtrain.monitor.watch import HealthWatch
+from llmtrain.monitor.watch import Monitor
 from llmtrain.runs.compare import compare_runs, plot_curves, write_csv
 from llmtrain.runs.report import write_report
 from llmtrain.training.loop import train
@@ -84,8 +84,8 @@ def test_the_cadence_gives_a_short_run_enough_samples_on_check_steps(
 
 def test_the_watch_samples_on_the_cadence_steps(tmp_path: Path) -> None:
     model = GPT(ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=32), 16)
-    watch = HealthWatch(MonitorConfig(), model, tmp_path, Dashboard(0, Console(file=io.StringIO())), NullMetricsWriter(),
-                        steps_total=50, write_events=False)
+    watch = Monitor(MonitorConfig(), model, tmp_path, Dashboard(0, Console(file=io.StringIO())), NullMetricsWriter(),
+                        total_steps=50, write_events=False)
     sampled = []
     for step in range(1, 51):
         watch.before_forward(step)

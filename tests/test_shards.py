@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from llmtrain.checkpoint.policy import CheckpointPolicy, RankAgreement, SavedObjects
+from llmtrain.checkpoint.policy import Checkpointer, RankAgreement, SavedObjects
 from llmtrain.checkpoint.read import list_checkpoints, load_checkpoint, verify
 from llmtrain.config.schema import CheckpointConfig, ModelConfig
 from llmtrain.core.errors import CheckpointError
@@ -68,7 +68,7 @@ def _worker(rank: int, world_size: int, port: int, run_dir: str, job: str) -> No
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
     model_state, optimizer_state = ShardedModelState(model), ShardedOptimizerState(model, optimizer)
     warnings: list[str] = []
-    policy = CheckpointPolicy(
+    policy = Checkpointer(
         CheckpointConfig(every_steps=1, keep_last=5), Path(run_dir), SavedObjects(model_state, optimizer_state, None, _Sampler()),
         {"model": {}}, _Records(), warnings.append,
         RankAgreement(writer=layout.is_main, agree=lambda value: broadcast_from_main(value, layout)),

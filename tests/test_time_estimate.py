@@ -100,7 +100,7 @@ def take_steps(progress: Progress, clock: Clock, state: TrainState, seconds: lis
         clock.now += duration
         state.step += 1
         state.tokens += 4096
-        progress.step_done(state, one, one, 1e-3, applied=True, last_step=state.step == progress.eta.steps_total)
+        progress.step_done(state, one, one, 1e-3, applied=True, last_step=state.step == progress.eta.total_steps)
 
 
 def lines(sink: Dashboard) -> list[str]:

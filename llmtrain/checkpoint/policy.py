@@ -84,7 +84,7 @@ class RankAgreement:
     vote: Callable[[list[float]], list[float]] = _as_is
 
 
-class CheckpointPolicy:
+class Checkpointer:
     """When to save (every N steps / M minutes, on a stop, at the end), what to keep, and what a
     failed save does."""
 

@@ -20,30 +20,30 @@ from llmtrain.config.schema import MonitorConfig
 ACTIVATION_SAMPLES_MIN = 5
 
 
-def activation_every(cfg: MonitorConfig, steps_total: int) -> int:
-    """The steps between activation samples of a run of `steps_total` steps; always a multiple of
+def activation_every(cfg: MonitorConfig, total_steps: int) -> int:
+    """The steps between activation samples of a run of `total_steps` steps; always a multiple of
     `cfg.interval`, so every sample falls on a check step."""
     every = math.lcm(cfg.interval, cfg.activation_interval)
-    if steps_total // every >= ACTIVATION_SAMPLES_MIN:
+    if total_steps // every >= ACTIVATION_SAMPLES_MIN:
         return every
-    return cfg.interval * max(1, steps_total // ACTIVATION_SAMPLES_MIN // cfg.interval)
+    return cfg.interval * max(1, total_steps // ACTIVATION_SAMPLES_MIN // cfg.interval)
 
 
-def samples_expected(cfg: MonitorConfig, steps_total: int) -> int:
-    """How many steps of a run of `steps_total` steps are sampled (0 with the monitor off)."""
-    if not cfg.enabled or steps_total <= 0:
+def samples_expected(cfg: MonitorConfig, total_steps: int) -> int:
+    """How many steps of a run of `total_steps` steps are sampled (0 with the monitor off)."""
+    if not cfg.enabled or total_steps <= 0:
         return 0
-    return steps_total // activation_every(cfg, steps_total)
+    return total_steps // activation_every(cfg, total_steps)
 
 
-def cadence_text(cfg: MonitorConfig, steps_total: int) -> str:
+def cadence_text(cfg: MonitorConfig, total_steps: int) -> str:
     """'the monitor samples activations every 20 steps (monitor.activation_interval=20)', or why it
     samples denser on this run."""
-    every = activation_every(cfg, steps_total)
+    every = activation_every(cfg, total_steps)
     if every == math.lcm(cfg.interval, cfg.activation_interval):
         keys = f"monitor.activation_interval={cfg.activation_interval}"
         if every != cfg.activation_interval:  # not a multiple of the check interval
             keys += f" on checks, monitor.interval={cfg.interval}"
         return f"the monitor samples activations every {every} steps ({keys})"
-    return (f"the monitor samples activations every {every} steps on a {steps_total}-step run: denser than "
+    return (f"the monitor samples activations every {every} steps on a {total_steps}-step run: denser than "
             f"monitor.activation_interval={cfg.activation_interval}, for {ACTIVATION_SAMPLES_MIN} samples")

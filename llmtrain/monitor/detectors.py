@@ -54,7 +54,7 @@ class Sample:
     lr_applied: float
     lr_schedule: float
     rss_mb: float
-    steps_total: int = 0  # the run's length: a schedule at zero before the end is an alarm
+    total_steps: int = 0  # the run's length: a schedule at zero before the end is an alarm
     fp16_without_scaler: bool = False
     activation_mean: list[float] | None = None  # only on activation-sampled steps
     activation_var: list[float] | None = None
@@ -142,7 +142,7 @@ def _median_tail(values: list[float], n: int) -> float:
     return statistics.median(tail) if tail else math.nan
 
 
-class HealthMonitor:
+class Detectors:
     """Judges one `Sample` per check. `facts` (the run's configuration and data, see
     health/diagnosis.py) enables the learning-progress detectors that need the unigram baseline and
     the chance loss, and the ranked causes; without it (synthetic streams) alarms carry no causes."""
@@ -307,7 +307,7 @@ class HealthMonitor:
 
     def _learning_rate(self, s: Sample, found: dict[str, Alarm]) -> None:
         cfg = self.cfg
-        lr_zero = (s.lr_applied == 0.0 and s.lr_schedule > 0.0) or (s.lr_schedule == 0.0 and s.step < s.steps_total)
+        lr_zero = (s.lr_applied == 0.0 and s.lr_schedule > 0.0) or (s.lr_schedule == 0.0 and s.step < s.total_steps)
         self._persistent(found, "lr_zero", lr_zero, Alarm("lr_zero", s.step, "critical", "lr",
                                                           [s.lr_applied, s.lr_schedule], "> 0 until the run ends"))
         exploding = s.lr_schedule > 0 and s.lr_applied > cfg.lr_explode_factor * s.lr_schedule
@@ -316,9 +316,9 @@ class HealthMonitor:
             f"<= {cfg.lr_explode_factor:g} x the schedule's"))
         f = self.facts
         ends_low = f is not None and f.schedule_floor < f.lr  # a constant schedule holds its LR: nothing lost
-        if ends_low and 0 < f.schedule_steps < f.steps_total and f.schedule_steps < s.step < s.steps_total:
+        if ends_low and 0 < f.schedule_steps < f.total_steps and f.schedule_steps < s.step < s.total_steps:
             found["schedule_ended"] = Alarm("schedule_ended", s.step, "warning", "lr", [s.lr_schedule],
-                                            f"a schedule that lasts the run ({f.steps_total} steps)")
+                                            f"a schedule that lasts the run ({f.total_steps} steps)")
 
     def _activations(self, s: Sample, found: dict[str, Alarm]) -> None:
         cfg = self.cfg

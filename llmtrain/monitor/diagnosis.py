@@ -48,7 +48,7 @@ class RunFacts:
     n_embd: int = 0
     n_layer: int = 0
     warmup_steps: int = -1  # -1: unknown
-    steps_total: int = 0
+    total_steps: int = 0
     schedule_steps: int = 0  # the LR schedule's length (may end before the run)
     schedule_floor: float = 0.0  # the LR once the schedule has ended
     init_gain: float = math.nan  # fan-in x init variance (healthy ~0.05 to 2)
@@ -168,7 +168,7 @@ def no_warmup(f: RunFacts, s: Signals) -> Score:
         return None
     if f.warmup_steps == 0 and _early(f, s):
         return 0.8, f"no warmup: the full LR {_g(f.lr)} from step 1; the alarm came at step {s.step}"
-    length = f.schedule_steps or f.steps_total
+    length = f.schedule_steps or f.total_steps
     if f.warmup_steps < 0.01 * length and f.warmup_steps < 100 and _early(f, s):
         return 0.55, f"warmup of {f.warmup_steps} steps ({f.warmup_steps / max(1, length):.1%} of the schedule)"
     return None
@@ -242,12 +242,12 @@ def weight_decay_too_high(f: RunFacts, s: Signals) -> Score:
 
 
 def schedule_ended(f: RunFacts, s: Signals) -> Score:
-    if not f.schedule_steps or f.schedule_steps >= f.steps_total:
+    if not f.schedule_steps or f.schedule_steps >= f.total_steps:
         return None
     if s.step > f.schedule_steps:
-        return 0.95, (f"the LR schedule ended at step {f.schedule_steps} of {f.steps_total}; since then the LR "
+        return 0.95, (f"the LR schedule ended at step {f.schedule_steps} of {f.total_steps}; since then the LR "
                       f"sits at {_g(f.schedule_floor)}")
-    return 0.3, (f"the LR schedule ends at step {f.schedule_steps} of {f.steps_total} (this is step {s.step}); "
+    return 0.3, (f"the LR schedule ends at step {f.schedule_steps} of {f.total_steps} (this is step {s.step}); "
                  f"from there the LR sits at {_g(f.schedule_floor)}")
 
 
@@ -398,7 +398,7 @@ def diagnose(alarm: str, facts: RunFacts | None, signals: Signals) -> list[Cause
     return [cause for *_, cause in sorted(ranked, key=lambda r: (r[0], r[1]))]
 
 
-def run_facts(cfg: Config, check_rows: list[Row], *, peak_lr: float, steps_total: int, schedule_steps: int,
+def run_facts(cfg: Config, check_rows: list[Row], *, peak_lr: float, total_steps: int, schedule_steps: int,
               schedule_floor: float, baseline: float, vocab_size: int, fp16_without_scaler: bool) -> RunFacts:
     """The configuration's side of the evidence, with the pre-flight check's fixes (`check_rows`:
     the rows of the check the run passed; their `item` and `fix`)."""
@@ -408,7 +408,7 @@ def run_facts(cfg: Config, check_rows: list[Row], *, peak_lr: float, steps_total
     fixes = {row.item: row.fix for row in check_rows if getattr(row, "fix", None)}
     return RunFacts(
         lr=peak_lr, lr_low=low, lr_high=high, optimizer=o.name.value, n_embd=m.n_embd, n_layer=m.n_layer,
-        warmup_steps=resolved_warmup_steps(cfg.schedule, schedule_steps), steps_total=steps_total,
+        warmup_steps=resolved_warmup_steps(cfg.schedule, schedule_steps), total_steps=total_steps,
         schedule_steps=schedule_steps, schedule_floor=schedule_floor, init_gain=init_gain(m), init_std=init_std,
         init_scheme=m.init,
         residual_scaled=m.residual_init is ResidualInit.scaled, post_ln=m.norm_position is NormPosition.post,

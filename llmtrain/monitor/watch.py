@@ -1,9 +1,9 @@
 """The loop's side of the health monitor: what to measure on a check step, and where alarms go.
 
-On a check step (every `monitor.interval` steps) the loop asks `HealthWatch` to take its numbers:
+On a check step (every `monitor.interval` steps) the loop asks `Monitor` to take its numbers:
 per-block gradient and parameter norms, the applied vs scheduled LR, memory, the share of time
 spent waiting for data, and (every `activation_interval` steps, denser on a short run: health/
-cadence.py) block-output activation stats from hooks installed for that step only. All of it becomes floats in one host sync; `HealthMonitor`
+cadence.py) block-output activation stats from hooks installed for that step only. All of it becomes floats in one host sync; `Detectors`
 judges them; new alarms are printed once with their explanation, written to `events.jsonl`, and
 returned so the loop can act on them. After the optimizer step, the update-to-parameter ratio
 completes the step's `health` record in `metrics.jsonl`.
@@ -24,7 +24,7 @@ from llmtrain.core.files import Kind
 from llmtrain.metrics.dashboard import Dashboard
 from llmtrain.metrics.writer import JsonlSink, MetricsWriter, NullMetricsWriter
 from llmtrain.monitor.cadence import activation_every
-from llmtrain.monitor.detectors import Alarm, HealthMonitor, Sample
+from llmtrain.monitor.detectors import Alarm, Detectors, Sample
 from llmtrain.monitor.diagnosis import RunFacts
 from llmtrain.monitor.probes import (
     ActivationProbe,
@@ -38,12 +38,12 @@ from llmtrain.monitor.probes import (
 INTERVAL_LOSSES_KEPT = 1000  # a check interval's losses kept for its mean: bounded memory at any monitor.interval
 
 
-class HealthWatch:
+class Monitor:
     """The monitor, as the loop sees it: one call per moment of the step (before/after the forward,
     the check, after the optimizer step), plus what a checkpoint, a rollback or a stop needs."""
 
     def __init__(self, cfg: MonitorConfig, model: torch.nn.Module, run_dir: Path, sink: Dashboard,
-                 metrics: MetricsWriter | NullMetricsWriter, steps_total: int, fp16_without_scaler: bool = False,
+                 metrics: MetricsWriter | NullMetricsWriter, total_steps: int, fp16_without_scaler: bool = False,
                  flops_per_token: float = 0.0, write_events: bool = True, world_size: int = 1,
                  facts: RunFacts | None = None, peak_flops: float | None = None) -> None:
         self.flops_per_token = flops_per_token
@@ -57,12 +57,12 @@ class HealthWatch:
         self.leaked: list[bytearray] = []
         self.blocks = model.blocks
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.monitor = HealthMonitor(cfg, facts)
+        self.monitor = Detectors(cfg, facts)
         self.events = JsonlSink(run_dir / files.EVENTS) if write_events else NullMetricsWriter()
-        self.steps_total = steps_total
+        self.total_steps = total_steps
         # From the planned total, not the resume point: a resumed run samples the steps the
         # uninterrupted one does (sampling itself draws no random numbers).
-        self.activation_every = activation_every(cfg, steps_total)
+        self.activation_every = activation_every(cfg, total_steps)
         self.probe: ActivationProbe | None = None
         self.before: list[torch.Tensor] | None = None
         self.record: dict | None = None
@@ -126,7 +126,7 @@ class HealthWatch:
         if self.peak_flops is None:
             self.peak_flops = matmul_peak_flops(device)
         sample = Sample(step=step, loss=loss_v, grad_norm=grad_v, block_grad_norms=block_grads, param_norm=param_v,
-                        lr_applied=lr_applied, lr_schedule=lr_schedule, rss_mb=rss_mb(), steps_total=self.steps_total,
+                        lr_applied=lr_applied, lr_schedule=lr_schedule, rss_mb=rss_mb(), total_steps=self.total_steps,
                         fp16_without_scaler=self.fp16_without_scaler,
                         activation_mean=act_mean, activation_var=act_var, interval_loss=interval_loss,
                         interval_loss_var=interval_var, interval_steps=int(interval_steps),
@@ -240,7 +240,7 @@ def interval_stats(losses: deque[torch.Tensor], fallback: torch.Tensor) -> torch
     return torch.stack([mean, torch.where(count > 1, var, torch.zeros_like(var)), count.float()])
 
 
-class NullWatch:
+class NullMonitor:
     """The watch of a run with the monitor off (monitor.enabled=false): the same calls, none does
     anything, so the loop never asks whether there is a monitor."""
 

@@ -16,7 +16,7 @@ def print_banner(run: Run) -> None:
     optimizer, device, data, checkpoints and the pre-flight verdicts, one row each."""
     cfg, layout, device, data, check = run.cfg, run.layout, run.device, run.data, run.check
     optimizer, seq_len = run.optim.optimizer, run.seq_len
-    accum, steps_total, peak_lr, tokens_per_step = run.accum, run.steps_total, run.peak_lr, run.tokens_per_step
+    accum, total_steps, peak_lr, tokens_per_step = run.accum, run.total_steps, run.peak_lr, run.tokens_per_step
     estimate = run_estimate(run)
     scaled = "" if peak_lr == cfg.optim.lr else (
         f" -> {peak_lr:g} ({cfg.schedule.lr_scaling.value} scaling from batch {cfg.schedule.reference_batch_size} "
@@ -33,10 +33,10 @@ def print_banner(run: Run) -> None:
             ("accumulation", f"{accum} micro-batch{'es' if accum > 1 else ''} of {cfg.micro_batch_size} per process "
                              f"(world size {layout.world_size}{_engine(cfg, device) if layout.distributed else ''})"
                              f"{' (derived: micro_batch_size not set)' if micro_batch_size_derived(cfg) else ''}"),
-            ("steps", f"{steps_total:,} (warmup {resolved_warmup_steps(cfg.schedule, run.schedule_steps)}, "
-                      f"{describe_schedule(cfg, steps_total, run.schedule_steps, peak_lr)}), "
+            ("steps", f"{total_steps:,} (warmup {resolved_warmup_steps(cfg.schedule, run.schedule_steps)}, "
+                      f"{describe_schedule(cfg, total_steps, run.schedule_steps, peak_lr)}), "
                       f"{run.micro_total * cfg.micro_batch_size * seq_len * layout.world_size:,} tokens"),
-            *([("time", time_text(estimate, steps_total - run.state.step, steps_total))] if estimate else []),
+            *([("time", time_text(estimate, total_steps - run.state.step, total_steps))] if estimate else []),
             ("optimizer", f"{cfg.optim.name.value} lr {describe_lr(cfg)}{scaled}, {type(optimizer).__name__}"
                           f"{' (fused)' if optimizer.defaults.get('fused') else ''}"),
             ("device", f"{device}, {run.runtime.precision.name.value}{' (auto)' if cfg.precision.name is Precision.auto else ''}, "
@@ -60,18 +60,18 @@ def print_banner(run: Run) -> None:
     )
 
 
-def describe_schedule(cfg: Config, steps_total: int, schedule_steps: int, peak_lr: float) -> str:
+def describe_schedule(cfg: Config, total_steps: int, schedule_steps: int, peak_lr: float) -> str:
     """The banner's schedule: "cosine" over the whole run; "cosine over 200 of 300 steps: the last 100
     at the floor LR 0.0003" when it ends first; "cosine over 500 steps: the run ends at step 300, at
     LR 0.0021" when the run stops mid-schedule."""
     name = cfg.schedule.name.value
-    if schedule_steps == steps_total:
+    if schedule_steps == total_steps:
         return name
-    if schedule_steps < steps_total:
+    if schedule_steps < total_steps:
         held = held_lr_text(final_lr(peak_lr, schedule_steps, cfg.schedule), peak_lr)
-        return f"{name} over {schedule_steps:,} of {steps_total:,} steps: the last {steps_total - schedule_steps:,} at {held}"
-    last_lr = lr_at(steps_total - 1, peak_lr, schedule_steps, cfg.schedule)
-    return f"{name} over {schedule_steps:,} steps: the run ends at step {steps_total:,}, at LR {last_lr:.3g}"
+        return f"{name} over {schedule_steps:,} of {total_steps:,} steps: the last {total_steps - schedule_steps:,} at {held}"
+    last_lr = lr_at(total_steps - 1, peak_lr, schedule_steps, cfg.schedule)
+    return f"{name} over {schedule_steps:,} steps: the run ends at step {total_steps:,}, at LR {last_lr:.3g}"
 
 
 def threads_text(threads: int, world_size: int, reason: str = "") -> str:
@@ -90,16 +90,16 @@ def run_estimate(run: Run) -> ComputeEstimate | None:
                             run.layout.world_size)
 
 
-def time_text(estimate: ComputeEstimate, steps_left: int, steps_total: int) -> str:
+def time_text(estimate: ComputeEstimate, steps_left: int, total_steps: int) -> str:
     """The banner's time row: "~410 ms/step, ~6.8 min for 1,000 steps (estimate: 200 GFLOP/s
     measured x 33% assumed MFU)"; a resumed run's figure is for the steps it has left."""
     source = (f"(estimate: {estimate.matmul_flops / 1e9:,.0f} GFLOP/s measured x {estimate.assumed_mfu:.0%} "
               "assumed MFU)")
     if steps_left <= 0:
-        return f"~{format_seconds(estimate.step_seconds)}/step; no step left of {steps_total:,} {source}"
+        return f"~{format_seconds(estimate.step_seconds)}/step; no step left of {total_steps:,} {source}"
     plural = "s" if steps_left != 1 else ""
-    steps = (f"{steps_total:,} step{plural}" if steps_left == steps_total
-             else f"the {steps_left:,} step{plural} left of {steps_total:,}")
+    steps = (f"{total_steps:,} step{plural}" if steps_left == total_steps
+             else f"the {steps_left:,} step{plural} left of {total_steps:,}")
     return f"~{format_seconds(estimate.step_seconds)}/step, ~{format_seconds(estimate.step_seconds * steps_left)} for {steps} {source}"
 
 

@@ -32,9 +32,9 @@ def clock_text(seconds: float) -> str:
 class StepClock:
     """Step durations in, seconds per step and time left out. `clock` is injectable (tests)."""
 
-    def __init__(self, steps_total: int, estimate_s: float | None = None,
+    def __init__(self, total_steps: int, estimate_s: float | None = None,
                  clock: Callable[[], float] = time.perf_counter, recent: int = RECENT_STEPS) -> None:
-        self.steps_total, self.estimate_s, self.clock = steps_total, estimate_s, clock
+        self.total_steps, self.estimate_s, self.clock = total_steps, estimate_s, clock
         self.recent: deque[float] = deque(maxlen=recent)
         self.begin(0)
 
@@ -81,7 +81,7 @@ class StepClock:
         if per_step is None:
             return None
         overhead = self.paused_s / self.stepped_s if self.stepped_s > 0 else 0.0
-        return per_step * max(0, self.steps_total - self.step) * (1 + overhead)
+        return per_step * max(0, self.total_steps - self.step) * (1 + overhead)
 
     def elapsed_s(self) -> float:
         return self.clock() - self.start

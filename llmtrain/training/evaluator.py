@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from llmtrain.checkpoint.policy import CheckpointPolicy
+from llmtrain.checkpoint.policy import Checkpointer
 from llmtrain.core.files import Kind
 from llmtrain.engine.state import TrainResult
 from llmtrain.engine.step import Batch, evaluate
@@ -31,7 +31,7 @@ from llmtrain.metrics.dashboard import Dashboard
 class Evaluator:
     def __init__(self, eval_interval: int, model: torch.nn.Module, batches: list[Batch], device: torch.device,
                  autocast: Callable[[], ContextManager], sink: Dashboard, metrics: Any, result: TrainResult,
-                 saver: CheckpointPolicy, tasks: Sequence[Any] = (), scorer: Scorer | None = None,
+                 saver: Checkpointer, tasks: Sequence[Any] = (), scorer: Scorer | None = None,
                  watch: Any = None) -> None:
         # model: the plain model (not the DDP wrapper): evaluation needs no gradient sync
         self.eval_interval, self.model, self.batches, self.device, self.autocast = (

@@ -17,7 +17,7 @@ top to bottom:
     `end` record once more, with the peaks of that save)
 
 Each side concern is one call on the component that owns its cadence: the health watch (a
-NullWatch when the monitor is off), the checkpoint saver, the evaluator, the stages, the progress
+NullMonitor when the monitor is off), the checkpoint saver, the evaluator, the stages, the progress
 log; recovery.py decides what becomes of a step that must not be applied (one Outcome).
 
 One host sync per step (the finiteness check) guarantees no NaN reaches the weights; everything
@@ -53,7 +53,7 @@ from llmtrain.engine.step import Batch, accumulate_gradients, apply_update, coun
 from llmtrain.metrics.dashboard import Dashboard
 from llmtrain.monitor.probes import cuda_memory_mb, peak_rss_mb
 from llmtrain.training.interrupts import StopRequest, signal_text
-from llmtrain.training.recovery import Outcome, Verdict, act_on_alarms, handle_nonfinite
+from llmtrain.training.recovery import Decision, Outcome, act_on_alarms, handle_nonfinite
 from llmtrain.training.run import Run
 from llmtrain.training.setup import build_run
 
@@ -86,7 +86,7 @@ def fit(run: Run) -> TrainResult:
     progress.begin(state)
     try:
         with StopRequest.shared().looping() as stop:
-            while state.step < run.steps_total:
+            while state.step < run.total_steps:
                 step = state.step
                 run.faults.maybe_crash(layout.rank, step + 1)
                 run.stages.begin_step(step)
@@ -108,26 +108,26 @@ def fit(run: Run) -> TrainResult:
                 finite = is_finite(loss, grad_norm, scaler)  # the step's one host sync
                 outcome = health_verdict(run, state, step + 1, finite, loss, grad_norm, lr_schedule, window_tokens)
                 timer.lap("other")
-                applied = finite and outcome.verdict is Verdict.APPLY
+                applied = finite and outcome.decision is Decision.APPLY
                 if applied:
                     apply_update(optimizer, scaler)
                     outcome.state.consecutive_skips = 0
                 watch.after_step(applied=applied)
                 optimizer.zero_grad(set_to_none=True)
                 timer.lap("optimizer")
-                if outcome.verdict is not Verdict.ROLLED_BACK:  # the step counts: its data was consumed
+                if outcome.decision is not Decision.ROLLED_BACK:  # the step counts: its data was consumed
                     outcome.state.step += 1
                     outcome.state.tokens += window_tokens
                 if not finite:  # the update was not applied: skip, roll back or stop
                     outcome = handle_nonfinite(cfg, outcome.state, loss, grad_norm, saver, run.metrics, run.warn,
                                                run.optim.model_state, run.optim.optimizer_state, scaler, watch)
                 run.state = state = outcome.state
-                if outcome.verdict is Verdict.ROLLED_BACK:  # the run goes on from the checkpoint's step
+                if outcome.decision is Decision.ROLLED_BACK:  # the run goes on from the checkpoint's step
                     watch.restart_interval(state.tokens)
                     progress.moved_to(state)  # the bar, and tokens/s counting from the checkpoint's tokens
                     continue
 
-                last_step = state.step == run.steps_total
+                last_step = state.step == run.total_steps
                 progress.step_done(state, loss, grad_norm, lr, applied, last_step)
                 stop.step_finished()  # its duration: the first signal's message says how long a step takes
                 # signals and the clock differ per rank: every rank stops and saves together
@@ -145,7 +145,7 @@ def fit(run: Run) -> TrainResult:
         # failed in the loop, or a resumed run had no step left to take.
         saver.save_final(state)
     finally:
-        # The run's peaks, also when it stops or fails: the report's memory verdict reads them.
+        # The run's peaks, also when it stops or fails: the report's memory decision reads them.
         run.metrics.write(end_record(run.state, run.device))
         run.sink.stop()
         watch.close()
@@ -180,7 +180,7 @@ def health_verdict(run: Run, state: TrainState, step: int, finite: bool, loss: t
     watch, scaler = run.watch, run.scaler
     if not (finite and watch.is_check(step)):
         watch.skip_check()
-        return Outcome(Verdict.APPLY, state)
+        return Outcome(Decision.APPLY, state)
     alarms = watch.check(step, loss, grad_norm, run.optim.optimizer.param_groups[0]["lr"], lr_schedule,
                          state.tokens + window_tokens, scaler.get_scale() if scaler is not None else None)
     alarms = broadcast_from_main(alarms, run.layout)  # every rank acts on rank 0's verdicts

@@ -1,7 +1,7 @@
 """What happens when a step must not be applied: non-finite loss or gradient, alarm actions,
 rollback to a checkpoint.
 
-One convention: each decision returns an `Outcome`, the verdict on the step's update and the
+One convention: each decision returns an `Outcome`, the decision on the step's update and the
 TrainState to go on from (the same one, or the checkpoint's after a rollback). A stop is raised
 (NonFiniteStop, HealthStop) after saving the last good weights.
 """
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from llmtrain.checkpoint.format import restore_rng
-from llmtrain.checkpoint.policy import CheckpointPolicy
+from llmtrain.checkpoint.policy import Checkpointer
 from llmtrain.checkpoint.read import find_good_checkpoint, load_checkpoint
 from llmtrain.config.schema import Config, MonitorAction, NonFinitePolicy
 from llmtrain.core.errors import (
@@ -28,10 +28,10 @@ from llmtrain.core.files import Kind
 from llmtrain.engine.state import TrainState
 from llmtrain.metrics.writer import MetricsWriter
 from llmtrain.monitor.detectors import Alarm
-from llmtrain.monitor.watch import HealthWatch, NullWatch
+from llmtrain.monitor.watch import Monitor, NullMonitor
 
 
-class Verdict(enum.Enum):
+class Decision(enum.Enum):
     APPLY = "apply"  # the update goes ahead
     SKIP = "skip"  # this step's update is dropped; the step still counts (its data was consumed)
     ROLLED_BACK = "rolled_back"  # the run goes on from a checkpoint's step
@@ -39,9 +39,9 @@ class Verdict(enum.Enum):
 
 @dataclass(frozen=True)
 class Outcome:
-    """What became of a step: the verdict, and the state the loop goes on from."""
+    """What became of a step: the decision, and the state the loop goes on from."""
 
-    verdict: Verdict
+    decision: Decision
     state: TrainState
 
 
@@ -55,9 +55,9 @@ class Restored:
 
 
 def handle_nonfinite(
-    cfg: Config, state: TrainState, loss: torch.Tensor, grad_norm: torch.Tensor, saver: CheckpointPolicy,
+    cfg: Config, state: TrainState, loss: torch.Tensor, grad_norm: torch.Tensor, saver: Checkpointer,
     metrics: MetricsWriter, warn: Callable[[str], None], model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-    scaler: torch.amp.GradScaler | None, watch: HealthWatch | NullWatch | None = None,
+    scaler: torch.amp.GradScaler | None, watch: Monitor | NullMonitor | None = None,
 ) -> Outcome:
     """The update of this step was not applied. Skip it, roll back, or stop, as configured. The
     step and what it caused are also events of the run (events.jsonl, through the watch)."""
@@ -93,11 +93,11 @@ def handle_nonfinite(
         )
     if action is NonFinitePolicy.rollback:
         restored = roll_back(target, state, policy.rollback_lr_factor, model, optimizer, scaler, metrics)
-        return Outcome(Verdict.ROLLED_BACK, restored.state)
-    return Outcome(Verdict.SKIP, state)
+        return Outcome(Decision.ROLLED_BACK, restored.state)
+    return Outcome(Decision.SKIP, state)
 
 
-def agreed_good_checkpoint(saver: CheckpointPolicy, warn: Callable[[str], None]) -> Path | None:
+def agreed_good_checkpoint(saver: Checkpointer, warn: Callable[[str], None]) -> Path | None:
     """The newest checkpoint that verifies and reads, as rank 0 finds it, on every rank: one rank
     hashes the files, and all ranks roll back to the same step even if a file looks different from
     another node. Read, not just hashed: roll_back must not meet a file it cannot load."""
@@ -127,7 +127,7 @@ def roll_back(
 
 
 def act_on_alarm(
-    alarm: Alarm, cfg: Config, state: TrainState, watch: HealthWatch | NullWatch, saver: CheckpointPolicy,
+    alarm: Alarm, cfg: Config, state: TrainState, watch: Monitor | NullMonitor, saver: Checkpointer,
     warn: Callable[[str], None], metrics: MetricsWriter | Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     scaler: torch.amp.GradScaler | None,
 ) -> Outcome:
@@ -141,7 +141,7 @@ def act_on_alarm(
     elif action is MonitorAction.skip_step:
         state.alarm_skipped_steps += 1
         watch.action_taken(alarm, "this step's update was not applied")
-        return Outcome(Verdict.SKIP, state)
+        return Outcome(Decision.SKIP, state)
     elif action is MonitorAction.rollback:
         target = agreed_good_checkpoint(saver, warn)
         if target is None or state.rollbacks >= cfg.checkpoint.max_rollbacks:
@@ -151,18 +151,18 @@ def act_on_alarm(
             restored = roll_back(target, state, cfg.checkpoint.rollback_lr_factor, model, optimizer, scaler, metrics)
             watch.restore(restored.monitor)  # the monitor goes back too: a recurring pattern is raised again
             watch.action_taken(alarm, f"rolled back to step {restored.state.step} ({target})")
-            return Outcome(Verdict.ROLLED_BACK, restored.state)
+            return Outcome(Decision.ROLLED_BACK, restored.state)
     if action is MonitorAction.stop:
         watch.after_step(applied=False)  # the check step's health record, before the run ends
         watch.forget_alarm(alarm.name)
         path = saver.save(state)
         watch.action_taken(alarm, f"stopped; checkpoint {path}")
         raise HealthStop(f"health alarm: {alarm.explain()}\nCheckpoint: {path}", checkpoint=path, run_dir=saver.run_dir)
-    return Outcome(Verdict.APPLY, state)
+    return Outcome(Decision.APPLY, state)
 
 
 def act_on_alarms(
-    alarms: list[Alarm], cfg: Config, state: TrainState, watch: HealthWatch | NullWatch, saver: CheckpointPolicy,
+    alarms: list[Alarm], cfg: Config, state: TrainState, watch: Monitor | NullMonitor, saver: Checkpointer,
     warn: Callable[[str], None], metrics: MetricsWriter | Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     scaler: torch.amp.GradScaler | None,
 ) -> Outcome:
@@ -171,9 +171,9 @@ def act_on_alarms(
     verdicts = []
     for alarm in alarms:
         outcome = act_on_alarm(alarm, cfg, state, watch, saver, warn, metrics, model, optimizer, scaler)
-        verdicts.append(outcome.verdict)
+        verdicts.append(outcome.decision)
         state = outcome.state
-    for verdict in (Verdict.ROLLED_BACK, Verdict.SKIP):
-        if verdict in verdicts:
-            return Outcome(verdict, state)
-    return Outcome(Verdict.APPLY, state)
+    for decision in (Decision.ROLLED_BACK, Decision.SKIP):
+        if decision in verdicts:
+            return Outcome(decision, state)
+    return Outcome(Decision.APPLY, state)

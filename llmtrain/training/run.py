@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from llmtrain.checkpoint.policy import CheckpointPolicy
+from llmtrain.checkpoint.policy import Checkpointer
 from llmtrain.config.derived import SeqLenStage
 from llmtrain.config.schema import Config, PrecisionConfig
 from llmtrain.core.faults import Faults
@@ -21,7 +21,7 @@ from llmtrain.engine.state import TrainResult, TrainState
 from llmtrain.engine.step import Batch
 from llmtrain.metrics.dashboard import Dashboard
 from llmtrain.metrics.writer import MetricsWriter, NullMetricsWriter
-from llmtrain.monitor.watch import HealthWatch, NullWatch
+from llmtrain.monitor.watch import Monitor, NullMonitor
 from llmtrain.preflight.check import CheckReport
 from llmtrain.training.evaluator import Evaluator
 from llmtrain.training.progress import Progress
@@ -87,7 +87,7 @@ class Run:
     train_batches: TrainSampler
     val_batches: list[Batch]
     state: TrainState  # rebound by the loop after a rollback
-    steps_total: int  # the run's length: checkpoints, progress, the health monitor
+    total_steps: int  # the run's length: checkpoints, progress, the health monitor
     schedule_steps: int  # the LR schedule's length (`schedule_steps`): shorter or longer than the run
     micro_total: int  # micro-batches of the whole run, per process
     accum: int
@@ -101,8 +101,8 @@ class Run:
     metrics: MetricsWriter | NullMetricsWriter = field(init=False)
     flops_per_token: float = field(init=False)
     result: TrainResult = field(init=False)
-    watch: HealthWatch | NullWatch = field(init=False)
-    saver: CheckpointPolicy = field(init=False)
+    watch: Monitor | NullMonitor = field(init=False)
+    saver: Checkpointer = field(init=False)
     evaluator: Evaluator = field(init=False)
     stages: SeqLenStages = field(init=False)
     progress: Progress = field(init=False)

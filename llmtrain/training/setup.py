@@ -43,7 +43,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from llmtrain.checkpoint.format import remove_stale_temps, write_atomically
 from llmtrain.checkpoint.layout import Checkpoint
-from llmtrain.checkpoint.policy import CheckpointPolicy, RankAgreement, SavedObjects
+from llmtrain.checkpoint.policy import Checkpointer, RankAgreement, SavedObjects
 from llmtrain.checkpoint.resume import (
     agreed_resume,
     check_resumable,
@@ -114,7 +114,7 @@ from llmtrain.model import GPT, uninitialized
 from llmtrain.model_tensors import model_tensors
 from llmtrain.monitor.diagnosis import run_facts
 from llmtrain.monitor.probes import device_memory_mb, matmul_peak_flops
-from llmtrain.monitor.watch import HealthWatch, NullWatch
+from llmtrain.monitor.watch import Monitor, NullMonitor
 from llmtrain.preflight.check import CheckFailed, CheckReport, run_check
 from llmtrain.preflight.render import check_command_line, render_refusal
 from llmtrain.training.banner import print_banner, run_estimate
@@ -143,8 +143,8 @@ def build_run(cfg: Config, console: Dashboard | None, layout: Layout,
     run_dir.mkdir(parents=True, exist_ok=True)
     runtime = build_runtime(cfg, layout)
     device = runtime.device
-    steps_total, seq_len, stages = total_steps(cfg), seq_len_of(cfg), seq_len_stages(cfg)
-    sink = console or Dashboard(steps_total, Console(quiet=True) if not layout.is_main else None)
+    planned_steps, seq_len, stages = total_steps(cfg), seq_len_of(cfg), seq_len_stages(cfg)
+    sink = console or Dashboard(planned_steps, Console(quiet=True) if not layout.is_main else None)
     warn = console_warning(sink)
 
     data = build_data(cfg, layout, lambda msg: sink.print(f"[dim]{escape(msg)}[/]"), progress=layout.is_main)
@@ -180,7 +180,7 @@ def build_run(cfg: Config, console: Dashboard | None, layout: Layout,
               vocab_size=vocab_size, check=check, config_dict=config_dict,
               resume_from=checkpoint.path if checkpoint is not None else None, model=model, optim=optim,
               autocast=autocast, scaler=scaler, params=params, train_batches=train_batches, val_batches=val_batches,
-              state=state, steps_total=steps_total, schedule_steps=schedule_steps(cfg),
+              state=state, total_steps=planned_steps, schedule_steps=schedule_steps(cfg),
               micro_total=total_micro_batches(cfg), accum=accumulation_steps(cfg), seq_len=seq_len, stage_plan=stages,
               tokens_per_step=cfg.global_batch_size * seq_len, peak_lr=effective_lr(cfg), faults=Faults.from_env(),
               eval_tasks=eval_tasks)
@@ -450,7 +450,7 @@ def build_loop_parts(run: Run, checkpoint: Checkpoint | None) -> None:
                                run.warn) if layout.is_main else NullMetricsWriter())
     run.flops_per_token = model_tensors(cfg.model, run.model.model.vocab_size).flops_per_token(run.seq_len)
     # Appending (never truncating) keeps earlier records (a resumed run continues the same file).
-    run.metrics.write({"kind": Kind.START, "time": time.time(), "steps": run.steps_total,
+    run.metrics.write({"kind": Kind.START, "time": time.time(), "steps": run.total_steps,
                        "tokens_per_step": run.tokens_per_step,
                        "resumed_from": str(run.resume_from) if run.resume_from else None, "step": state.step,
                        "seed": run.runtime.seed, "check": {row.item: row.status.value for row in run.check.rows},
@@ -471,7 +471,7 @@ def build_loop_parts(run: Run, checkpoint: Checkpoint | None) -> None:
                               run.metrics, run.result, run.saver, run.eval_tasks, scorer, run.watch)
     run.stages = SeqLenStages(run.stage_plan, run.train_batches, run.sink, run.metrics, run.accum * layout.world_size)
     estimate = run_estimate(run)
-    eta = StepClock(run.steps_total, estimate.step_seconds if estimate else None)
+    eta = StepClock(run.total_steps, estimate.step_seconds if estimate else None)
     meter = CoreMeter() if layout.is_main else None  # how busy the cores are, for the slowdown warning's words
     slowdown = (SlowdownWatch(run.warn, run.metrics, run.runtime.threads, meter,
                               sibling_cores=(local_world_size() - 1) * run.runtime.threads) if layout.is_main else None)
@@ -480,18 +480,18 @@ def build_loop_parts(run: Run, checkpoint: Checkpoint | None) -> None:
                             eta, slowdown)
 
 
-def build_watch(run: Run, checkpoint: Checkpoint | None) -> HealthWatch | NullWatch:
-    """The health monitor's side of the loop (NullWatch with monitor.enabled=false), resumed with
+def build_watch(run: Run, checkpoint: Checkpoint | None) -> Monitor | NullMonitor:
+    """The health monitor's side of the loop (NullMonitor with monitor.enabled=false), resumed with
     the checkpoint's monitor state (windows, counts, active alarms)."""
     cfg = run.cfg
     if not cfg.monitor.enabled:
-        return NullWatch()
+        return NullMonitor()
     fp16_unscaled = run.runtime.precision.name is Precision.fp16 and run.scaler is None
-    facts = run_facts(cfg, run.check.rows, peak_lr=run.peak_lr, steps_total=run.steps_total,
+    facts = run_facts(cfg, run.check.rows, peak_lr=run.peak_lr, total_steps=run.total_steps,
                       schedule_steps=run.schedule_steps,
                       schedule_floor=lr_at(run.schedule_steps, run.peak_lr, run.schedule_steps, cfg.schedule),
                       baseline=run.data.unigram_entropy, vocab_size=run.vocab_size, fp16_without_scaler=fp16_unscaled)
-    watch = HealthWatch(cfg.monitor, run.model.model, run.run_dir, run.sink, run.metrics, run.steps_total,
+    watch = Monitor(cfg.monitor, run.model.model, run.run_dir, run.sink, run.metrics, run.total_steps,
                         fp16_unscaled, run.flops_per_token, write_events=run.layout.is_main,
                         world_size=run.layout.world_size, facts=facts, peak_flops=run.runtime.matmul_flops)
     watch.restart_interval(run.state.tokens)
@@ -500,12 +500,12 @@ def build_watch(run: Run, checkpoint: Checkpoint | None) -> HealthWatch | NullWa
     return watch
 
 
-def build_saver(run: Run) -> CheckpointPolicy:
+def build_saver(run: Run) -> Checkpointer:
     layout, watch = run.layout, run.watch
     saved = SavedObjects(run.optim.model_state, run.optim.optimizer_state, run.scaler, run.train_batches,
                          extra_state=lambda: {"run_seed": run.runtime.seed, **watch.checkpoint_state()})
     ranks = RankAgreement(writer=layout.is_main, agree=lambda value: broadcast_from_main(value, layout),
                           vote=lambda values: all_reduce_sum(values, layout))
-    return CheckpointPolicy(run.cfg.checkpoint, run.run_dir, saved, run.config_dict, run.metrics, run.warn, ranks,
+    return Checkpointer(run.cfg.checkpoint, run.run_dir, saved, run.config_dict, run.metrics, run.warn, ranks,
                             shard_layout=(layout.rank, layout.world_size) if run.optim.sharded_files else None,
                             resumed_at=run.state.step if run.resume_from else None)

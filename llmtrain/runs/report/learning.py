@@ -112,7 +112,7 @@ def _slope(points: list[tuple[int, float]]) -> float:
 
 
 @dataclass
-class Progress:
+class LossCourse:
     """What the loss did over the run, the numbers `learning` judges."""
 
     first_step: int
@@ -145,7 +145,7 @@ class Progress:
         return f"{self.trend:+.4f} over steps {a}-{b}"
 
 
-def _progress(records: Records, train: list[tuple[int, float]]) -> Progress:
+def _progress(records: Records, train: list[tuple[int, float]]) -> LossCourse:
     """The first logged loss, the final one (the last validation loss when it is recent, else the
     median of the last 3 train losses) and the trend of the second half."""
     half = train[len(train) // 2:]
@@ -164,7 +164,7 @@ def _progress(records: Records, train: list[tuple[int, float]]) -> Progress:
     else:
         medians = [statistics.median(v for _, v in train[i:i + 3]) for i in range(max(1, len(train) - 2))]
         above_best = medians[-1] - min(medians)
-    return Progress(train[0][0], train[0][1], name, final, trend, (half[0][0], half[-1][0]),
+    return LossCourse(train[0][0], train[0][1], name, final, trend, (half[0][0], half[-1][0]),
                     max(train[-1][0], val[0][-1] if val[0] else 0), above_best)
 
 
@@ -192,7 +192,7 @@ def learning(records: Records, baseline: float | None) -> Verdict:
     return Verdict("learning", question, status, finding, details)
 
 
-def _learning_judgement(p: Progress, baseline: float | None) -> tuple[str, str]:
+def _learning_judgement(p: LossCourse, baseline: float | None) -> tuple[str, str]:
     if p.rising():
         verdict = f"the loss is rising: the train loss trends up, {p.trend_text()} (a trend, not a single spike)"
         if baseline is None:
@@ -235,7 +235,7 @@ def _learning_judgement(p: Progress, baseline: float | None) -> tuple[str, str]:
                 f"({p.trend_text()}).")
 
 
-def _against(p: Progress, baseline: float) -> str:
+def _against(p: LossCourse, baseline: float) -> str:
     """'final val loss 5.3600 is 65% above the unigram baseline 3.2492'."""
     share = (p.final - baseline) / baseline
     where = "above" if share >= 0 else "below"
