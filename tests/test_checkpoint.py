@@ -135,7 +135,7 @@ def test_keep_last_and_keep_best(tmp_path: Path) -> None:
 def test_a_failed_save_warns_and_keeps_the_previous_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import llmtrain.checkpoint.format as checkpoint_module
 
-    real = checkpoint_module._write_file
+    real = checkpoint_module.write_file
     calls = {"n": 0}
 
     def failing_after_first_checkpoint(path: Path, write):  # noqa: ANN001, ANN202
@@ -144,7 +144,7 @@ def test_a_failed_save_warns_and_keeps_the_previous_checkpoint(tmp_path: Path, m
             raise OSError(28, "No space left on device")
         return real(path, write)
 
-    monkeypatch.setattr(checkpoint_module, "_write_file", failing_after_first_checkpoint)
+    monkeypatch.setattr(checkpoint_module, "write_file", failing_after_first_checkpoint)
     output = io.StringIO()
     result = train(tiny_config(tmp_path / "run", max_steps=5, **{"checkpoint.every_steps": 2}),
                    console=Dashboard(5, Console(file=output, width=300)))
@@ -156,7 +156,7 @@ def test_a_failed_save_warns_and_keeps_the_previous_checkpoint(tmp_path: Path, m
     assert not list((tmp_path / "run" / "checkpoints").glob(".tmp-*")), "the failed save left its temp folder"
     assert records(tmp_path / "run", "checkpoint_error")[0]["step"] == 4
 
-    monkeypatch.setattr(checkpoint_module, "_write_file", failing_after_first_checkpoint)
+    monkeypatch.setattr(checkpoint_module, "write_file", failing_after_first_checkpoint)
     with pytest.raises(RunStopped, match="on_save_error=stop"):
         train(tiny_config(tmp_path / "stop", max_steps=5, **{"checkpoint.every_steps": 2,
                                                               "checkpoint.on_save_error": SaveErrorPolicy.stop}))

@@ -12,16 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import hashlib
 import json
 import os
 import platform
 import random
 import shutil
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import numpy as np
 import torch
@@ -34,6 +32,7 @@ from llmtrain.checkpoint.layout import (
     step_dir_name,
 )
 from llmtrain.checkpoint.read import find_good_checkpoint, list_checkpoints
+from llmtrain.core.atomic import fsync_dir, swap_folder, write_atomically, write_file
 from llmtrain.core.errors import (
     CheckpointSaveError,
     SaveFailed,
@@ -44,65 +43,6 @@ from llmtrain.engine.state import TrainState
 # ---------------------------------------------------------------------------------------------
 # saving
 # ---------------------------------------------------------------------------------------------
-
-
-class _HashingWriter:
-    """A file wrapper that hashes what passes through, so nothing is read back to hash it."""
-
-    def __init__(self, fh: BinaryIO) -> None:
-        self.fh = fh
-        self.sha256 = hashlib.sha256()
-        self.size = 0
-        # The first failed write. torch's zip writer swallows it and raises its own RuntimeError
-        # ("[enforce fail at inline_container.cc] unexpected pos ..."), which names neither the
-        # errno nor the file: _write_file reports this one instead.
-        self.error: OSError | None = None
-
-    def write(self, data: bytes) -> int:
-        try:
-            written = self.fh.write(data)
-        except OSError as err:
-            self.error = self.error or err
-            raise
-        self.sha256.update(data)
-        self.size += len(data)
-        return written
-
-    def flush(self) -> None:
-        self.fh.flush()
-
-
-def _write_file(path: Path, write: Callable[[_HashingWriter], None]) -> dict[str, Any]:
-    """Write, flush and fsync one file; a failed write raises its OSError, naming `path`."""
-    writer = None
-    try:
-        with open(path, "wb") as fh:
-            writer = _HashingWriter(fh)
-            write(writer)
-            fh.flush()
-            os.fsync(fh.fileno())
-    except (OSError, RuntimeError) as err:
-        cause = writer.error if writer is not None and writer.error is not None else err
-        if not isinstance(cause, OSError):
-            raise
-        if cause.filename is None:  # a file object's write() does not say which file it was
-            raise OSError(cause.errno, cause.strerror, str(path)) from err
-        if cause is err:
-            raise
-        raise cause from err
-    return {"sha256": writer.sha256.hexdigest(), "bytes": writer.size}
-
-
-def write_atomically(path: Path, write: Callable[[BinaryIO], None]) -> None:
-    """Write `path` whole or not at all: into a temp file beside it, fsync'ed, then renamed over
-    it. On failure the temp file is removed and an existing `path` is left as it was."""
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    try:
-        _write_file(tmp, write)
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def _mb(n_bytes: float) -> str:
@@ -176,14 +116,6 @@ def checkpoint_bytes(path: Path) -> int | None:
         return sum(entry["bytes"] for entry in json.loads((path / MANIFEST).read_text())["files"].values())
     except (OSError, ValueError, KeyError, TypeError):
         return None
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def rng_snapshot() -> tuple[dict, dict]:
@@ -260,38 +192,31 @@ def save_checkpoint(
         scaler_state = scaler.state_dict() if scaler else None
         if shards is None:
             files = {
-                "model.pt": _write_file(tmp / "model.pt", lambda f: torch.save(model.state_dict(), f)),
-                "optimizer.pt": _write_file(
+                "model.pt": write_file(tmp / "model.pt", lambda f: torch.save(model.state_dict(), f)),
+                "optimizer.pt": write_file(
                     tmp / "optimizer.pt", lambda f: torch.save({"optimizer": optimizer.state_dict(), "scaler": scaler_state}, f)
                 ),
             }
         else:
             files = {
                 **shards["files"],
-                "optimizer.pt": _write_file(
+                "optimizer.pt": write_file(
                     tmp / "optimizer.pt", lambda f: torch.save({"shards": shards["non_tensor"], "scaler": scaler_state}, f)
                 ),
             }
-        files["rng.pt"] = _write_file(tmp / "rng.pt", lambda f: torch.save(rng_tensors, f))
-        files[TRAINER_STATE] = _write_file(tmp / TRAINER_STATE, lambda f: f.write(json.dumps(trainer).encode()))
+        files["rng.pt"] = write_file(tmp / "rng.pt", lambda f: torch.save(rng_tensors, f))
+        files[TRAINER_STATE] = write_file(tmp / TRAINER_STATE, lambda f: f.write(json.dumps(trainer).encode()))
         manifest = {"format": FORMAT_VERSION, "step": state.step, "layout": "full" if shards is None else "sharded",
                     "files": files}
-        _write_file(tmp / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=2).encode()))
-        _fsync_dir(tmp)
+        write_file(tmp / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=2).encode()))
+        fsync_dir(tmp)
         # The new `latest` is written before the rename: every byte of the save lands before the
         # checkpoint is in place, so a full disk fails the save with nothing half-done (renames
         # need no space).
-        _write_file(latest_tmp, lambda f: f.write(name.encode()))
-        if final.exists():  # the same step again (after a rollback or a re-run): replace it whole
-            old = root / f".old-{name}-{os.getpid()}"
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-        _fsync_dir(root)
+        write_file(latest_tmp, lambda f: f.write(name.encode()))
+        swap_folder(tmp, final)  # the same step again (after a rollback or a re-run) is replaced whole
         os.replace(latest_tmp, root / LATEST)
-        _fsync_dir(root)
+        fsync_dir(root)
     except (OSError, RuntimeError) as err:
         shutil.rmtree(tmp, ignore_errors=True)
         latest_tmp.unlink(missing_ok=True)

@@ -25,6 +25,7 @@ import shutil
 from collections.abc import Mapping
 from pathlib import Path
 
+from llmtrain.core.atomic import write_atomically
 from llmtrain.core.errors import ConfigError
 from llmtrain.core.files import JOB_LOG, layout_problems
 
@@ -188,7 +189,5 @@ def describe_run(files: Mapping[str, str], run_dir: Path) -> None:
     for name, text in files.items():
         target = run_dir / name
         target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{target.name}.tmp")
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, target)  # a crash mid-write leaves the previous file whole
+        write_atomically(target, text)  # a crash mid-write leaves the previous file whole
     _start_job_log(run_dir)

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from llmtrain.config.schema import DataConfig, DataSource, DecodeErrors, TokenizerKind
+from llmtrain.core.atomic import swap_folder, write_atomically, write_file
 from llmtrain.core.files import TOKENIZER  # the same file name in the data cache as in a run dir
 from llmtrain.data.cache import (
     FORMAT_VERSION,
@@ -92,7 +93,7 @@ def prepare_data(cfg: DataConfig, log: Callable[[str], None] = print, progress: 
                 digest = scan.content_sha256
             if meta.get("content_sha256") == digest:
                 meta["fingerprint"] = quick
-                _atomic_write_text(meta_path, json.dumps(meta, indent=2))
+                write_atomically(meta_path, json.dumps(meta, indent=2))
                 return PreparedData(directory, meta)
             log(f"data source changed since it was prepared; preparing again into {directory}")
         else:
@@ -238,7 +239,7 @@ def _build(
             "content_sha256": scan.content_sha256,
         }
         save_tokenizer(tokenizer, tmp / TOKENIZER)
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+        write_file(tmp / "meta.json", json.dumps(meta, indent=2))
         _commit(tmp, directory)
     finally:
         for writer in writers.values():
@@ -389,16 +390,12 @@ def _fresh_tmp(directory: Path) -> Path:
 
 def _commit(tmp: Path, directory: Path) -> None:
     """Rename a finished build folder into place (the previous version is removed only after)."""
-    old = directory.with_name(f"{directory.name}.old-{os.getpid()}")
-    if directory.exists():
-        os.replace(directory, old)
     try:
-        os.replace(tmp, directory)
+        swap_folder(tmp, directory)
     except OSError:
         if not (directory / "meta.json").is_file():
             raise
         # Another process finished the same build first: its files are as good as ours.
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def _write(directory: Path, arrays: dict[str, np.ndarray], tokenizer: Tokenizer, meta: dict) -> PreparedData:
@@ -406,7 +403,7 @@ def _write(directory: Path, arrays: dict[str, np.ndarray], tokenizer: Tokenizer,
     tmp = _fresh_tmp(directory)
     try:
         for name, arr in arrays.items():
-            with open(tmp / name, "wb") as fh:
+            with open(tmp / name, "wb") as fh:  # not write_file: its sha256 would cost a pass over every token
                 if name.endswith(".npy"):
                     np.save(fh, arr)
                 else:
@@ -414,7 +411,7 @@ def _write(directory: Path, arrays: dict[str, np.ndarray], tokenizer: Tokenizer,
                 fh.flush()
                 os.fsync(fh.fileno())
         save_tokenizer(tokenizer, tmp / TOKENIZER)
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+        write_file(tmp / "meta.json", json.dumps(meta, indent=2))
         _commit(tmp, directory)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -499,7 +496,3 @@ def _entropy(counts: np.ndarray) -> float:
     return float(-(p * np.log(p)).sum()) + 0.0  # + 0.0: no "-0.0000" for a one-token corpus
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)

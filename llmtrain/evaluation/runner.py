@@ -26,7 +26,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from llmtrain.checkpoint.format import write_atomically
+from llmtrain.core.atomic import write_atomically
 from llmtrain.core.console import is_plain
 from llmtrain.core.errors import UserError
 from llmtrain.core.files import EVAL_RESULTS
@@ -126,10 +126,10 @@ def write_results(out_dir: Path, results: dict[str, dict[str, Any]], about: dict
             # each entry names its model: a folder of results may gather several models' entries
             tasks[name] = {**metrics, "model": about.get("model"), "evaluated_at": now}
         document = {**about, "updated": now, "tasks": tasks}
-        write_atomically(path, lambda fh: fh.write((json.dumps(document, indent=2, default=str) + "\n").encode()))
+        write_atomically(path, json.dumps(document, indent=2, default=str) + "\n")
         for name, raw in (harness or {}).items():
             target = out_dir / f"harness-{_file_part(name)}.json"
-            write_atomically(target, lambda fh, raw=raw: fh.write((json.dumps(raw, indent=2, default=str) + "\n").encode()))
+            write_atomically(target, json.dumps(raw, indent=2, default=str) + "\n")
     except OSError as err:
         raise UserError(f"the results could not be written into '{out_dir}' ({err.strerror or err}); the evaluation "
                         "itself is printed above. Free space or give --out another folder, and run it again.") from None

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from llmtrain.core.atomic import aside, swap_folder
 from llmtrain.core.errors import UserError
 from llmtrain.core.hf_files import CONFIG, GENERATION_CONFIG, WEIGHTS
 from llmtrain.core.readers import UnreadableFile, read_json
@@ -148,21 +149,14 @@ def write_export(out_dir: Path, fill: Callable[[Path], None]) -> None:
     (an error, a full disk, Ctrl-C) removes the hidden folder and any parent folder made for it and
     leaves `out_dir` as it was; an OSError becomes one UserError paragraph."""
     staging = out_dir.with_name(f".{out_dir.name}.{os.getpid()}{PARTIAL}")
-    old = out_dir.with_name(f".{out_dir.name}.{os.getpid()}.old")
     made = [p for p in out_dir.parents if not p.exists()]  # deepest first: removed in this order on failure
-    moved = False
     try:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
-        _remove_leftovers(out_dir, old)
+        _remove_leftovers(out_dir)
         staging.mkdir()
         fill(staging)
-        if out_dir.exists():
-            out_dir.rename(old)
-            moved = True
-        staging.rename(out_dir)
+        swap_folder(staging, out_dir)  # a previous export is put back if the swap fails
     except BaseException as err:
-        if moved and not out_dir.exists():
-            old.rename(out_dir)  # put the previous export back
         shutil.rmtree(staging, ignore_errors=True)
         for folder in made:
             with contextlib.suppress(OSError):
@@ -170,13 +164,12 @@ def write_export(out_dir: Path, fill: Callable[[Path], None]) -> None:
         if isinstance(err, OSError):  # a full disk, a read-only file system: the user's to fix, not a crash
             raise _write_failed(out_dir, err) from None
         raise
-    shutil.rmtree(old, ignore_errors=True)
 
 
-def _remove_leftovers(out_dir: Path, old: Path) -> None:
+def _remove_leftovers(out_dir: Path) -> None:
     """Hidden folders of exports into `out_dir` that were killed (never a live one's): this process
     id's previous export, and staged folders of processes that no longer run."""
-    shutil.rmtree(old, ignore_errors=True)
+    shutil.rmtree(aside(out_dir), ignore_errors=True)
     prefix = f".{out_dir.name}."
     for leftover in out_dir.parent.glob(f"{glob.escape(prefix)}*{PARTIAL}"):
         pid = leftover.name[len(prefix):-len(PARTIAL)]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import io
 import math
 import statistics
 import textwrap
@@ -28,6 +29,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from llmtrain.core.atomic import write_atomically
 from llmtrain.core.errors import UserError
 from llmtrain.core.files import CHECKPOINTS, CONFIG, EVAL_RESULTS, FINAL_WEIGHTS, HYDRA_SUBDIR, METRICS, TOKENIZER, Kind
 from llmtrain.core.readers import TOKENIZER_BYTES, UnreadableFile, read_bytes, read_json, read_yaml
@@ -255,15 +257,16 @@ def write_csv(summaries: list[RunSummary], sweep_dir: Path, path: Path) -> None:
         return "" if value is None else value
 
     task, names = ranking(summaries).task, tokenizer_names(summaries)
-    with open(path, "w", newline="") as fh:
-        writer = csv.writer(fh)
-        writer.writerow(["run", "overrides", "final_train_loss", "final_val_loss", "best_val_loss", "best_step", "alarms",
-                         "tokens_per_s", "status", "run_dir", "tokenizer", "bits_per_byte", "bits_per_byte_task"])
-        for s, row in zip(summaries, rows(summaries, sweep_dir)):
-            writer.writerow([row[0], " ".join(s.overrides), plain(s.final_train_loss), plain(s.final_val_loss),
-                             plain(s.best_val_loss), plain(s.best_step), " ".join(s.alarms), plain(s.tokens_per_s),
-                             s.status, str(s.run_dir), names[s.tokenizer_id] if s.tokenizer else "",
-                             plain(s.bits_per_byte.get(task) if task else None), plain(task)])
+    fh = io.StringIO(newline="")
+    writer = csv.writer(fh)
+    writer.writerow(["run", "overrides", "final_train_loss", "final_val_loss", "best_val_loss", "best_step", "alarms",
+                     "tokens_per_s", "status", "run_dir", "tokenizer", "bits_per_byte", "bits_per_byte_task"])
+    for s, row in zip(summaries, rows(summaries, sweep_dir)):
+        writer.writerow([row[0], " ".join(s.overrides), plain(s.final_train_loss), plain(s.final_val_loss),
+                         plain(s.best_val_loss), plain(s.best_step), " ".join(s.alarms), plain(s.tokens_per_s),
+                         s.status, str(s.run_dir), names[s.tokenizer_id] if s.tokenizer else "",
+                         plain(s.bits_per_byte.get(task) if task else None), plain(task)])
+    write_atomically(path, fh.getvalue())
 
 
 def plot_curves(summaries: list[RunSummary], path: Path, title: str) -> str | None:

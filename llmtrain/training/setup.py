@@ -41,7 +41,7 @@ from rich.console import Console
 from rich.markup import escape
 from torch.nn.parallel import DistributedDataParallel
 
-from llmtrain.checkpoint.format import remove_stale_temps, write_atomically
+from llmtrain.checkpoint.format import remove_stale_temps
 from llmtrain.checkpoint.layout import Checkpoint
 from llmtrain.checkpoint.policy import Checkpointer, RankAgreement, SavedObjects
 from llmtrain.checkpoint.resume import (
@@ -74,6 +74,7 @@ from llmtrain.config.schema import (
 )
 from llmtrain.config.validate import validate
 from llmtrain.core import files
+from llmtrain.core.atomic import write_atomically
 from llmtrain.core.errors import ConfigError
 from llmtrain.core.faults import Faults
 from llmtrain.core.files import Kind
@@ -434,9 +435,9 @@ def accept_run(run_dir: Path, config_dict: dict, tokenizer: Tokenizer, fresh_sta
     if fresh_start:
         set_damaged_aside(run_dir, warn)  # resume=never refused good ones: only damaged ones are left
     config_text = yaml.safe_dump(config_dict, sort_keys=False).encode()
-    write_atomically(run_dir / files.CONFIG, lambda fh: fh.write(config_text))
+    write_atomically(run_dir / files.CONFIG, config_text)
     tokenizer_text = json.dumps(tokenizer.to_dict(), ensure_ascii=False).encode()
-    write_atomically(run_dir / files.TOKENIZER, lambda fh: fh.write(tokenizer_text))
+    write_atomically(run_dir / files.TOKENIZER, tokenizer_text)
     if on_accept is not None:
         on_accept(run_dir)
 

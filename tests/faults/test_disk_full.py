@@ -26,9 +26,10 @@ import pytest
 import torch
 from rich.console import Console
 
-from llmtrain.checkpoint.format import _write_file, describe_write_error
+from llmtrain.checkpoint.format import describe_write_error
 from llmtrain.checkpoint.read import list_checkpoints, verify
 from llmtrain.config.schema import SaveErrorPolicy
+from llmtrain.core.atomic import write_file
 from llmtrain.core.errors import EXIT_SAVE_FAILED, SaveFailed
 from llmtrain.metrics.dashboard import Dashboard
 from llmtrain.metrics.writer import MetricsWriter
@@ -185,9 +186,9 @@ def test_a_failed_final_save_is_retried_after_the_loop_without_a_closed_sink_cra
         if ".tmp-step_00000004" in str(path) and failures["left"]:
             failures["left"] -= 1
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
-        return _write_file(path, write)
+        return write_file(path, write)
 
-    monkeypatch.setattr(checkpoint_module, "_write_file", first_final_save_fails)
+    monkeypatch.setattr(checkpoint_module, "write_file", first_final_save_fails)
     run = tmp_path / "run"
     result = train(tiny_config(run, max_steps=4, **{"checkpoint.every_steps": 3}), console=captured()[0])
     assert result.steps == 4 and failures["left"] == 0
@@ -229,7 +230,7 @@ def test_a_write_error_other_than_a_full_disk_keeps_its_errno_text_and_path(
 ) -> None:
     monkeypatch.setattr(builtins, "open", fill_disk(tmp_path, lambda path: True, errno.EACCES))
     with pytest.raises(OSError) as raised:  # torch wraps it in "[enforce fail at inline_container.cc]"
-        _write_file(tmp_path / "x.pt", lambda f: torch.save({"w": torch.zeros(1000)}, f))
+        write_file(tmp_path / "x.pt", lambda f: torch.save({"w": torch.zeros(1000)}, f))
     monkeypatch.undo()
     assert raised.value.errno == errno.EACCES and raised.value.filename == str(tmp_path / "x.pt")
     assert describe_write_error(raised.value, tmp_path, 1000) == f"[Errno 13] Permission denied: '{tmp_path / 'x.pt'}'"

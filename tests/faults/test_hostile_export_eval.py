@@ -171,20 +171,20 @@ def test_an_interrupted_export_leaves_the_previous_one_whole(run_dir: Path, tmp_
     dead = next(pid for pid in range(4_000_000, 4_100_000) if not Path(f"/proc/{pid}").exists())
     (tmp_path / f".model.{dead}{PARTIAL}").mkdir()  # an export that was killed: nothing cleans it but the next
     before = hashes(out)
-    real_rename = Path.rename
+    real_replace = os.replace
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt  # Ctrl-C
 
-    def rename(self: Path, target: Path) -> Path:
-        if self.name.endswith(PARTIAL):  # the previous export is already moved aside
+    def replace(source: str | os.PathLike, target: str | os.PathLike) -> None:
+        if str(source).endswith(PARTIAL):  # the previous export is already moved aside
             raise KeyboardInterrupt
-        return real_rename(self, target)
+        real_replace(source, target)
 
     if when == "writing":
         monkeypatch.setattr("llmtrain.runs.export.save_model", interrupted)
     else:
-        monkeypatch.setattr(Path, "rename", rename)
+        monkeypatch.setattr(os, "replace", replace)
     with pytest.raises(KeyboardInterrupt):
         export_run(run_dir, out)
     assert hashes(out) == before

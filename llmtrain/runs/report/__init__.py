@@ -44,9 +44,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from llmtrain.checkpoint.format import write_atomically
 from llmtrain.config.saved import read_saved
 from llmtrain.config.schema import DataSource
+from llmtrain.core.atomic import write_atomically
 from llmtrain.core.errors import UserError
 from llmtrain.core.files import CONFIG, METRICS, REPORT_HTML, REPORT_MD, TRAINER_STATE, Kind
 from llmtrain.metrics.text import is_number
