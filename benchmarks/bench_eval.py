@@ -156,7 +156,8 @@ def bench_shape(shape: str, reps: int, batch_size: int, threads: int, memory: bo
     return {"shape": shape, "params": param_count(model), "context": model.cfg.block_size, "tokens": int(tokens.size),
             "batch_size": batch_size, "seconds": seconds,
             "tokens_per_s": {path: tokens.size / m for path, m in med.items()},
-            "ratio": med["bare"] / med["llmtrain"], "loss_difference": abs(losses["bare"] - losses["llmtrain"]) / tokens.size,
+            "ratio": med["bare"] / med["llmtrain"],
+            "loss_difference": abs(losses["bare"] - losses["llmtrain"]) / tokens.size,
             "parameters_with_grad": grads, "peak_rss_growth": peaks}
 
 
@@ -183,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_flush_denormal(True)  # as `llmtrain train` and `eval` do, before any compute
     torch.set_num_threads(args.threads)
     console = Console()
-    results = [bench_shape(shape, args.reps, args.batch_size, args.threads, not args.no_memory, console) for shape in shapes]
+    results = [bench_shape(shape, args.reps, args.batch_size, args.threads, not args.no_memory, console)
+               for shape in shapes]
     table = Table(title=f"held-out perplexity scoring, fp32, {args.threads} threads, batch {args.batch_size} "
                         f"windows, medians of {args.reps}")
     for col in ("model", "tokens", "bare tok/s", "llmtrain tok/s", "ratio", "peak RSS MiB: bare/eval/grad", ".grad"):
@@ -196,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
                       memory, str(r["parameters_with_grad"]))
     console.print(table)
     for r in results:
-        console.print(f"{r['shape']}: the mean losses of bare and llmtrain differ by {r['loss_difference']:.2e} nats/token")
+        console.print(f"{r['shape']}: the mean losses of bare and llmtrain differ by "
+                      f"{r['loss_difference']:.2e} nats/token")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     for r in results:

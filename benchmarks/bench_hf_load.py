@@ -9,11 +9,12 @@ with model.init_from: `HFFolder.open` (config.json, the safetensors header), the
 of the folder's shape built without its random init (`model.uninitialized()`; the other mode keeps
 the init, for comparison) and `load_weights` (tensor by tensor, one memory-mapped handle at a time).
 The config's resolution before it (`apply_init_from`: the tokenizer read, the headers checked,
-about 0.1 s) is not timed; the tokenizer.json written here is a stand-in that loading never reads. Imports come first and are not timed. Memory is sampled every 2 ms from
-/proc/self/status while loading: the peak RSS above the RSS just before (all of it: the model's
-tensors and the file's mapped pages) and the peak anonymous RSS above its start (the model's own
-memory, which the page cache cannot give back), each against the weights' size (the
-model.safetensors file). Targets: < 5 s and < 2x. This needs transformers (to write the folder).
+about 0.1 s) is not timed; the tokenizer.json written here is a stand-in that loading never reads.
+Imports come first and are not timed. Memory is sampled every 2 ms from /proc/self/status while
+loading: the peak RSS above the RSS just before (all of it: the model's tensors and the file's
+mapped pages) and the peak anonymous RSS above its start (the model's own memory, which the page
+cache cannot give back), each against the weights' size (the model.safetensors file). Targets:
+< 5 s and < 2x. This needs transformers (to write the folder).
 """
 
 from __future__ import annotations
@@ -115,7 +116,10 @@ def load_once(folder: Path, threads: int, mode: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-MODES = {"build_model": "as build_model does it (init skipped)", "random_init": "GPT() with its random init, then loaded"}
+MODES = {
+    "build_model": "as build_model does it (init skipped)",
+    "random_init": "GPT() with its random init, then loaded",
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     for col in ("path", "seconds (target < 5)", "peak RSS / weights (target < 2x)", "peak anonymous / weights"):
         table.add_column(col)
     for mode, m in med.items():
-        table.add_row(MODES[mode], f"{m['total']:.2f}", f"{m['rss_growth'] / size:.2f}x", f"{m['anon_growth'] / size:.2f}x")
+        table.add_row(MODES[mode], f"{m['total']:.2f}", f"{m['rss_growth'] / size:.2f}x",
+                      f"{m['anon_growth'] / size:.2f}x")
     console.print(table)
     if args.json:
         args.json.write_text(json.dumps({"weights_bytes": size, "median": med, "runs": runs}, indent=2))

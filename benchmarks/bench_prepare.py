@@ -85,13 +85,15 @@ def main() -> None:
         for column in ("tokenizer", "median s", "MB/s", "target MB/s", "tokens", "peak RSS MB", "met"):
             table.add_column(column)
         for kind in opts.tokenizers.split(","):
-            runs = [prepare_once(corpus, kind, opts.bpe_vocab, Path(tmp) / f"cache-{kind}-{rep}") for rep in range(opts.reps)]
+            runs = [prepare_once(corpus, kind, opts.bpe_vocab, Path(tmp) / f"cache-{kind}-{rep}")
+                    for rep in range(opts.reps)]
             seconds = statistics.median(r["seconds"] for r in runs)
             peak = statistics.median(r["peak_bytes"] for r in runs)
             rate = size / 2**20 / seconds
             target = TARGETS[kind]
-            table.add_row(kind, f"{seconds:.2f}", f"{rate:.1f}", f"{target:g}" if target else "-", f"{runs[0]['tokens']:,}",
-                          f"{peak / 2**20:.0f}", "-" if target is None else "yes" if rate >= target else "NO")
+            table.add_row(kind, f"{seconds:.2f}", f"{rate:.1f}", f"{target:g}" if target else "-",
+                          f"{runs[0]['tokens']:,}", f"{peak / 2**20:.0f}",
+                          "-" if target is None else "yes" if rate >= target else "NO")
         console.print(table)
 
 

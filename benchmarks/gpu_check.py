@@ -105,7 +105,8 @@ def main() -> None:
 def run(overrides: list[str]) -> None:
     proc = subprocess.run([sys.executable, "-m", "llmtrain", "train", *overrides], capture_output=True, text=True)
     if proc.returncode != 0:
-        sys.exit(f"gpu_check: llmtrain train failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        sys.exit(f"gpu_check: llmtrain train failed (exit {proc.returncode}):\n"
+                 f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
 
 
 if __name__ == "__main__":

@@ -190,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         times = startup(args.startup_reps)
         figures["startup_s"] = times
         console.print(f"command -> end of step 1 (`llmtrain train`, default config, data prepared): median "
-                      f"{statistics.median(times):.2f} s over {len(times)} (all: {', '.join(f'{t:.2f}' for t in times)}; "
+                      f"{statistics.median(times):.2f} s over {len(times)} "
+                      f"(all: {', '.join(f'{t:.2f}' for t in times)}; "
                       "target <= 3 s)")
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2))

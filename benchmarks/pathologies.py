@@ -154,7 +154,8 @@ def first_symptom(sick: dict[int, dict], reference: dict[int, dict]) -> int | No
         if r is None:
             continue
         # The mean loss of the interval (a single step's loss is too noisy to call a symptom).
-        loss_s, loss_r = (_number(s.get("interval_loss", s.get("loss"))), _number(r.get("interval_loss", r.get("loss"))))
+        loss_s, loss_r = (_number(s.get("interval_loss", s.get("loss"))),
+                          _number(r.get("interval_loss", r.get("loss"))))
         if not math.isfinite(loss_s) or (abs(loss_s - loss_r) > 0.15 and abs(loss_s - loss_r) > 0.05 * loss_r):
             return step
         grad_s, grad_r = _number(s.get("grad_norm")), _number(r.get("grad_norm"))
@@ -261,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     root.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        done = dict(zip([c.name for c in cases], pool.map(lambda c: run_case(c, root, args.llmtrain, args.steps), cases)))
+        done = dict(zip([c.name for c in cases],
+                        pool.map(lambda c: run_case(c, root, args.llmtrain, args.steps), cases)))
     reference = health_by_step(done[REFERENCE][0])
     scores = [score(c, *done[c.name], reference) for c in cases]
     summary = summarize(scores) | {"wall_s": round(time.perf_counter() - started, 1)}

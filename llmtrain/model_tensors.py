@@ -63,7 +63,8 @@ class ModelTensors:
 
     def unique_outside(self) -> dict[str, Shape]:
         """The tensors outside the blocks, a tied head once (under the embedding's name)."""
-        return {name: shape for name, shape in self.outside.items() if not (self.cfg.tie_weights and name == "lm_head.weight")}
+        return {name: shape for name, shape in self.outside.items()
+                if not (self.cfg.tie_weights and name == "lm_head.weight")}
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6N for the matmuls (the head's included, tied or not; the
@@ -130,8 +131,8 @@ def check_stored(tensors: ModelTensors, stored: Mapping[str, Shape], where: str,
     so a description of a billion blocks is refused before its names are listed."""
     held = stored_layers(stored)
     if held != tensors.n_layer:
-        raise UserError(f"{where}: {config_name} describes {layers_text(tensors.n_layer)} (n_layer), but the weights hold "
-                        f"{held:,}; the config and the weights do not belong together.")
+        raise UserError(f"{where}: {config_name} describes {layers_text(tensors.n_layer)} (n_layer), but the "
+                        f"weights hold {held:,}; the config and the weights do not belong together.")
     expected = dict(tensors.items())
     missing = [name for name in expected if name not in stored]
     extra = [name for name in stored if name not in expected]

@@ -224,7 +224,8 @@ def _tiny_text_data(tmp_path: Path) -> list[str]:
 @pytest.mark.parametrize(
     ("sweep", "expected"),
     [
-        pytest.param(["optim.lr=1e-3,-1"], ["'optim.lr' is -1.0", "must be a finite number > 0"], id="bad-value-in-second-job"),
+        pytest.param(["optim.lr=1e-3,-1"], ["'optim.lr' is -1.0", "must be a finite number > 0"],
+                     id="bad-value-in-second-job"),
         pytest.param(["model=gpt_tiny,foo"], ["'foo'", MODEL_OPTIONS], id="bad-group-option-in-sweep"),
         pytest.param(["model=glob(*)", "optim.lr=1e-3,-1"], ["'optim.lr' is -1.0"], id="glob-sweep-beside-a-bad-value"),
     ],

@@ -47,7 +47,8 @@ def test_help_imports_only_the_standard_library(tmp_path: Path) -> None:
 
 def test_train_help_shows_groups_and_options(tmp_path: Path) -> None:
     out = llmtrain("train", "--help", cwd=tmp_path).stdout
-    for text in ("model", "gpt_tiny*", "gpt_small", "modern_tiny", "adamw*", "sgd", "adafactor", "cosine*", "wsd", "fp16", "optim.lr"):
+    for text in ("model", "gpt_tiny*", "gpt_small", "modern_tiny", "adamw*", "sgd", "adafactor", "cosine*", "wsd",
+                 "fp16", "optim.lr"):
         assert text in out
 
 
@@ -119,7 +120,8 @@ def test_shell_completion_of_commands_and_overrides(tmp_path: Path) -> None:
     def complete(line: str) -> str:
         env = {**os.environ, "COMP_LINE": line, "COMP_POINT": str(len(line))}
         return subprocess.run(
-            [sys.executable, "-m", "llmtrain", "-sc", "query=bash"], cwd=tmp_path, env=env, capture_output=True, text=True
+            [sys.executable, "-m", "llmtrain", "-sc", "query=bash"],
+            cwd=tmp_path, env=env, capture_output=True, text=True,
         ).stdout
 
     assert complete("llmtrain tr").split() == ["train"]

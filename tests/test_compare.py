@@ -84,7 +84,8 @@ def fake_run(root: Path, name: str, tokenizer: dict, val_loss: float, bits_per_b
     task's bits per byte among its records when given), config.yaml and tokenizer.json."""
     run = root / name
     run.mkdir(parents=True)
-    records = [{"kind": "train", "step": 10, "loss": val_loss + 0.1}, {"kind": "eval", "step": 10, "val_loss": val_loss}]
+    records = [{"kind": "train", "step": 10, "loss": val_loss + 0.1},
+               {"kind": "eval", "step": 10, "val_loss": val_loss}]
     if bits_per_byte is not None:
         records.append({"kind": "eval_task", "step": 10, "task": "perplexity:validation", "loss": val_loss,
                         "bits_per_byte": bits_per_byte})
@@ -119,7 +120,8 @@ def test_runs_of_different_tokenizers_are_said_not_to_compare_by_their_losses(tm
     assert note is not None and "different tokenizers" in note and "do not compare, nor does this order" in note
     assert "llmtrain eval RUN_DIR" in note
     names = dict(zip((s.run_dir.name for s in summaries), (row[6] for row in rows(summaries, tmp_path))))
-    assert names["bytes"] == "byte" and names["chars"].startswith("char #") and names["chars"] != names["chars_other_text"]
+    assert (names["bytes"] == "byte" and names["chars"].startswith("char #")
+            and names["chars"] != names["chars_other_text"])
     assert "tokenizer" in columns(summaries)
 
 

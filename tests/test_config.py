@@ -114,7 +114,8 @@ BIG_MODELS = {("model", "gpt2_medium"), ("model", "smollm_135m")}
 
 
 @pytest.mark.parametrize(("group", "option"), [
-    pytest.param(g, o, id=f"{g}={o}", marks=[pytest.mark.slow] if (g, o) in BIG_MODELS else []) for g, o in GROUP_OPTIONS])
+    pytest.param(g, o, id=f"{g}={o}", marks=[pytest.mark.slow] if (g, o) in BIG_MODELS else [])
+    for g, o in GROUP_OPTIONS])
 def test_option_composes_converts_and_builds(group: str, option: str, tmp_path: Path) -> None:
     cfg = load_option(group, option, tmp_path)
     section = getattr(cfg, group)

@@ -115,7 +115,8 @@ def test_parameter_formula_holds_for_each_switch_of_the_shape(changes: dict) -> 
 def test_presets_show_the_keys_they_set(capsys: pytest.CaptureFixture[str]) -> None:
     out = flat(run(capsys, "preset"))
     stable = out.split("stable The pre-flight checklist's stability items switched on")[1]
-    for key in ("schedule.warmup_fraction=0.05", "optim.clip_grad_norm=1.0", "precision.name=auto", "model.norm_position=pre"):
+    for key in ("schedule.warmup_fraction=0.05", "optim.clip_grad_norm=1.0", "precision.name=auto",
+                "model.norm_position=pre"):
         assert key in stable.split(" Sets ")[1]
     assert "fast Throughput first. Sets compile=auto, optim.fused=true, precision.name=auto." in out
 

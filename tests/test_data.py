@@ -14,7 +14,8 @@ from llmtrain.data.tokenizers import ByteTokenizer, CharTokenizer, tokenizer_fro
 
 
 def text_config(path: Path, cache: Path, tokenizer: TokenizerKind = TokenizerKind.byte) -> DataConfig:
-    return DataConfig(source=DataSource.text, path=str(path), tokenizer=tokenizer, val_fraction=0.1, cache_dir=str(cache))
+    return DataConfig(source=DataSource.text, path=str(path), tokenizer=tokenizer, val_fraction=0.1,
+                      cache_dir=str(cache))
 
 
 def test_prepare_once_then_reuse_then_rebuild_on_change(tmp_path: Path) -> None:

@@ -57,7 +57,10 @@ COMPLETE: dict[str, list[str]] = {
     "llmtrain train data.seq_len_schedule=[[0,256],[1000,512],[3000,1024]] model.block_size=1024": ["max_steps=5000"],
 }
 # Sweeps through a launcher or sweeper plugin: composed only when the plugin is installed.
-PLUGINS = {"hydra/launcher=slurm": "hydra_plugins.hydra_submitit_launcher", "hydra/sweeper=lr_search": "hydra_plugins.hydra_optuna_sweeper"}
+PLUGINS = {
+    "hydra/launcher=slurm": "hydra_plugins.hydra_submitit_launcher",
+    "hydra/sweeper=lr_search": "hydra_plugins.hydra_optuna_sweeper",
+}
 
 
 @dataclass
@@ -249,7 +252,8 @@ def _run(command: DocCommand, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("command", COMMANDS_IN_DOCS, ids=[f"{c.where} {' '.join(c.words)}"[:120] for c in COMMANDS_IN_DOCS])
+@pytest.mark.parametrize("command", COMMANDS_IN_DOCS,
+                         ids=[f"{c.where} {' '.join(c.words)}"[:120] for c in COMMANDS_IN_DOCS])
 def test_documented_command_is_accepted_or_fails_as_documented(
     command: DocCommand, doc_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

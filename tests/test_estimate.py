@@ -78,7 +78,8 @@ def test_activation_formula_matches_autograds_saved_tensors(variant: str, precis
     for layers in (1, 2):
         mcfg = ModelConfig(n_layer=layers, n_head=4, n_embd=128, block_size=64, **VARIANTS[variant])
         measured[layers] = measured_per_token(mcfg, dtype)
-    cfg = Config(model=ModelConfig(n_layer=1, n_head=4, n_embd=128, block_size=64, vocab_size=VOCAB, **VARIANTS[variant]))
+    cfg = Config(model=ModelConfig(n_layer=1, n_head=4, n_embd=128, block_size=64, vocab_size=VOCAB,
+                                   **VARIANTS[variant]))
     est = activation_bytes_per_token(cfg, precision, "cpu")
     block = measured[2] - measured[1]
     if variant == "checkpointed":

@@ -59,7 +59,9 @@ def _direct_nll(run_dir: Path, text: str) -> tuple[float, int]:
     return -sum(s.logprob for s in scores), len(ids)
 
 
-def test_perplexity_of_a_held_out_file_from_data_overrides(run_dir: Path, held_out: Path, capsys, tmp_path: Path) -> None:
+def test_perplexity_of_a_held_out_file_from_data_overrides(
+    run_dir: Path, held_out: Path, capsys, tmp_path: Path
+) -> None:
     out = tmp_path / "results"
     code, stdout, err = _eval(capsys, str(run_dir), "data=text", f"data.path={held_out}", "--out", str(out))
     assert code == 0, err
@@ -129,7 +131,8 @@ def test_a_bad_line_refuses_before_the_model_loads_and_keeps_eval_json(run_dir: 
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "eval.json").write_text('{"tasks": {"kept": {"kind": "perplexity", "loss": 1.0}}}')
     bad = tmp_path / "bad.jsonl"
-    bad.write_text(json.dumps({"ctx": "a", "endings": ["b", "c"], "label": 0}) + "\n" + '{"ctx": "a", "endings": ["b"]\n')
+    bad.write_text(json.dumps({"ctx": "a", "endings": ["b", "c"], "label": 0}) + "\n"
+                   + '{"ctx": "a", "endings": ["b"]\n')
 
     def no_model(*args: object, **kwargs: object) -> None:
         raise AssertionError("the model was loaded before the task file was checked")
@@ -148,8 +151,8 @@ def test_an_export_needs_a_task_named(run_dir: Path, capsys, tmp_path: Path) -> 
 
 
 def test_eval_help_does_not_import_torch() -> None:
-    probe = ("import sys\nfrom llmtrain.cli import main\ntry:\n    main(['eval', '--help'])\nexcept SystemExit:\n    pass\n"
-             "print('torch' in sys.modules)")
+    probe = ("import sys\nfrom llmtrain.cli import main\ntry:\n    main(['eval', '--help'])\n"
+             "except SystemExit:\n    pass\nprint('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert out.strip().splitlines()[-1] == "False"
     assert torch is not None  # (torch itself is fine in the test process)

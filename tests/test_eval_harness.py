@@ -41,7 +41,8 @@ EXAMPLES = [  # endings of different lengths, so the summed and the per-characte
     {"ctx": "We went to", "endings": ["the park", "bed", "a faraway island"], "label": 0},
     {"ctx": "Birds fly", "endings": ["south", "over the tall hills in spring", "away"], "label": 1},
     # longer than the window with its ending: cut from the left by both scorers
-    {"ctx": "Once upon a time in a land far away there lived a", "endings": ["king", "small dragon", "cat"], "label": 1},
+    {"ctx": "Once upon a time in a land far away there lived a", "endings": ["king", "small dragon", "cat"],
+     "label": 1},
 ]
 TASK_YAML = """\
 task: {name}
@@ -113,7 +114,8 @@ def lm(model: GPT, **kwargs) -> ScorerLM:
 
 
 def instances(kind: str, arguments: list[tuple]) -> list[Instance]:
-    return [Instance(request_type=kind, doc={}, arguments=a, idx=0, metadata=("t", i, 1)) for i, a in enumerate(arguments)]
+    return [Instance(request_type=kind, doc={}, arguments=a, idx=0, metadata=("t", i, 1))
+            for i, a in enumerate(arguments)]
 
 
 def test_harness_task_equals_builtin_multiple_choice(model: GPT, task_folder: Path) -> None:
@@ -127,7 +129,8 @@ def test_harness_task_equals_builtin_multiple_choice(model: GPT, task_folder: Pa
     assert reference["acc"] != reference["acc_norm"]  # the data tells the two apart
 
     check_tasks(["tiny_mc"], cfg.harness_include)
-    task = HarnessTask(TaskSpec("harness", "tiny_mc", "harness:tiny_mc"), cfg).encode(TOKENIZER, WINDOW, EOS, True, notes.append)
+    task = HarnessTask(TaskSpec("harness", "tiny_mc", "harness:tiny_mc"), cfg).encode(
+        TOKENIZER, WINDOW, EOS, True, notes.append)
     torch.manual_seed(7)
     metrics = task.run(scorer)
     after = torch.rand(3)
@@ -160,8 +163,10 @@ def test_harness_rolling_task_equals_builtin_perplexity(model: GPT, task_folder:
 
 def test_truncate_false_refuses_a_long_context(model: GPT, task_folder: Path) -> None:
     cfg = EvalConfig(harness_include=str(task_folder), truncate=False)
-    task = HarnessTask(TaskSpec("harness", "tiny_mc", "harness:tiny_mc"), cfg).encode(TOKENIZER, WINDOW, EOS, False, print)
-    with pytest.raises(UserError, match=r"harness:tiny_mc \(tiny_mc, document 0\): the model would read 37 tokens.*eval.truncate=false"):
+    task = HarnessTask(TaskSpec("harness", "tiny_mc", "harness:tiny_mc"), cfg).encode(
+        TOKENIZER, WINDOW, EOS, False, print)
+    with pytest.raises(UserError, match=r"harness:tiny_mc \(tiny_mc, document 0\): the model would read 37 tokens"
+                                        r".*eval.truncate=false"):
         task.run(Scorer(model, WINDOW))
 
 
@@ -221,8 +226,8 @@ def test_generate_until_stops_at_the_until_string_and_matches_greedy_generate(mo
                                                vocab_limit=TOKENIZER.vocab_size, stop_id=EOS))
     assert adapter.cut == 1 and adapter.scored == 3
 
-    sampled = [lm(model).generate_until(instances("generate_until", [(prompt, {"do_sample": True, "max_gen_toks": 12})]))
-               for _ in range(2)]
+    sampled = [lm(model).generate_until(
+        instances("generate_until", [(prompt, {"do_sample": True, "max_gen_toks": 12})])) for _ in range(2)]
     assert sampled[0] == sampled[1]  # seeded
     assert model.training is False
 
@@ -241,7 +246,9 @@ def test_include_path_must_be_a_folder(tmp_path: Path) -> None:
         check_tasks(["tiny_mc"], str(tmp_path / "file.yaml"))
 
 
-def test_unknown_task_names_close_ones_and_the_include_folder(task_folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_unknown_task_names_close_ones_and_the_include_folder(
+    task_folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # The bundled index takes ~15 s to build; here the folder's own index stands in for it (the
     # real one: test_unknown_bundled_task_suggests_its_neighbour, slow).
     folder = str(task_folder.resolve())

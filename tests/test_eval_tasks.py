@@ -91,7 +91,8 @@ def test_multiple_choice_scores_equal_a_direct_computation_with_the_model(tmp_pa
             at += 1
         label = int(example["label"])
         picks["acc"].append(lls.index(max(lls)) == label)
-        picks["acc_norm"].append([ll / len(e) for ll, e in zip(lls, endings)].index(max(ll / len(e) for ll, e in zip(lls, endings))) == label)
+        picks["acc_norm"].append([ll / len(e) for ll, e in zip(lls, endings)].index(
+            max(ll / len(e) for ll, e in zip(lls, endings))) == label)
         picks["acc_token"].append(per_token.index(max(per_token)) == label)
     metrics = task.run(Scorer(model, WINDOW, batch_size=8))
     n = len(MC_EXAMPLES)
@@ -185,8 +186,10 @@ BAD_LINES = [
     ({"ctx": "a", "label": 0}, r"mc.jsonl:2 has no field 'endings' or 'choices' \(it has: ctx, label\)"),
     ({"endings": ["a", "b"], "label": 0}, r"mc.jsonl:2 has no field 'ctx' or 'context' \(it has: endings, label\)"),
     ({"ctx": "a", "endings": ["a", "b"]}, r"mc.jsonl:2 has no field 'label'"),
-    ({"ctx": "a", "endings": "a b", "label": 0}, r"mc.jsonl:2: the endings must be a list of at least 2 strings.*\"a b\""),
-    ({"ctx": "a", "endings": ["only"], "label": 0}, r"mc.jsonl:2: the endings must be a list of at least 2.*\[\"only\"\]"),
+    ({"ctx": "a", "endings": "a b", "label": 0},
+     r"mc.jsonl:2: the endings must be a list of at least 2 strings.*\"a b\""),
+    ({"ctx": "a", "endings": ["only"], "label": 0},
+     r"mc.jsonl:2: the endings must be a list of at least 2.*\[\"only\"\]"),
     ({"ctx": "a", "endings": ["x", 3], "label": 0}, r"mc.jsonl:2: the endings must be .*\[\"x\", 3\]"),
     ({"ctx": "a", "endings": ["x", ""], "label": 0}, r"mc.jsonl:2: ending 1 is empty"),
     ({"ctx": "a", "endings": ["x", "y", "z"], "label": 3}, r"mc.jsonl:2: the label 3 is out of range: .* 3 endings, so "
@@ -232,12 +235,12 @@ def test_long_contexts_are_cut_and_said_once_or_refused(tmp_path: Path) -> None:
                                                {"ctx": long + "y", "endings": ["a", "bb"], "label": 1}])
     logs: list[str] = []
     task = encoded(f"multiple_choice:{path}", logs=logs)
-    assert logs == [f"multiple_choice:{path}: 2 of 3 examples' contexts are longer than the model's window of 32 tokens "
-                    "and are cut from the left; eval.truncate=false refuses them instead"]
+    assert logs == [f"multiple_choice:{path}: 2 of 3 examples' contexts are longer than the model's window of "
+                    "32 tokens and are cut from the left; eval.truncate=false refuses them instead"]
     scores = Scorer(tiny_gpt(256), WINDOW).loglikelihood(task.requests)
     assert [s.truncated for s in scores] == [True, True, False, False, True, True]
-    with pytest.raises(UserError, match=r"mc.jsonl:1: the context and its longest ending are 63 tokens; the model reads "
-                                        r"at most 33 .*eval.truncate=false"):
+    with pytest.raises(UserError, match=r"mc.jsonl:1: the context and its longest ending are 63 tokens; the model "
+                                        r"reads at most 33 .*eval.truncate=false"):
         encoded(f"multiple_choice:{path}", truncate=False)
     too_long = write_jsonl(tmp_path / "long_ending.jsonl", [{"ctx": "a", "endings": ["b", "y" * 40], "label": 0}])
     with pytest.raises(UserError, match=r"long_ending.jsonl:1: ending 1 \(\"y+\"\) is 41 tokens, longer than the "
@@ -269,7 +272,8 @@ def test_perplexity_inputs_that_give_nothing_are_named(tmp_path: Path) -> None:
         one(f"perplexity:{tmp_path / 'empty.txt'}")
     (tmp_path / "folder").mkdir()
     (tmp_path / "folder" / "data.bin").write_bytes(b"\x00")
-    with pytest.raises(UserError, match=r"folder has no .txt, .md, .text or .jsonl file with text in it \(searched recursively\)"):
+    with pytest.raises(UserError,
+                       match=r"folder has no .txt, .md, .text or .jsonl file with text in it \(searched recursively\)"):
         one(f"perplexity:{tmp_path / 'folder'}")
     with pytest.raises(UserError, match=r"matches no file"):
         one(f"perplexity:{tmp_path / '*.nothing'}")
@@ -343,7 +347,8 @@ def test_the_validation_split_is_its_documents_scored_as_held_out_text(tmp_path:
 
 
 def test_a_validation_split_that_cannot_be_scored_says_what_to_pass(tmp_path: Path) -> None:
-    with pytest.raises(UserError, match=r"instruction data.*name a held-out file instead: eval.tasks=\[perplexity:FILE\]"):
+    with pytest.raises(UserError,
+                       match=r"instruction data.*name a held-out file instead: eval.tasks=\[perplexity:FILE\]"):
         validation_source(PreparedData(tmp_path, {"loss_mask": True, "val_tokens": 10}))
     with pytest.raises(UserError, match=r"validation split has no tokens.*data=text data.path=FILE"):
         validation_source(PreparedData(tmp_path, {"val_tokens": 0}))
@@ -383,7 +388,8 @@ def test_trailing_whitespace_of_a_context_moves_to_the_continuation_as_in_the_ha
     assert context == list(b"def f():") and continuation == list(b"\n\treturn")
     # a context the tokenizer drops entirely is no context: end-of-text stands in for it
     dropping = DroppingTokenizer("abc ")
-    assert encode_pair(dropping, "\u20ac\u20ac", " abc", dropping.eos_id) == ([dropping.eos_id], dropping.encode(" abc"))
+    assert encode_pair(dropping, "\u20ac\u20ac", " abc", dropping.eos_id) == (
+        [dropping.eos_id], dropping.encode(" abc"))
 
 
 def test_text_that_encodes_to_no_tokens_is_refused_not_divided_by_zero(tmp_path: Path) -> None:

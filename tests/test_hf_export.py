@@ -172,7 +172,8 @@ def pretrained(tmp_path: Path) -> PretrainedTokenizer:
 
     inner = BPETokenizer.fit([MIXED * 3], 300).inner
     inner.add_special_tokens([AddedToken("<s>", special=True), AddedToken("</s>", special=True)])
-    inner.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", inner.token_to_id("<s>"))])
+    inner.post_processor = processors.TemplateProcessing(single="<s> $A",
+                                                         special_tokens=[("<s>", inner.token_to_id("<s>"))])
     (tmp_path / "src").mkdir()
     inner.save(str(tmp_path / "src" / "tokenizer.json"))
     (tmp_path / "src" / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))

@@ -288,10 +288,11 @@ REFUSED = [
     pytest.param("no-tokenizer", [], ["has no tokenizer.json", "incomplete"], id="no-tokenizer"),
     pytest.param("truncated", [], ["model.safetensors is not a readable safetensors file", "damaged"],
                  id="truncated-weights"),
-    pytest.param("more-layers", [], ["config.json describes 3 layers, but the weights hold 2", "do not belong together"],
+    pytest.param("more-layers", [],
+                 ["config.json describes 3 layers, but the weights hold 2", "do not belong together"],
                  id="missing-layer"),
-    pytest.param("other-width", [], ["model.layers.0.mlp.gate_proj.weight has shape (160, 64)", "blocks.0.mlp.gate.weight "
-                                     "(128, 64)", "do not belong together"], id="wrong-shape"),
+    pytest.param("other-width", [], ["model.layers.0.mlp.gate_proj.weight has shape (160, 64)",
+                                     "blocks.0.mlp.gate.weight (128, 64)", "do not belong together"], id="wrong-shape"),
     pytest.param("hub-name", [], ["not a folder on this machine", "hf download HuggingFaceTB/SmolLM-135M"],
                  id="hub-name"),
 ]

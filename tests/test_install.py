@@ -24,7 +24,8 @@ def test_non_editable_install_runs_from_any_directory(tmp_path: Path) -> None:
         shutil.copy(ROOT / name, source / name)
     target = tmp_path / "site"
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--target", str(target), str(source)],
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+         "--target", str(target), str(source)],
         check=True, capture_output=True, text=True, timeout=300,
     )
     assert (target / "llmtrain" / "conf" / "config.yaml").is_file()

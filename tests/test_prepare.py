@@ -89,7 +89,8 @@ def test_jsonl_documents_come_from_the_text_field(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("bad", "message"),
-    [("{not json", r"docs.jsonl:3 is not valid JSON"), ({"body": "x"}, r"docs.jsonl:3 has no string field 'text' \(it has: body\)")],
+    [("{not json", r"docs.jsonl:3 is not valid JSON"),
+     ({"body": "x"}, r"docs.jsonl:3 has no string field 'text' \(it has: body\)")],
 )
 def test_a_bad_jsonl_line_is_named_by_its_number(tmp_path: Path, bad, message: str) -> None:
     path = write_jsonl(tmp_path / "docs.jsonl", [{"text": "fine"}, {"text": "also fine"}, bad])
@@ -99,7 +100,8 @@ def test_a_bad_jsonl_line_is_named_by_its_number(tmp_path: Path, bad, message: s
 
 def test_bpe_round_trips_any_text_and_marks_document_ends(tmp_path: Path) -> None:
     folder = corpus_folder(tmp_path / "corpus")
-    data = prepare_data(data_config(tmp_path, folder, tokenizer=TokenizerKind.bpe, bpe_vocab_size=600), log=lambda m: None)
+    data = prepare_data(data_config(tmp_path, folder, tokenizer=TokenizerKind.bpe, bpe_vocab_size=600),
+                        log=lambda m: None)
     tokenizer = data.tokenizer()
     assert isinstance(tokenizer, BPETokenizer) and 257 <= tokenizer.vocab_size <= 600
     for text in ("def f(x):\n    return x  # ok", "naïve café – 数据 🙂", ""):
@@ -124,11 +126,14 @@ def test_undecodable_bytes_are_replaced_or_skipped_and_counted(tmp_path: Path, p
 
 def test_trained_bpe_encodes_through_tiktoken_with_the_same_tokens(tmp_path: Path) -> None:
     folder = corpus_folder(tmp_path / "corpus")
-    data = prepare_data(data_config(tmp_path, folder, tokenizer=TokenizerKind.bpe, bpe_vocab_size=800), log=lambda m: None)
+    data = prepare_data(data_config(tmp_path, folder, tokenizer=TokenizerKind.bpe, bpe_vocab_size=800),
+                        log=lambda m: None)
     tokenizer = data.tokenizer()
     assert tokenizer._tiktoken() is not None, "the fast path agreed with tokenizers on the probe"
-    texts = [p.read_text() for p in sorted(folder.rglob("*.txt"))] + ["  x\n\n\n\ty  ", "ünïcödé 数据 🙂🙂", "it's I'll"]
-    assert [ids.tolist() for ids in tokenizer.encode_arrays(texts)] == [e.ids for e in tokenizer.inner.encode_batch(texts)]
+    texts = ([p.read_text() for p in sorted(folder.rglob("*.txt"))]
+             + ["  x\n\n\n\ty  ", "ünïcödé 数据 🙂🙂", "it's I'll"])
+    assert ([ids.tolist() for ids in tokenizer.encode_arrays(texts)]
+            == [e.ids for e in tokenizer.inner.encode_batch(texts)])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -264,8 +269,9 @@ def test_hf_mistakes_are_one_paragraph_errors(tmp_path: Path, monkeypatch) -> No
 
 def test_cli_trains_on_a_saved_hf_dataset(tmp_path: Path) -> None:
     datasets = pytest.importorskip("datasets")
-    datasets.Dataset.from_dict({"text": [TINY_CORPUS.read_text()[i:i + 500] for i in range(0, 20000, 500)]}).save_to_disk(
-        str(tmp_path / "saved"))
+    datasets.Dataset.from_dict(
+        {"text": [TINY_CORPUS.read_text()[i:i + 500] for i in range(0, 20000, 500)]}
+    ).save_to_disk(str(tmp_path / "saved"))
     run = tmp_path / "run"
     proc = llmtrain(tmp_path, "train", "data=hf", f"data.hf_name={tmp_path / 'saved'}", "model.block_size=64",
                     "max_steps=2", "eval_interval=0", f"data.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={run}")
@@ -337,7 +343,8 @@ def test_tokens_do_not_depend_on_the_reading_piece_size(tmp_path: Path, monkeypa
     monkeypatch.setattr(corpus, "PIECE_BYTES", piece_bytes)
     monkeypatch.setattr(token_files, "PIECE_BYTES", piece_bytes)
     for kind, reference in whole.items():
-        pieces = prepare_data(data_config(tmp_path / f"pieces{piece_bytes}", folder, tokenizer=kind), log=lambda m: None)
+        pieces = prepare_data(data_config(tmp_path / f"pieces{piece_bytes}", folder, tokenizer=kind),
+                              log=lambda m: None)
         assert pieces.meta["undecodable_documents"] == 0
         for split in ("train", "val"):
             assert np.array_equal(pieces.tokens(split), reference.tokens(split))
@@ -403,9 +410,9 @@ def test_an_interrupted_build_leaves_no_folder_that_looks_prepared(tmp_path: Pat
 
 def test_token_ids_beyond_the_models_vocabulary_stop_training_and_keep_the_data(tmp_path: Path) -> None:
     folder = corpus_folder(tmp_path / "corpus")
-    proc = llmtrain(tmp_path, "train", "data=text", f"data.path={folder}", "data.tokenizer=bpe", "data.bpe_vocab_size=600",
-                    "model.vocab_size=300", "max_steps=2", f"data.cache_dir={tmp_path / 'cache'}",
-                    f"hydra.run.dir={tmp_path / 'run'}")
+    proc = llmtrain(tmp_path, "train", "data=text", f"data.path={folder}", "data.tokenizer=bpe",
+                    "data.bpe_vocab_size=600", "model.vocab_size=300", "max_steps=2",
+                    f"data.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={tmp_path / 'run'}")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "'model.vocab_size' (300) is smaller than the data's vocabulary (600" in proc.stderr
     assert not (tmp_path / "run" / "checkpoints").exists()
@@ -552,7 +559,8 @@ def test_sigkill_mid_epoch_then_resume_through_the_cli_sees_the_uninterrupted_ba
             "eval_interval=0", "log_interval=1", "threads=1", "checkpoint.every_steps=1", "checkpoint.keep_last=2"]
     env = {**os.environ, "LLMTRAIN_CACHE": str(tmp_path / "cache")}
     # The uninterrupted reference and the resume run in this process (the same CLI); the killed one in its own.
-    ref = run_cli(*args[3:], f"hydra.run.dir={tmp_path / 'ref'}", cwd=tmp_path, env={"LLMTRAIN_CACHE": env["LLMTRAIN_CACHE"]})
+    ref = run_cli(*args[3:], f"hydra.run.dir={tmp_path / 'ref'}", cwd=tmp_path,
+                  env={"LLMTRAIN_CACHE": env["LLMTRAIN_CACHE"]})
     assert ref.returncode == 0, ref.stderr
     run = tmp_path / "run"
     proc = subprocess.Popen([*args, f"hydra.run.dir={run}"], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
@@ -598,8 +606,10 @@ def test_only_response_tokens_are_targets(tmp_path: Path, tokenizer: TokenizerKi
     from llmtrain.data.sampler import IGNORE_INDEX, InstructionSampler
 
     path = instruction_file(tmp_path / "pairs.jsonl")
-    data = prepare_data(data_config(tmp_path, path, source=DataSource.instruct, tokenizer=tokenizer, bpe_vocab_size=300),
-                        log=lambda m: None)
+    data = prepare_data(
+        data_config(tmp_path, path, source=DataSource.instruct, tokenizer=tokenizer, bpe_vocab_size=300),
+        log=lambda m: None,
+    )
     assert data.meta["loss_mask"] and 0 < data.meta["train_target_tokens"] < data.meta["train_tokens"]
     tok = data.tokenizer()
     sampler = InstructionSampler(data.tokens("train"), data.loss_mask("train"), data.offsets("train"), 4, 64, seed=0)

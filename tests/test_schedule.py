@@ -94,7 +94,8 @@ def test_train_uses_the_scaled_lr(tmp_path: Path) -> None:
 
     from .conftest import tiny_config
 
-    cfg = tiny_config(tmp_path / "run", max_steps=6, **{"schedule.warmup_steps": 1, "schedule.name": ScheduleName.constant})
+    cfg = tiny_config(tmp_path / "run", max_steps=6,
+                      **{"schedule.warmup_steps": 1, "schedule.name": ScheduleName.constant})
     cfg.schedule.lr_scaling, cfg.schedule.reference_batch_size = LRScaling.linear, 4  # global batch 8: lr x2
     train(cfg)
     lrs = [json.loads(line)["lr"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()

@@ -37,7 +37,8 @@ COMMANDS: dict[str, str] = {
     "compare": "The runs of a sweep side by side: a table sorted by val loss, a CSV and a PNG of the loss curves.",
     "report": "Post-run review of a run dir: report.md + report.html with plots, a verdict per question.",
     "doctor": "Diagnostic experiments that find bugs fast: overfit, lr-range, grad-check, eval-consistency.",
-    "configs": "Browse the config groups: options with descriptions, model sizes, presets; GROUP=OPTION prints its YAML.",
+    "configs": "Browse the config groups: options with descriptions, model sizes, presets; "
+               "GROUP=OPTION prints its YAML.",
 }
 
 USAGE = """usage: llmtrain <command> [args]
@@ -95,7 +96,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 def _end_by_signal(stop: BaseException, args: list[str]) -> NoReturn:
     """One line and the signal's exit code: 130 for a Ctrl-C (or a second signal), 75 for a SIGTERM."""
-    if isinstance(stop, KeyboardInterrupt):  # a Ctrl-C outside the train loop (from main()'s first line), or a second signal
+    # a Ctrl-C outside the train loop (from main()'s first line), or a second signal
+    if isinstance(stop, KeyboardInterrupt):
         from llmtrain.core.errors import EXIT_ABORTED
         from llmtrain.training.interrupts import AbortRequested, abort_at_once, abort_message, announce_abort
 

@@ -76,7 +76,9 @@ def release_signals() -> None:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, _HELD)
 
 
-def parse_command_line(parser: argparse.ArgumentParser, args: list[str], intermixed: bool = False) -> argparse.Namespace:
+def parse_command_line(
+    parser: argparse.ArgumentParser, args: list[str], intermixed: bool = False
+) -> argparse.Namespace:
     """`parser`'s reading of `args` (a command's own parser, or Hydra's for train), where a refusal is
     one paragraph instead of argparse's usage block and terse line: a config value typed as an option
     (`--max_steps 30`, `-max_steps=30`, `--lr 1e-3`) gets the override that was meant."""
@@ -121,14 +123,16 @@ def _not_an_option(parser: argparse.ArgumentParser, word: str, following: str) -
     start = f"'{word}' is not an option of `{parser.prog}`"
     overrides = "config values are key=value overrides, without dashes"
     if name in ("-m", "--multirun"):  # `llmtrain check -m a=1,2`: only train runs sweeps
-        return f"{start}: a sweep (-m, one job per value) runs with `llmtrain train -m ...`; here give one value per key."
+        return (f"{start}: a sweep (-m, one job per value) runs with `llmtrain train -m ...`; "
+                "here give one value per key.")
     if meant is not None and (meant == key or not close_option):
         typo = "" if meant == key else f" ('{key}' is no config key; {meant} is the closest)"
         return f"{start}: {overrides}: write {meant}={value}{typo}."
     if close_option:
         return f"{start}. Did you mean {close_option[0]}? ({overrides.capitalize()}, e.g. max_steps=30.)"
     listing = ", ".join("/".join(action.option_strings) for action in parser._actions if action.option_strings)
-    return f"{start}; its options are {listing}, and {overrides}, e.g. max_steps=30 (`{parser.prog} --help` lists them)."
+    return (f"{start}; its options are {listing}, and {overrides}, e.g. max_steps=30 "
+            f"(`{parser.prog} --help` lists them).")
 
 
 def conf_dir() -> Path:

@@ -184,7 +184,8 @@ def _without_equals(word: str, after: list[str]) -> str:
     meant = closest_key(bare)
     if meant is not None:
         typo = "" if meant == bare else f" ('{bare}' is no config key; {meant} is the closest)"
-        plus = word[:len(word) - len(bare)] if meant.rpartition(".")[0] in MAPPING_KEYS else ""  # '+' adds mapping entries only
+        # '+' adds mapping entries only
+        plus = word[:len(word) - len(bare)] if meant.rpartition(".")[0] in MAPPING_KEYS else ""
         return f"'{word}' is not an override: {_SYNTAX}: write {plus}{meant}={value}{typo}."
     groups = sorted(path.parent.name for path in conf_dir().glob(f"*/{word}.yaml"))
     if groups:
@@ -204,7 +205,8 @@ def _sweep_without_multirun(override: Override) -> str:
     written_key, _, raw = line.partition("=")
     comma_list = override.value_type is ValueType.SIMPLE_CHOICE_SWEEP
     if override.is_discrete_sweep():  # the first value as typed (1e-3, not 0.001) where it is plain
-        first = raw.split(",")[0] if comma_list and not _STRUCTURED & set(raw) else next(override.sweep_string_iterator())
+        first = (raw.split(",")[0] if comma_list and not _STRUCTURED & set(raw)
+                 else next(override.sweep_string_iterator()))
         one = f"give one value, e.g. {written_key}={first}"
     else:
         one = "give one value"
@@ -222,7 +224,8 @@ def _list_groups() -> set[str]:
     import yaml
 
     defaults = yaml.safe_load((conf_dir() / "config.yaml").read_text())["defaults"]
-    return {key for entry in defaults if isinstance(entry, dict) for key, value in entry.items() if isinstance(value, list)}
+    return {key for entry in defaults if isinstance(entry, dict)
+            for key, value in entry.items() if isinstance(value, list)}
 
 
 # Hydra config names that only a plugin provides -> (the plugin, the llmtrain extra that installs it).
@@ -253,7 +256,8 @@ def _composition_error(err: Exception) -> Exception:
             hint = f" Did you mean {group}={close[0]}?" if close else ""
             example = "" if close else f" (e.g. {group}={options[0]})"
             return ConfigError(
-                f"Unknown option '{option}' for config group '{group}'.{hint} Valid options: {', '.join(options)}{example}."
+                f"Unknown option '{option}' for config group '{group}'.{hint} "
+                f"Valid options: {', '.join(options)}{example}."
             )
         return ConfigError(" ".join(str(err).split()))
     cause: BaseException | None = err

@@ -39,9 +39,10 @@ def configs_command(args: list[str]) -> None:
         description="Browse the config groups: every group and option with a one-line description (model options "
         "with parameter count and context, presets with the keys they set); GROUP lists one group; GROUP=OPTION "
         "prints that option's YAML file.",
-        epilog="examples:\n  llmtrain configs                   every group and option\n  llmtrain configs model             "
-        "one group\n  llmtrain configs model=gpt_small   that option's YAML\n  llmtrain configs -cd myconf model  "
-        "with your own options (myconf/model/*.yaml)",
+        epilog="examples:\n  llmtrain configs                   every group and option\n"
+        "  llmtrain configs model             one group\n"
+        "  llmtrain configs model=gpt_small   that option's YAML\n"
+        "  llmtrain configs -cd myconf model  with your own options (myconf/model/*.yaml)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("what", nargs="*", metavar="GROUP[=OPTION]", help="a group to list, or an option to print")
@@ -103,7 +104,8 @@ def render_group(group: Group, width: int) -> list[str]:
         text = option.description or "(no description: the file has no header comment)"
         if option.model is not None:
             m = option.model
-            text = f"{format_params(m.params)} params (vocab {m.vocab:,}: {m.vocab_source}), context {m.context:,}. {text}"
+            text = (f"{format_params(m.params)} params (vocab {m.vocab:,}: {m.vocab_source}), "
+                    f"context {m.context:,}. {text}")
         if option.sets:
             text += f" Sets {', '.join(option.sets)}."
         if option.user:

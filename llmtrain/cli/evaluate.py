@@ -44,8 +44,8 @@ def eval_command(args: list[str]) -> None:
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("model_dir", type=Path,
-                        help="a run directory written by `llmtrain train`, an `llmtrain export` folder, or a local Hugging "
-                        "Face model folder (GPT-2 or Llama family)")
+                        help="a run directory written by `llmtrain train`, an `llmtrain export` folder, or a local "
+                        "Hugging Face model folder (GPT-2 or Llama family)")
     parser.add_argument("overrides", nargs="*",
                         help="eval.* keys (eval.tasks=[...], eval.batch_size, eval.stride, eval.limit, ...), and "
                         "data=... data.path=... for the perplexity of that data")

@@ -96,7 +96,8 @@ def catalog(root: Path, extra_dir: Path | None = None) -> list[Group]:
         shipped = [_option(group, path, path.stem == default, user=False) for path in _yaml_files(root / group)]
         names = {o.name for o in shipped}
         own = [] if extra_dir is None else [
-            _option(group, path, False, user=True, shadowed=path.stem in names) for path in _yaml_files(extra_dir / group)
+            _option(group, path, False, user=True, shadowed=path.stem in names)
+            for path in _yaml_files(extra_dir / group)
         ]
         if shipped or own:  # a section of the schema without a conf/ folder is no group to pick from
             groups.append(Group(group, about[group], default if default in names else None, (*shipped, *own)))

@@ -1,7 +1,7 @@
 """Quantities derived from a typed `Config` rather than set in it: the world size, the
 micro-batch size and the learning rate a null leaves to derive (`resolve_*`, filled in by
-`validate`), accumulation, total steps and the LR schedule's length, the sequence-length stages, the LR's sane range and its
-batch-scaled value, warmup in steps, the model's vocabulary size. One function each, so every
+`validate`), accumulation, total steps and the LR schedule's length, the sequence-length stages, the LR's sane
+range and its batch-scaled value, warmup in steps, the model's vocabulary size. One function each, so every
 module (the loop, `check`, `estimate`, the banner, the doctor) derives them the same way."""
 
 import math
@@ -85,7 +85,8 @@ def resolve_micro_batch_size(cfg: Config, world_size: int) -> None:
         return
     if cfg.global_batch_size % world_size:
         raise ConfigError(
-            f"'global_batch_size' ({cfg.global_batch_size}) is not divisible by the world size ({world_size} processes), "
+            f"'global_batch_size' ({cfg.global_batch_size}) is not divisible by the world size "
+            f"({world_size} processes), "
             f"so the processes cannot share it evenly; valid global batch sizes are multiples of {world_size}, e.g. "
             f"global_batch_size={max(world_size, cfg.global_batch_size // world_size * world_size)}."
         )

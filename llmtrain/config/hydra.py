@@ -85,7 +85,8 @@ def _check_unknown_keys(node: Any, schema: type, prefix: str) -> None:
         if key not in fields:
             raise ConfigError(unknown_key_message(full))
         sub_schema = field_type(fields[key].type)
-        if dataclasses.is_dataclass(sub_schema) and not OmegaConf.is_missing(node, key) and isinstance(node[key], DictConfig):
+        if (dataclasses.is_dataclass(sub_schema) and not OmegaConf.is_missing(node, key)
+                and isinstance(node[key], DictConfig)):
             _check_unknown_keys(node[key], sub_schema, f"{full}.")
 
 
@@ -246,7 +247,8 @@ def _value_type_message(key: str, value: Any, typed: tuple[Any, bool, Any] | Non
     if tp is str:
         return f"{seen}; expected a string (a single value, not a list or mapping){or_null}{example}."
     if typing.get_origin(tp) is list:
-        return f"{seen}; expected a list in brackets, of {_list_items(tp)}{or_null}, e.g. {key}={_LIST_EXAMPLES.get(key, '[]')}."
+        return (f"{seen}; expected a list in brackets, of {_list_items(tp)}{or_null}, "
+                f"e.g. {key}={_LIST_EXAMPLES.get(key, '[]')}.")
     if typing.get_origin(tp) is dict:
         return f"{seen}; expected a mapping of names to values; set one entry at a time: '+{key}.<name>=<value>'."
     return None

@@ -220,7 +220,8 @@ class OptimConfig:
     lr: float | None = _f(
         None, "Peak learning rate (after warmup); null takes the default for this optimizer and model width "
         "(adam/adamw: 3e-3 x min(1, 128 / n_embd), sgd 0.1, adafactor 1e-2).")
-    weight_decay: float = _f(0.1, "Weight decay on matrices, never on biases or norms (decoupled for adamw, L2 for adam/sgd).")
+    weight_decay: float = _f(
+        0.1, "Weight decay on matrices, never on biases or norms (decoupled for adamw, L2 for adam/sgd).")
     decay_embeddings: bool = _f(True, "Apply weight decay to embedding tables too (and to a head tied to them).")
     beta1: float = _f(0.9, "Adam beta1, first-moment decay (adam, adamw).")
     beta2: float = _f(0.95, "Adam beta2, second-moment decay (adam, adamw).")
@@ -230,7 +231,8 @@ class OptimConfig:
     fused: bool | None = _f(None, "Fused kernel (adam, adamw); null uses it where torch supports it.")
     clip_grad_norm: float | None = _f(1.0, "Clip the global gradient norm to this; null disables.")
     clip_grad_value: float | None = _f(None, "Clip each gradient element to +-value; excludes clip_grad_norm.")
-    label_smoothing: float = _f(0.0, "Label smoothing of the training loss (0 = off; evaluation always reports the plain loss).")
+    label_smoothing: float = _f(
+        0.0, "Label smoothing of the training loss (0 = off; evaluation always reports the plain loss).")
 
 
 @dataclass
@@ -265,7 +267,8 @@ class DataConfig:
     hf_split: str = _f("train", "hf: the split to read (llmtrain makes its own train/validation split from it).")
     prompt_field: str = _f("prompt", "instruct: the field with the prompt (its tokens are not trained on).")
     response_field: str = _f("response", "instruct: the field with the response (the tokens trained on).")
-    messages_field: str = _f("messages", "instruct: the field with chat messages [{role, content}]; only assistant turns train.")
+    messages_field: str = _f(
+        "messages", "instruct: the field with chat messages [{role, content}]; only assistant turns train.")
     decode_errors: DecodeErrors = _f(
         DecodeErrors.replace, "Bytes that are not UTF-8: replace them (U+FFFD) or skip the documents that have them."
     )
@@ -291,21 +294,26 @@ class DataConfig:
     seq_len_keep: SeqLenKeep = _f(
         SeqLenKeep.tokens, "With a schedule: tokens (tokens per step constant: a stage at half the length draws twice "
         "the sequences per micro-batch) or batch (sequences per step constant: fewer tokens per step early).")
-    val_fraction: float = _f(0.05, "Share held out for validation: whole documents (several files, JSON lines, stdlib) or a single file's tail.")
+    val_fraction: float = _f(
+        0.05, "Share held out for validation: whole documents (several files, JSON lines, stdlib) or a single "
+        "file's tail.")
     max_bytes: int | None = _f(None, "Read at most this many bytes of the corpus; null reads all.")
     cache_dir: str | None = _f(None, "Where prepared tokens go; null uses $LLMTRAIN_CACHE or ~/.cache/llmtrain.")
     seed: int | None = _f(None, "Seed of the batch sampler; null derives it from the run seed.")
     sampling: Sampling = _f(
-        Sampling.random, "random (windows at random offsets) or epoch (each window once per epoch, new order each epoch)."
+        Sampling.random, "random (windows at random offsets) or epoch (each window once per epoch, new order "
+        "each epoch)."
     )
     shuffle: bool = _f(True, "random sampling: false reads consecutive windows in corpus order (debugging only).")
-    overfit_batches: int = _f(0, "Debugging: cycle through the first N micro-batches forever (the overfit check); 0 = off.")
+    overfit_batches: int = _f(
+        0, "Debugging: cycle through the first N micro-batches forever (the overfit check); 0 = off.")
 
 
 @dataclass
 class PrecisionConfig:
     name: Precision = _f(
-        Precision.fp32, "fp32, bf16 (autocast), fp16 (autocast + dynamic loss scaling), or auto (bf16/fp16 on CUDA, else fp32)."
+        Precision.fp32, "fp32, bf16 (autocast), fp16 (autocast + dynamic loss scaling), or auto (bf16/fp16 on "
+        "CUDA, else fp32)."
     )
     loss_scaling: bool = _f(True, "fp16 only: dynamic loss scaling (GradScaler); off lets small gradients underflow.")
     init_scale: float = _f(2.0**16, "fp16 only: initial loss scale.")
@@ -315,9 +323,10 @@ class PrecisionConfig:
 @dataclass
 class ParallelConfig:
     mode: ParallelMode = _f(ParallelMode.single, "single (one process), ddp (DistributedDataParallel: a full model "
-                            "copy per process, gradients averaged; launch with torchrun or parallel.nproc), zero1 (ddp with "
-                            "the optimizer state split across the processes: ZeroRedundancyOptimizer) or fsdp (FSDP2: "
-                            "parameters, gradients and optimizer state split; fully_shard per block, then the root).")
+                            "copy per process, gradients averaged; launch with torchrun or parallel.nproc), zero1 "
+                            "(ddp with the optimizer state split across the processes: ZeroRedundancyOptimizer) or "
+                            "fsdp (FSDP2: parameters, gradients and optimizer state split; fully_shard per block, "
+                            "then the root).")
     nproc: int = _f(1, "ddp: processes to start on this machine (llmtrain starts them: one run dir); leave 1 under "
                     "torchrun, which starts them itself.")
 
@@ -325,11 +334,13 @@ class ParallelConfig:
 @dataclass
 class CheckpointConfig:
     every_steps: int | None = _f(250, "Save a checkpoint every this many optimizer steps; null disables.")
-    every_minutes: float | None = _f(30.0, "Also save when this many minutes passed since the last save; null disables.")
+    every_minutes: float | None = _f(
+        30.0, "Also save when this many minutes passed since the last save; null disables.")
     keep_last: int = _f(2, "Keep the newest k checkpoints (older ones are deleted).")
     keep_best: bool = _f(True, "Also keep the checkpoint with the best validation loss.")
     final: bool = _f(True, "Save a checkpoint at the end of the run.")
-    on_save_error: SaveErrorPolicy = _f(SaveErrorPolicy.warn, "A failed save (disk full, permissions): warn and go on, or stop.")
+    on_save_error: SaveErrorPolicy = _f(
+        SaveErrorPolicy.warn, "A failed save (disk full, permissions): warn and go on, or stop.")
     format: CheckpointFormat = _f(
         CheckpointFormat.auto, "full (rank 0 writes whole tensors) or sharded (parallel=fsdp: every rank writes its "
         "shards, torch.distributed.checkpoint); auto: sharded under fsdp. Either resumes in any mode and world size."
@@ -352,9 +363,11 @@ class MonitorConfig:
     patience: int = _f(3, "Consecutive checks outside a band before an alarm (grad norm, LR).")
     grad_norm_high: float = _f(100.0, "Alarm when the gradient norm stays above this.")
     grad_norm_low: float = _f(1e-3, "Alarm when the gradient norm stays below this.")
-    early_layer_ratio: float = _f(1e-3, "Alarm when a block's grad norm / the largest block's stays below this (frozen blocks).")
+    early_layer_ratio: float = _f(
+        1e-3, "Alarm when a block's grad norm / the largest block's stays below this (frozen blocks).")
     param_jump: float = _f(0.5, "Alarm when the parameter norm changes by more than this fraction between checks.")
-    param_decrease: float = _f(0.05, "Alarm when the parameter norm falls by more than this fraction over a trend window.")
+    param_decrease: float = _f(
+        0.05, "Alarm when the parameter norm falls by more than this fraction over a trend window.")
     trend_window: int = _f(20, "Checks in a trend window (parameter norm, memory).")
     lr_explode_factor: float = _f(10.0, "Alarm when the applied LR exceeds the schedule's by this factor.")
     activation_mean_max: float = _f(1.0, "Alarm when a block's output mean stays beyond +-this.")
@@ -374,12 +387,15 @@ class MonitorConfig:
     loss_rise_min: float = _f(0.15, "The smallest rise above the best loss (nats) that counts as rising.")
     progress_after: int = _f(100, "Steps before learning progress (against chance and the unigram baseline) is judged.")
     baseline_margin: float = _f(0.02, "Not learning: the loss stays within this fraction of the unigram baseline.")
-    loss_swing_factor: float = _f(10.0, "Alarm when the loss swings between checks this many times more than its steps' noise explains.")
-    decay_share_max: float = _f(0.5, "Alarm when weight decay (lr x weight_decay) makes more than this share of each update.")
+    loss_swing_factor: float = _f(
+        10.0, "Alarm when the loss swings between checks this many times more than its steps' noise explains.")
+    decay_share_max: float = _f(
+        0.5, "Alarm when weight decay (lr x weight_decay) makes more than this share of each update.")
     reduce_lr_factor: float = _f(0.5, "reduce_lr: multiply the LR by this.")
     cooldown_checks: int = _f(10, "reduce_lr: checks before another reduction.")
     actions: dict[str, MonitorAction] = _f(
-        {"grad_norm_high": MonitorAction.reduce_lr, "grad_norm_surge": MonitorAction.reduce_lr}, "Action per alarm (warn, reduce_lr, skip_step, rollback, stop); unlisted: warn."
+        {"grad_norm_high": MonitorAction.reduce_lr, "grad_norm_surge": MonitorAction.reduce_lr},
+        "Action per alarm (warn, reduce_lr, skip_step, rollback, stop); unlisted: warn.",
     )
 
 
@@ -393,11 +409,13 @@ class EvalConfig:
     stride: int | None = _f(
         None, "Perplexity: tokens newly scored per window; null = the whole window (non-overlapping windows). "
         "Smaller gives every token more context, at more forward passes.")
-    truncate: bool = _f(True, "A context longer than the model's window is cut from the left (said once); false refuses it.")
+    truncate: bool = _f(
+        True, "A context longer than the model's window is cut from the left (said once); false refuses it.")
     limit: int | None = _f(None, "Score at most this many documents or examples per task (null: all); for quick "
                            "evaluations during training.")
     text_field: str = _f("text", "perplexity:PATH of .jsonl files: the field that holds each document's text.")
-    harness_include: str | None = _f(None, "A folder of your own lm-evaluation-harness task YAML files, for harness:TASK.")
+    harness_include: str | None = _f(
+        None, "A folder of your own lm-evaluation-harness task YAML files, for harness:TASK.")
 
 
 # report.console=auto prints the whole verdict table only after a run of at least this many seconds:
@@ -423,17 +441,26 @@ class Config:
     parallel: ParallelConfig = _f(ParallelConfig(), "Process layout.")
     checkpoint: CheckpointConfig = _f(CheckpointConfig(), "Checkpoint policy, retention and non-finite handling.")
     monitor: MonitorConfig = _f(MonitorConfig(), "Health monitor: bands, windows and actions.")
-    eval: EvalConfig = _f(EvalConfig(), "Evaluation tasks (held-out perplexity, multiple choice, lm-evaluation-harness).")
-    tensorboard: bool = _f(False, "Also write every metric as TensorBoard scalars to RUN_DIR/tensorboard (extra: tensorboard).")
-    wandb: WandbMode = _f(WandbMode.off, "Weights & Biases: off, offline (files in RUN_DIR/wandb, no network) or online (extra: wandb).")
+    eval: EvalConfig = _f(
+        EvalConfig(), "Evaluation tasks (held-out perplexity, multiple choice, lm-evaluation-harness).")
+    tensorboard: bool = _f(
+        False, "Also write every metric as TensorBoard scalars to RUN_DIR/tensorboard (extra: tensorboard).")
+    wandb: WandbMode = _f(
+        WandbMode.off, "Weights & Biases: off, offline (files in RUN_DIR/wandb, no network) or online (extra: "
+        "wandb).")
     wandb_project: str = _f("llmtrain", "W&B project name.")
     resume: str = _f("auto", "auto (newest good checkpoint of the run dir), never, or a checkpoint/run dir path.")
-    seed: int | None = _f(1337, "Global seed: model init, dropout and (by default) data order; null draws one (logged).")
-    deterministic: bool = _f(False, "Deterministic algorithms only (torch.use_deterministic_algorithms): bitwise repeatable, maybe slower.")
+    seed: int | None = _f(
+        1337, "Global seed: model init, dropout and (by default) data order; null draws one (logged).")
+    deterministic: bool = _f(
+        False, "Deterministic algorithms only (torch.use_deterministic_algorithms): bitwise repeatable, maybe slower.")
     flush_denormal: bool = _f(
-        True, "CPU: flush subnormal floats (< 1.2e-38) to zero; subnormal arithmetic can make steps several times slower."
+        True, "CPU: flush subnormal floats (< 1.2e-38) to zero; subnormal arithmetic can make steps several times "
+        "slower."
     )
-    compile: CompileMode = _f(CompileMode.off, "torch.compile each block: off, on, or auto (CUDA only; on CPU it costs ~30 s, gains nothing).")
+    compile: CompileMode = _f(
+        CompileMode.off, "torch.compile each block: off, on, or auto (CUDA only; on CPU it costs ~30 s, gains "
+        "nothing).")
     allow_check_failures: bool = _f(False, "Train even when the pre-flight check (llmtrain check) reports FAIL rows.")
     max_steps: int | None = _f(1000, "Optimizer steps to run (ignored when max_tokens is set).")
     max_tokens: int | None = _f(None, "Train on this many tokens instead; the last step may be partial.")
@@ -448,7 +475,8 @@ class Config:
         50, "Time the phases (data, forward, backward, optimizer, other) of every this-many-th step for the report; "
         "on CUDA those steps synchronize at each phase. 0 disables."
     )
-    report: ReportConfig = _f(ReportConfig(), "The post-run review: written (report.enabled), printed (report.console).")
+    report: ReportConfig = _f(
+        ReportConfig(), "The post-run review: written (report.enabled), printed (report.console).")
     out_dir: str | None = _f(None, "Run directory; null uses Hydra's run dir.")
     device: str = _f("auto", "auto, cpu, cuda, cuda:N or mps.")
     # int | "auto" | None, typed Any so that every value (2.5, true, "many") reaches the validator's

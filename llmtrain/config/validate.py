@@ -104,7 +104,8 @@ def _validate_counts(cfg: Config) -> None:
     ]:
         # micro_batch_size may still be null here: it is derived later, once the world size is known
         _require(value is None or value >= 1, f"'{key}' is {value}; it must be a positive integer.")
-    _require(cfg.eval_interval >= 0, f"'eval_interval' is {cfg.eval_interval}; use a step count >= 1, or 0 to disable evaluation.")
+    _require(cfg.eval_interval >= 0,
+             f"'eval_interval' is {cfg.eval_interval}; use a step count >= 1, or 0 to disable evaluation.")
     _require(cfg.timing_interval >= 0,
              f"'timing_interval' is {cfg.timing_interval}; use a step count >= 1, or 0 to time no step.")
 
@@ -114,7 +115,8 @@ def _validate_parallel(cfg: Config) -> None:
     _require(p.nproc >= 1, f"'parallel.nproc' is {p.nproc}; it must be >= 1.")
     launched = int(os.environ.get("WORLD_SIZE") or 1)
     _require(p.mode is not ParallelMode.single or (p.nproc == 1 and launched == 1),
-             f"parallel.mode is single but {'parallel.nproc is ' + str(p.nproc) if p.nproc > 1 else f'torchrun started {launched} processes'}; "
+             "parallel.mode is single but "
+             f"{'parallel.nproc is ' + str(p.nproc) if p.nproc > 1 else f'torchrun started {launched} processes'}; "
              "add parallel=ddp (or parallel=zero1 or parallel=fsdp) to train one model across them.")
     _require(cfg.checkpoint.format is not CheckpointFormat.sharded or p.mode is ParallelMode.fsdp,
              f"checkpoint.format is sharded but parallel.mode is {p.mode.value}: only parallel=fsdp shards the model "
@@ -133,7 +135,8 @@ def _validate_model(m: ModelConfig) -> None:
     if m.n_kv_head is not None:
         _require(m.n_kv_head >= 1 and m.n_head % m.n_kv_head == 0,
                  f"'model.n_kv_head' is {m.n_kv_head}; it must divide model.n_head ({m.n_head}): each key/value head "
-                 f"serves the same number of query heads (e.g. model.n_kv_head={_divisor_near(m.n_head, max(1, m.n_kv_head))}, "
+                 "serves the same number of query heads "
+                 f"(e.g. model.n_kv_head={_divisor_near(m.n_head, max(1, m.n_kv_head))}, "
                  "or null for one per query head).")
     _require(m.intermediate_size is None or m.intermediate_size >= 1,
              f"'model.intermediate_size' is {m.intermediate_size}; use a positive MLP width or null (from mlp_ratio).")
@@ -161,7 +164,8 @@ def _validate_model(m: ModelConfig) -> None:
         f"'model.mlp_ratio' is {m.mlp_ratio}; the MLP needs a positive width (typical: 4.0).",
     )
     _require(0 < m.init_std < math.inf, f"'model.init_std' is {m.init_std}; it must be a finite number > 0.")
-    _require(m.vocab_size is None or m.vocab_size >= 1, f"'model.vocab_size' is {m.vocab_size}; use a positive size or null.")
+    _require(m.vocab_size is None or m.vocab_size >= 1,
+             f"'model.vocab_size' is {m.vocab_size}; use a positive size or null.")
     _require(m.vocab_multiple >= 1, f"'model.vocab_multiple' is {m.vocab_multiple}; use 1 (no padding) or a "
              "positive multiple, e.g. 64.")
 
@@ -183,7 +187,8 @@ def _validate_optim(cfg: Config) -> None:
     resolve_lr(cfg)
     _require(0 <= o.momentum < 1, f"'optim.momentum' is {o.momentum}; valid range is [0, 1) (typical: 0.9).")
     _require(o.weight_decay >= 0, f"'optim.weight_decay' is {o.weight_decay}; it must be >= 0.")
-    _require(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, f"'optim.beta1'/'optim.beta2' are {o.beta1}/{o.beta2}; both must be in [0, 1).")
+    _require(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1,
+             f"'optim.beta1'/'optim.beta2' are {o.beta1}/{o.beta2}; both must be in [0, 1).")
     _require(o.eps > 0, f"'optim.eps' is {o.eps}; it must be > 0.")
     _require(
         not (o.clip_grad_norm is not None and o.clip_grad_value is not None),
@@ -204,7 +209,8 @@ def _validate_schedule(s: ScheduleConfig, global_batch_size: int) -> None:
             f"schedule.lr_scaling={s.lr_scaling.value} needs 'schedule.reference_batch_size', the global batch "
             f"(in sequences) optim.lr was tuned for, e.g. schedule.reference_batch_size={global_batch_size}.",
         )
-    _require(s.warmup_steps is None or s.warmup_steps >= 0, f"'schedule.warmup_steps' is {s.warmup_steps}; it must be >= 0.")
+    _require(s.warmup_steps is None or s.warmup_steps >= 0,
+             f"'schedule.warmup_steps' is {s.warmup_steps}; it must be >= 0.")
     # Longer than the run is allowed: a run cut into pieces ends mid-decay on purpose.
     _require(s.total_steps is None or s.total_steps >= 1,
              f"'schedule.total_steps' is {s.total_steps}; use the schedule's length in optimizer steps (>= 1), or "
@@ -293,18 +299,21 @@ def _validate_seq_len_schedule(cfg: Config, total: int) -> None:
 def _validate_data_amounts(d: DataConfig) -> None:
     """How much of the corpus is held out, cycled and read."""
     _require(0 < d.val_fraction < 1, f"'data.val_fraction' is {d.val_fraction}; valid range is (0, 1).")
-    _require(d.overfit_batches >= 0, f"'data.overfit_batches' is {d.overfit_batches}; use 0 (off) or a batch count >= 1.")
+    _require(d.overfit_batches >= 0,
+             f"'data.overfit_batches' is {d.overfit_batches}; use 0 (off) or a batch count >= 1.")
     _require(d.max_bytes is None or d.max_bytes > 0, f"'data.max_bytes' is {d.max_bytes}; use a positive size or null.")
 
 
 def _validate_label_smoothing(o: OptimConfig) -> None:
-    _require(0 <= o.label_smoothing < 1, f"'optim.label_smoothing' is {o.label_smoothing}; valid range is [0, 1) (typical: 0.1).")
+    _require(0 <= o.label_smoothing < 1,
+             f"'optim.label_smoothing' is {o.label_smoothing}; valid range is [0, 1) (typical: 0.1).")
 
 
 def _validate_data_source(d: DataConfig) -> None:
     """Where the text comes from and how it is tokenized."""
     _require(d.source is not DataSource.hf or bool(d.hf_name),
-             "Missing required value 'data.hf_name': data=hf needs a dataset, e.g. data.hf_name=roneneldan/TinyStories, "
+             "Missing required value 'data.hf_name': data=hf needs a dataset, e.g. "
+             "data.hf_name=roneneldan/TinyStories, "
              "a folder written by save_to_disk, or data.hf_name=json data.path=docs.jsonl.")
     if d.source in (DataSource.text, DataSource.jsonl, DataSource.instruct):
         _require(
@@ -312,13 +321,16 @@ def _validate_data_source(d: DataConfig) -> None:
             f"Missing required value 'data.path': data={d.source.value} needs your files, e.g. "
             f"data.path={'corpus/' if d.source is DataSource.text else 'docs.jsonl'}.",
         )
-    _require(d.tokenizer is not TokenizerKind.bpe or d.bpe_sample_bytes >= 2**16, f"'data.bpe_sample_bytes' is {d.bpe_sample_bytes}; give at least 65536 "
+    _require(d.tokenizer is not TokenizerKind.bpe or d.bpe_sample_bytes >= 2**16,
+             f"'data.bpe_sample_bytes' is {d.bpe_sample_bytes}; give at least 65536 "
              "(64 KiB of text to learn merges from; the default is 33554432, 32 MiB).")
     _require(d.tokenizer is not TokenizerKind.pretrained or bool(d.tokenizer_dir),
              "Missing required value 'data.tokenizer_dir': data.tokenizer=pretrained reads the tokenizer.json of a "
              "Hugging Face model folder, e.g. data.tokenizer_dir=./SmolLM-135M (model.init_from=FOLDER sets it).")
-    _require(d.bpe_vocab_size >= 257, f"'data.bpe_vocab_size' is {d.bpe_vocab_size}; it must be >= 257 (256 bytes + end-of-text).")
-    _require(d.text_field.strip() != "", "'data.text_field' is empty; name the JSON field that holds the text, e.g. text.")
+    _require(d.bpe_vocab_size >= 257,
+             f"'data.bpe_vocab_size' is {d.bpe_vocab_size}; it must be >= 257 (256 bytes + end-of-text).")
+    _require(d.text_field.strip() != "",
+             "'data.text_field' is empty; name the JSON field that holds the text, e.g. text.")
 
 
 def _validate_warmup(s: ScheduleConfig, total: int) -> None:
@@ -348,19 +360,23 @@ def _validate_device_and_seeds(cfg: Config) -> None:
 
 
 def _validate_precision(p: PrecisionConfig) -> None:
-    _require(p.init_scale > 0 and math.isfinite(p.init_scale), f"'precision.init_scale' is {p.init_scale}; it must be a finite number > 0.")
+    _require(p.init_scale > 0 and math.isfinite(p.init_scale),
+             f"'precision.init_scale' is {p.init_scale}; it must be a finite number > 0.")
     _require(p.growth_interval >= 1, f"'precision.growth_interval' is {p.growth_interval}; it must be >= 1.")
 
 
 def _validate_checkpoint(c: CheckpointConfig) -> None:
-    _require(c.every_steps is None or c.every_steps >= 1, f"'checkpoint.every_steps' is {c.every_steps}; use a step count >= 1 or null.")
+    _require(c.every_steps is None or c.every_steps >= 1,
+             f"'checkpoint.every_steps' is {c.every_steps}; use a step count >= 1 or null.")
     _require(
         c.every_minutes is None or c.every_minutes > 0,
         f"'checkpoint.every_minutes' is {c.every_minutes}; use minutes > 0 or null.",
     )
     _require(c.keep_last >= 1, f"'checkpoint.keep_last' is {c.keep_last}; keep at least 1 checkpoint.")
-    _require(c.max_consecutive_skips >= 1, f"'checkpoint.max_consecutive_skips' is {c.max_consecutive_skips}; it must be >= 1.")
-    _require(0 < c.rollback_lr_factor <= 1, f"'checkpoint.rollback_lr_factor' is {c.rollback_lr_factor}; valid range is (0, 1].")
+    _require(c.max_consecutive_skips >= 1,
+             f"'checkpoint.max_consecutive_skips' is {c.max_consecutive_skips}; it must be >= 1.")
+    _require(0 < c.rollback_lr_factor <= 1,
+             f"'checkpoint.rollback_lr_factor' is {c.rollback_lr_factor}; valid range is (0, 1].")
     _require(c.max_rollbacks >= 0, f"'checkpoint.max_rollbacks' is {c.max_rollbacks}; it must be >= 0.")
 
 
@@ -369,7 +385,8 @@ def _validate_monitor(mon: MonitorConfig) -> None:
                 "activation_patience", "spike_window", "cooldown_checks"):
         _require(getattr(mon, key) >= 1, f"'monitor.{key}' is {getattr(mon, key)}; it must be >= 1.")
     _require(mon.trend_window >= 3, f"'monitor.trend_window' is {mon.trend_window}; a trend needs >= 3 checks.")
-    _require(0 < mon.reduce_lr_factor < 1, f"'monitor.reduce_lr_factor' is {mon.reduce_lr_factor}; valid range is (0, 1).")
+    _require(0 < mon.reduce_lr_factor < 1,
+             f"'monitor.reduce_lr_factor' is {mon.reduce_lr_factor}; valid range is (0, 1).")
     for name in mon.actions:
         _require(name in ALARM_NAMES, unknown_name_message("monitor.actions", name))
 

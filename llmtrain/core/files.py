@@ -14,9 +14,10 @@ A run dir (`out_dir`, by default Hydra's `outputs/<date>/<time>`):
                        by runs/rundir.py)
 
 Writers log dicts whose "kind" is one of `Kind` (through sinks.py's JsonlSink); runs/records.py is
-the one reader of both logs. `layout_problems` checks that an existing run dir's names are of their kind. The data cache (data/prepare.py) keeps its tokenizer under the same
-name, TOKENIZER; an export folder's own names are in runs/artifacts.py, a checkpoint folder's in
-checkpoint/layout.py. This module imports only the standard library, so any layer may name a file through it.
+the one reader of both logs. `layout_problems` checks that an existing run dir's names are of their
+kind. The data cache (data/prepare.py) keeps its tokenizer under the same name, TOKENIZER; an export
+folder's own names are in runs/artifacts.py, a checkpoint folder's in checkpoint/layout.py. This module
+imports only the standard library, so any layer may name a file through it.
 """
 
 from __future__ import annotations

@@ -120,9 +120,9 @@ def read_lines(path: Path, what: str, line_limit: int) -> Iterator[tuple[int, by
                 if not line:
                     return
                 if len(line) > line_limit and not (len(line) == line_limit + 1 and line.endswith(b"\n")):
-                    raise UnreadableFile(f"{path}:{number} ({what}) is a line longer than {_size(line_limit)}, far more "
-                                         "than one line of such a file holds; it is not what it claims to be (a binary "
-                                         "file, or a whole data set on one line).")
+                    raise UnreadableFile(f"{path}:{number} ({what}) is a line longer than {_size(line_limit)}, "
+                                         "far more than one line of such a file holds; it is not what it claims to "
+                                         "be (a binary file, or a whole data set on one line).")
                 yield number, line
     except OSError as err:
         raise UnreadableFile(f"{path} ({what}) cannot be read ({err.strerror or type(err).__name__}).") from None

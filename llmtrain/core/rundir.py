@@ -93,7 +93,9 @@ def _created_top(path: Path) -> Path | None:
     return None
 
 
-def discard_created(path: str | os.PathLike[str], only_if_empty: bool = False, keep: frozenset[str] = frozenset()) -> None:
+def discard_created(
+    path: str | os.PathLike[str], only_if_empty: bool = False, keep: frozenset[str] = frozenset()
+) -> None:
     """Remove `path` if this command created it (a refused run leaves no dir behind), then the
     parents it created as they become empty. `only_if_empty`: remove it only when it holds nothing
     but the names in `keep`. A dir that existed before this command is never touched."""

@@ -198,7 +198,8 @@ def cached_meta(cfg: DataConfig) -> dict | None:
         meta = read_json(meta_path, "the prepared data's metadata")
     except UnreadableFile:  # damaged (a crash of an older llmtrain, a hand edit): prepared again
         return None
-    return meta if isinstance(meta, dict) and ( cfg.source is DataSource.hf or meta.get("fingerprint") == fingerprint(files)) else None
+    return (meta if isinstance(meta, dict)
+            and (cfg.source is DataSource.hf or meta.get("fingerprint") == fingerprint(files)) else None)
 
 
 def cached_data(cfg: DataConfig) -> PreparedData | None:

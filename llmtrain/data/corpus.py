@@ -246,7 +246,9 @@ def document_pieces(
             return
 
 
-def capped_documents(documents: Iterable[tuple[str, bytes]], max_bytes: int | None) -> Iterator[tuple[str, bytes, bool]]:
+def capped_documents(
+    documents: Iterable[tuple[str, bytes]], max_bytes: int | None
+) -> Iterator[tuple[str, bytes, bool]]:
     """Whole documents as single pieces, at most `max_bytes` in all (cut at a character boundary)."""
     budget = max_bytes
     for name, data in documents:
@@ -339,7 +341,8 @@ def complete_utf8_end(data: bytes) -> int:
     if start < 0:
         return 0
     lead = data[start]
-    needed = 1 if lead < 0x80 else 2 if lead >> 5 == 0b110 else 3 if lead >> 4 == 0b1110 else 4 if lead >> 3 == 0b11110 else 1
+    needed = (1 if lead < 0x80 else 2 if lead >> 5 == 0b110 else 3 if lead >> 4 == 0b1110
+              else 4 if lead >> 3 == 0b11110 else 1)
     return start if start + needed > len(data) else len(data)
 
 
@@ -352,7 +355,9 @@ def load_hf_dataset(name: str, config: str | None, split: str, data_files: str |
     try:
         import datasets
     except ImportError:
-        raise ConfigError("data=hf needs Hugging Face datasets: pip install 'llmtrain[hf]' (or pip install datasets).") from None
+        raise ConfigError(
+            "data=hf needs Hugging Face datasets: pip install 'llmtrain[hf]' (or pip install datasets)."
+        ) from None
     what = f"data.hf_name={name}" + (f" data.hf_config={config}" if config else "") + f" data.hf_split={split}"
     try:
         folder = Path(name).expanduser()
@@ -360,7 +365,8 @@ def load_hf_dataset(name: str, config: str | None, split: str, data_files: str |
             loaded = datasets.load_from_disk(str(folder))
             if isinstance(loaded, datasets.DatasetDict):
                 if split not in loaded:
-                    raise ConfigError(f"{what}: the saved dataset has the splits {', '.join(loaded)}; set data.hf_split to one of them.")
+                    raise ConfigError(f"{what}: the saved dataset has the splits {', '.join(loaded)}; "
+                                      "set data.hf_split to one of them.")
                 loaded = loaded[split]
         else:
             kwargs = {"data_files": str(Path(data_files).expanduser())} if data_files else {}
@@ -371,8 +377,8 @@ def load_hf_dataset(name: str, config: str | None, split: str, data_files: str |
         reason = (str(err).strip().splitlines() or [""])[0][:400]
         raise ConfigError(
             f"{what} could not be loaded ({type(err).__name__}: {reason}). Give a Hub name (the first use needs the "
-            "network; HF_DATASETS_OFFLINE=1 uses the cache only), a folder written by Dataset.save_to_disk, or a builder "
-            "with its files, e.g. data.hf_name=json data.path=docs.jsonl."
+            "network; HF_DATASETS_OFFLINE=1 uses the cache only), a folder written by Dataset.save_to_disk, or a "
+            "builder with its files, e.g. data.hf_name=json data.path=docs.jsonl."
         ) from None
     if text_field not in loaded.column_names:
         raise ConfigError(f"{what} has no column '{text_field}' (it has: {', '.join(loaded.column_names)}); set "

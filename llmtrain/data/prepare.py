@@ -429,7 +429,9 @@ def _build_instructions(
         raise ConfigError(f"'data.path' ({cfg.path}) has {len(raw)} instruction example(s) with something to train on; "
                           "at least 2 are needed (one goes to validation).")
     examples = [[(text, bool(trained)) for text, trained in json.loads(data)] for _, data in raw]
-    buckets = array("d", (int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little") / 2**64 for name, _ in raw))
+    buckets = array(
+        "d", (int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little") / 2**64 for name, _ in raw)
+    )
     everyone = bytearray(b"\x01" * len(raw))
     is_val = _assign_splits(_Scan(array("q"), everyone, buckets, "", None), everyone, cfg.val_fraction)
     tokenizer = _fit_in_memory(cfg, [text for ex in examples for text, _ in ex],
@@ -468,7 +470,9 @@ def _build_instructions(
     return _write(directory, arrays, tokenizer, meta)
 
 
-def _fit_in_memory(cfg: DataConfig, all_texts: list[str], train_texts: list[str], log: Callable[[str], None]) -> Tokenizer:
+def _fit_in_memory(
+    cfg: DataConfig, all_texts: list[str], train_texts: list[str], log: Callable[[str], None]
+) -> Tokenizer:
     if cfg.tokenizer is TokenizerKind.char:
         return CharTokenizer.fit(set().union(*map(set, all_texts)))
     if cfg.tokenizer is TokenizerKind.bpe:

@@ -188,7 +188,8 @@ def problems(facts: dict) -> list[str]:
     found = not_text(facts)
     if facts.get("whitespace_only"):
         found.append("only whitespace")
-    elif facts.get("dominant_share", 0) > DOMINANT_SHARE and not (_named_encoding(facts) and facts["dominant_is_control"]):
+    elif (facts.get("dominant_share", 0) > DOMINANT_SHARE
+          and not (_named_encoding(facts) and facts["dominant_is_control"])):
         found.append(f"{_share(facts['dominant_share'])} of its bytes are {facts['dominant']}")
     if facts.get("entropy_nats", math.inf) < LOW_ENTROPY_NATS:
         found.append(f"entropy {facts['entropy_nats']:.2f} nats/byte")

@@ -67,7 +67,9 @@ class RandomWindowSampler:
         return windows[:, :-1], windows[:, 1:]
 
     def state_dict(self) -> dict:
-        return {"bit_generator": self.rng.bit_generator.state, "cursor": self.cursor, "batches_drawn": self.batches_drawn}
+        return {
+            "bit_generator": self.rng.bit_generator.state, "cursor": self.cursor, "batches_drawn": self.batches_drawn
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.rng.bit_generator.state = state["bit_generator"]

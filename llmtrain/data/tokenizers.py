@@ -166,7 +166,8 @@ class CharTokenizer:
         return "".join(self.chars[i] for i in ids if i != self.eos_id)
 
     def token_bytes(self) -> list[bytes | None]:
-        return [c.encode("utf-8", errors="surrogatepass") for c in self.chars] + ([None] if self.eos_id is not None else [])
+        return ([c.encode("utf-8", errors="surrogatepass") for c in self.chars]
+                + ([None] if self.eos_id is not None else []))
 
     def to_dict(self) -> dict:
         return {"kind": "char", "chars": self.chars, "end_of_text": self.eos_id is not None}

@@ -70,9 +70,11 @@ def resolve_device(name: str) -> torch.device:
     if device.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0:
-            raise ConfigError(f"'device' is '{name}' but this torch build sees no CUDA device; use device=cpu or device=auto.")
+            raise ConfigError(f"'device' is '{name}' but this torch build sees no CUDA device; "
+                              "use device=cpu or device=auto.")
         if device.index is not None and device.index >= count:
-            raise ConfigError(f"'device' is '{name}' but only {count} CUDA device(s) exist (cuda:0 to cuda:{count - 1}).")
+            raise ConfigError(f"'device' is '{name}' but only {count} CUDA device(s) exist "
+                              f"(cuda:0 to cuda:{count - 1}).")
     if device.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
         raise ConfigError(f"'device' is '{name}' but MPS is not available here; use device=cpu or device=auto.")
     return device
@@ -117,7 +119,8 @@ def end_process_group() -> None:
 
 
 def barrier(layout: Layout) -> None:
-    if layout.distributed and dist.is_initialized():  # a SIGTERM while setting up can stop a rank before the group starts
+    # a SIGTERM while setting up can stop a rank before the group starts
+    if layout.distributed and dist.is_initialized():
         dist.barrier()
 
 

@@ -97,7 +97,8 @@ class ShardedOptimizerState:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
         named = {"state": {self.names[int(i)]: value for i, value in state["state"].items()},
-                 "param_groups": [{**g, "params": [self.names[int(i)] for i in g["params"]]} for g in state["param_groups"]]}
+                 "param_groups": [{**g, "params": [self.names[int(i)] for i in g["params"]]}
+                                  for g in state["param_groups"]]}
         set_optimizer_state_dict(self.model, self.optimizer, named, options=StateDictOptions(full_state_dict=True))
 
 

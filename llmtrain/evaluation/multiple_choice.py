@@ -104,8 +104,8 @@ def parse_example(raw: bytes, where: str) -> Example:
         raise UserError(f"{where}: the endings must be a list of at least 2 strings (the candidates), not "
                         f"{shown[:200]}.")
     if len(endings) > MAX_ENDINGS:
-        raise UserError(f"{where} has {len(endings):,} endings; an example has at most {MAX_ENDINGS:,} (real tasks have "
-                        "2 to a few dozen), as each ending is scored with the whole context.")
+        raise UserError(f"{where} has {len(endings):,} endings; an example has at most {MAX_ENDINGS:,} (real "
+                        "tasks have 2 to a few dozen), as each ending is scored with the whole context.")
     if empty := [i for i, e in enumerate(endings) if not e]:
         raise UserError(f"{where}: ending {empty[0]} is empty; every candidate ending needs text (its length "
                         "normalizes acc_norm).")
@@ -173,7 +173,8 @@ class MultipleChoiceSource:
                 longest = max(longest, len(context_ids) + len(ending_ids))
                 if context is None:  # encode_pair's context ids depend on the context alone: one array per example
                     context = np.asarray(context_ids[-(window + 1):], dtype=np.uint32)
-                requests.append((_scored_part(context, len(ending_ids), window), np.asarray(ending_ids, dtype=np.uint32)))
+                requests.append((_scored_part(context, len(ending_ids), window),
+                                 np.asarray(ending_ids, dtype=np.uint32)))
             # The model reads all but the last token: more than the window is cut (as the Scorer does).
             if longest - 1 > window:
                 if not truncate:
@@ -227,7 +228,8 @@ class MultipleChoiceTask:
         for example in self.examples:
             chosen = scores[at:at + len(example.endings)]
             at += len(example.endings)
-            for metric, pick in choices(example.endings, [s.logprob for s in chosen], [s.tokens for s in chosen]).items():
+            for metric, pick in choices(example.endings, [s.logprob for s in chosen],
+                                        [s.tokens for s in chosen]).items():
                 hits[metric].append(1.0 if pick == example.label else 0.0)
         metrics: dict[str, float | int] = {}
         for metric, values in hits.items():

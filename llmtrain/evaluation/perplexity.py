@@ -70,8 +70,9 @@ class PerplexityTask:
                     flush()
         flush()
         if tokens == 0:
-            raise UserError(f"{self.spec.name}: the tokenizer turned the text into no tokens at all (it drops characters "
-                            "it does not know), so there is nothing to score; give text in the model's alphabet.")
+            raise UserError(f"{self.spec.name}: the tokenizer turned the text into no tokens at all (it drops "
+                            "characters it does not know), so there is nothing to score; give text in the model's "
+                            "alphabet.")
         loss = -logprob / tokens
         perplexity = math.exp(loss) if loss < 709.0 else math.inf  # a diverged model: exp would overflow
         return {"loss": loss, "perplexity": perplexity, "bits_per_byte": -logprob / math.log(2) / self.total_bytes,
@@ -200,9 +201,9 @@ def read_documents(documents: Iterable[tuple[str, bytes]], limit: int | None, na
             break
         held += len(data)
         if held > TASK_BYTES:
-            raise UserError(f"'{name}' holds more than {TASK_BYTES >> 30} GB of text by {where}, more than a task holds "
-                            "in memory to score; set eval.limit=N to score its first N documents, or give a part of "
-                            "it.")
+            raise UserError(f"'{name}' holds more than {TASK_BYTES >> 30} GB of text by {where}, more than a task "
+                            "holds in memory to score; set eval.limit=N to score its first N documents, or give a "
+                            "part of it.")
         try:
             text = data.decode("utf-8")
         except UnicodeDecodeError:
@@ -225,7 +226,8 @@ def data_source(data_cfg: DataConfig, cfg: EvalConfig | None = None) -> TextSour
         from llmtrain.data.corpus import input_files
 
         if not data_cfg.path:
-            raise ConfigError(f"data={data_cfg.source.value} needs data.path: the held-out file, folder or glob to score.")
+            raise ConfigError(f"data={data_cfg.source.value} needs data.path: the held-out file, folder or glob "
+                              "to score.")
         files = input_files(data_cfg.path, data_cfg.source.value)  # its errors name data.path, as here
         # As prepare reads them: data=text files are text whatever their names, data=jsonl files JSON lines.
         jsonl = data_cfg.source is DataSource.jsonl
@@ -242,13 +244,14 @@ def data_source(data_cfg: DataConfig, cfg: EvalConfig | None = None) -> TextSour
         spec = TaskSpec("perplexity", data_cfg.hf_name, f"perplexity:{data_cfg.hf_name}")
     else:
         raise ConfigError(
-            f"data={data_cfg.source.value} cannot be evaluated as held-out text: give data=text data.path=FILE (a file, "
-            "folder or glob of text), data=jsonl data.path=FILE (data.text_field names the field) or data=hf "
+            f"data={data_cfg.source.value} cannot be evaluated as held-out text: give data=text data.path=FILE "
+            "(a file, folder or glob of text), data=jsonl data.path=FILE (data.text_field names the field) or data=hf "
             "data.hf_name=..., or name files in eval.tasks=[perplexity:FILE]; perplexity:validation is the run's own "
             "validation split.")
     documents, replaced = read_documents(pieces, limit, spec.name, skip)
     if not documents:
-        raise UserError(f"{spec.name[len('perplexity:'):]} holds no text (every document is empty); give held-out text.")
+        raise UserError(f"{spec.name[len('perplexity:'):]} holds no text (every document is empty); "
+                        "give held-out text.")
     return TextSource(spec, documents, stride, replaced)
 
 
@@ -262,7 +265,8 @@ class ValidationSource:
                log: Callable[[str], None]) -> PerplexityTask:
         # The bytes of the text the tokens stand for, so bits per byte compares with other tokenizers.
         total_bytes = sum(len(tokenizer.decode(ids.tolist()).encode("utf-8")) for ids in self.documents)
-        return PerplexityTask(self.spec, self.documents, total_bytes, window, checked_stride(self.stride, window), eos_id)
+        return PerplexityTask(self.spec, self.documents, total_bytes, window,
+                              checked_stride(self.stride, window), eos_id)
 
 
 def validation_source(data: PreparedData, cfg: EvalConfig | None = None) -> ValidationSource:

@@ -51,7 +51,8 @@ def split_harness_shorthand(overrides: list[str]) -> tuple[list[str], list[str]]
             continue
         names = [n.strip().strip("'\"") for n in value.strip().removeprefix("[").removesuffix("]").split(",")]
         if not any(names):
-            raise ConfigError(f"'{override}' names no task; give harness.tasks=[TASK,...], e.g. harness.tasks=[hellaswag].")
+            raise ConfigError(f"'{override}' names no task; give harness.tasks=[TASK,...], "
+                              "e.g. harness.tasks=[hellaswag].")
         entries += [f"harness:{n}" for n in names if n]
     return rest, entries
 

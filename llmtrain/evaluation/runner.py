@@ -63,7 +63,9 @@ class _progress:
 
     def __enter__(self) -> Any:
         if is_plain(self.console) or not self.console.is_terminal:
-            self.console.print(f"evaluating {self.task.spec.name}" + (f" ({self.task.size:,} request{'s' if self.task.size != 1 else ''})" if self.task.size else ""))
+            self.console.print(f"evaluating {self.task.spec.name}"
+                               + (f" ({self.task.size:,} request{'s' if self.task.size != 1 else ''})"
+                                  if self.task.size else ""))
             return None
         self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                             TimeRemainingColumn(), console=self.console, transient=True)

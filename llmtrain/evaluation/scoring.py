@@ -148,7 +148,9 @@ def _ids(tokens: Sequence[int]) -> list[int]:
     return tokens.tolist() if hasattr(tokens, "tolist") else list(tokens)
 
 
-def rolling_requests(tokens: Sequence[int], prefix_id: int, window: int, stride: int | None = None) -> Iterator[Request]:
+def rolling_requests(
+    tokens: Sequence[int], prefix_id: int, window: int, stride: int | None = None
+) -> Iterator[Request]:
     """Requests whose continuations cover `tokens` exactly once, in order: the first predicts
     tokens[0] from `prefix_id` (end-of-text: what precedes a document in training). Each window
     scores up to `stride` new tokens (default: the window, i.e. non-overlapping windows) with the
@@ -164,7 +166,9 @@ def rolling_requests(tokens: Sequence[int], prefix_id: int, window: int, stride:
         yield tokens[max(0, start - window):start], tokens[start:start + stride]
 
 
-def encode_pair(tokenizer: Tokenizer, context: str, continuation: str, empty_context_id: int) -> tuple[list[int], list[int]]:
+def encode_pair(
+    tokenizer: Tokenizer, context: str, continuation: str, empty_context_id: int
+) -> tuple[list[int], list[int]]:
     """(context ids, continuation ids) as the lm-evaluation-harness makes them: trailing whitespace
     of the context moves to the continuation, the whole text is encoded at once and the continuation
     is what follows the context's own encoding (so a merge across the boundary is not split in

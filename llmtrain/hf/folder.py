@@ -126,7 +126,10 @@ FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 # Tensors a folder may hold that a model does not use: GPT-2's causal-mask buffers and Llama's RoPE
 # frequencies (saved by older transformers versions), and a tied head saved beside its embedding.
 IGNORED = re.compile(r"(^|\.)(attn\.bias|attn\.masked_bias|rotary_emb\.inv_freq)$")
-LAYER = {layouts.GPT2: re.compile(r"^(?:transformer\.)?h\.(\d+)\."), layouts.LLAMA: re.compile(r"^model\.layers\.(\d+)\.")}
+LAYER = {
+    layouts.GPT2: re.compile(r"^(?:transformer\.)?h\.(\d+)\."),
+    layouts.LLAMA: re.compile(r"^model\.layers\.(\d+)\."),
+}
 
 
 def check_weights(folder: HFFolder, model: ModelConfig) -> None:
@@ -156,8 +159,9 @@ def check_weights(folder: HFFolder, model: ModelConfig) -> None:
                           "config.json and the weights do not belong together: download or save the folder again.")
     not_float = [f"{name} ({dtype})" for name, (_, dtype) in headers.items() if dtype not in FLOAT_DTYPES]
     if not_float:
-        raise ConfigError(f"{where}: the weights store {', '.join(not_float[:3])} as integers or booleans, not floating "
-                          f"point ({', '.join(FLOAT_DTYPES)}); they are not model weights: the folder is damaged.")
+        raise ConfigError(f"{where}: the weights store {', '.join(not_float[:3])} as integers or booleans, not "
+                          f"floating point ({', '.join(FLOAT_DTYPES)}); they are not model weights: the folder is "
+                          "damaged.")
     assert model.vocab_size is not None  # set from config.json
     tensors = model_tensors(model, model.vocab_size)
     expected = dict(tensors.items())
@@ -210,7 +214,8 @@ def load_weights(model: torch.nn.Module, folder: HFFolder) -> None:
             if any(n is None for n in names):
                 missing = [t for t, n in zip(piece.theirs, names) if n is None]
                 raise ConfigError(f"{folder.key}={folder.path}: the weights lack {', '.join(missing[:3])}, which a "
-                                  f"{folder.layout} model of this config.json has; the folder is incomplete or damaged.")
+                                  f"{folder.layout} model of this config.json has; the folder is incomplete or "
+                                  "damaged.")
             tensors = []
             for name in names:
                 # One handle per tensor: safetensors memory-maps the file, and the mapped pages count
@@ -222,7 +227,8 @@ def load_weights(model: torch.nn.Module, folder: HFFolder) -> None:
             target = params[piece.ours]
             if value.shape != target.shape:
                 raise ConfigError(f"{folder.key}={folder.path}: {' + '.join(piece.theirs)} has shape "
-                                  f"{tuple(value.shape)}, but its config.json makes {piece.ours} {tuple(target.shape)}; "
+                                  f"{tuple(value.shape)}, but its config.json makes {piece.ours} "
+                                  f"{tuple(target.shape)}; "
                                   "the weights and config.json do not belong together.")
             if value.is_floating_point() and not bool(torch.isfinite(value).all()):
                 raise ConfigError(f"{folder.key}={folder.path}: {' + '.join(piece.theirs)} holds NaN or infinite "

@@ -106,8 +106,8 @@ def _resolve_model(model: ModelConfig, folder: HFFolder, explicit: Collection[st
         if decided and not free and _effective(key, probe, ours) != _effective(key, probe, theirs):
             differs.append(f"model.{key} is {_shown(ours)} but the folder has {_shown(theirs)}")
     if differs:
-        source = (f" (model={model.name} sets them, or an override)" if group or model.name not in (defaults.name, folder.name)
-                  else "")
+        source = (f" (model={model.name} sets them, or an override)"
+                  if group or model.name not in (defaults.name, folder.name) else "")
         raise ConfigError(
             f"{KEY}={model.init_from}: the config contradicts the folder's {folder.path / CONFIG}: "
             f"{'; '.join(differs)}{source}. Keys left at their defaults take the folder's shape: drop these "

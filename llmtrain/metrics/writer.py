@@ -75,8 +75,8 @@ class JsonlSink:
             self.warn(f"{self.dropped} record(s) could not be written to {self.path} (see above)")
 
 
-SKIP_KEYS = {"kind", "step", "time", "alarm", "action", "path", "removed", "error", "band", "severity", "metric", "detail",
-             "resumed_from"}
+SKIP_KEYS = {"kind", "step", "time", "alarm", "action", "path", "removed", "error", "band", "severity", "metric",
+             "detail", "resumed_from"}
 
 
 # Record kinds the dashboards skip (no curve to draw) and the ones they show as text.
@@ -136,7 +136,8 @@ class WandbSink:
             self.run = wandb.init(mode=mode, dir=str(run_dir), project=project, config=config, name=Path(run_dir).name)
         except Exception as err:  # no network, no API key, ...: the user's setting, said in one paragraph
             raise UserError(
-                f"W&B could not start (wandb={mode}): {' '.join(str(err).split())[:300].rstrip('.')}. Use wandb=offline (no network; "
+                f"W&B could not start (wandb={mode}): {' '.join(str(err).split())[:300].rstrip('.')}. "
+                "Use wandb=offline (no network; "
                 "upload later with `wandb sync`), log in with `wandb login`, or set wandb=off."
             ) from None
 

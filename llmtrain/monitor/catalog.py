@@ -495,7 +495,8 @@ def explain_ranked(name: str, causes: list, action: str = "warn", severity: str 
     that ranked it and its fix, most likely first (`health/diagnosis.py`). When the evidence is
     clear, the alarm critical and its action only a warning, how to make such runs stop by themselves."""
     kind = CATALOG[name]
-    lines = [f"{kind.title} [{kind.name}: {kind.metric}, healthy: {kind.healthy}]", "  Most likely causes, for this run:"]
+    lines = [f"{kind.title} [{kind.name}: {kind.metric}, healthy: {kind.healthy}]",
+             "  Most likely causes, for this run:"]
     # The likely ones: a cause the evidence barely supports is in the record, not in the text.
     shown = [cause for cause in causes if cause.score >= 0.2][:4] or causes[:1]
     for i, cause in enumerate(shown, 1):

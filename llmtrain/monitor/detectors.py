@@ -25,8 +25,9 @@ or trends, never a single point:
 
 An alarm is raised once when its pattern appears and re-armed when the pattern clears; each one
 carries the recent values, the band it left, the blocks concerned, and its causes ranked by the
-run's evidence (`health/diagnosis.py`; the catalog's fixed list of `health/catalog.py` without it). What to do about it (warn, reduce_lr, skip_step, rollback, stop) is the
-configured action of that alarm; the loop carries it out.
+run's evidence (`health/diagnosis.py`; the catalog's fixed list of `health/catalog.py` without it).
+What to do about it (warn, reduce_lr, skip_step, rollback, stop) is the configured action of that
+alarm; the loop carries it out.
 """
 
 from __future__ import annotations
@@ -78,8 +79,9 @@ class Alarm:
     causes: list[Cause] = field(default_factory=list)  # most likely first; [] without the run's facts
 
     def to_record(self) -> dict[str, Any]:
-        return {"kind": Kind.ALARM, "alarm": self.name, "step": self.step, "severity": self.severity, "metric": self.metric,
-                "values": self.values, "band": self.band, "blocks": self.blocks, "action": self.action,
+        return {"kind": Kind.ALARM, "alarm": self.name, "step": self.step, "severity": self.severity,
+                "metric": self.metric, "values": self.values, "band": self.band, "blocks": self.blocks,
+                "action": self.action,
                 "causes": [cause.to_record() for cause in self.causes]}
 
     def explain(self) -> str:
@@ -213,7 +215,8 @@ class Detectors:
         self._memory(s, found)
         self._loss(s, found)
         if s.fp16_without_scaler:
-            found["fp16_no_scaler"] = Alarm("fp16_no_scaler", s.step, "critical", "loss scale", [], "a dynamic loss scaler")
+            found["fp16_no_scaler"] = Alarm("fp16_no_scaler", s.step, "critical", "loss scale", [],
+                                            "a dynamic loss scaler")
         for key, value in (("loss", s.loss), ("grad_norm", s.grad_norm), ("param_norm", s.param_norm),
                            ("rss_mb", s.rss_mb), ("interval_loss", self._interval_loss(s)),
                            ("interval_noise", _mean_noise(s))):
@@ -418,13 +421,15 @@ class Detectors:
         """Learning progress against chance (ln vocabulary) and the unigram baseline."""
         cfg, f = self.cfg, self.facts
         assert f is not None
-        if s.step < cfg.progress_after or len(series) < 10 or not (math.isfinite(f.chance) and math.isfinite(f.baseline)):
+        if (s.step < cfg.progress_after or len(series) < 10
+                or not (math.isfinite(f.chance) and math.isfinite(f.baseline))):
             self.skipped.add("loss_not_decreasing")
             return
         recent, before = _median_tail(series, 5), statistics.median(series[-10:-5])
         span = f.chance - f.baseline
         unmoved = span > 0 and f.chance - recent < 0.1 * span
-        stalled = (recent > (1 - cfg.baseline_margin) * f.baseline and self.best_loss > (1 - cfg.baseline_margin) * f.baseline
+        stalled = (recent > (1 - cfg.baseline_margin) * f.baseline
+                   and self.best_loss > (1 - cfg.baseline_margin) * f.baseline
                    and recent > before - cfg.baseline_margin * f.baseline)
         if unmoved or stalled:
             band = (f"below a uniform guess {f.chance:.4g} by 10% of the way to the unigram baseline {f.baseline:.4g}"

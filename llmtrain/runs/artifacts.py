@@ -1,10 +1,11 @@
 """Loading a trained run: its config, tokenizer and weights, from a run dir or an export folder.
 
 `load_run` gives a `TrainedRun` (model in eval mode, tokenizer, training context) for `sample`,
-`export` and the report's inference check, also from a Hugging Face folder (`load_hf_folder`); `newest_weights` picks a run dir's newest readable
-weights (model.pt or its newest good checkpoint). The export format's file names (`WEIGHTS`,
-`MODEL_CONFIG`) live here too, beside `load_exported`/`is_export`, so that `export` (which writes
-the format) and `sample` (which reads it) both depend on this module instead of on each other.
+`export` and the report's inference check, also from a Hugging Face folder (`load_hf_folder`);
+`newest_weights` picks a run dir's newest readable weights (model.pt or its newest good checkpoint).
+The export format's file names (`WEIGHTS`, `MODEL_CONFIG`) live here too, beside
+`load_exported`/`is_export`, so that `export` (which writes the format) and `sample` (which reads it)
+both depend on this module instead of on each other.
 """
 
 from __future__ import annotations
@@ -85,11 +86,12 @@ def newest_weights(run_dir: Path, warn: Callable[[str], None] | None = None,
             "under checkpoints/. Give a run directory that `llmtrain train` wrote."
         )
     found = final_problem or [f"{final} does not exist"]
-    found.append(f"every checkpoint is damaged or unusable ({'; '.join(f.rstrip('.') for f in failures[:4])})" if failures
-                 else "there are no checkpoints")
+    found.append(f"every checkpoint is damaged or unusable ({'; '.join(f.rstrip('.') for f in failures[:4])})"
+                 if failures else "there are no checkpoints")
     raise UserError(
-        f"'{run_dir}' has no usable weights: {'; '.join(f.rstrip('.') for f in found)}. Retrain it (`llmtrain train` with "
-        "hydra.run.dir set to it and resume=never), or give another run dir or an `llmtrain export` folder."
+        f"'{run_dir}' has no usable weights: {'; '.join(f.rstrip('.') for f in found)}. "
+        "Retrain it (`llmtrain train` with hydra.run.dir set to it and resume=never), or give another run dir "
+        "or an `llmtrain export` folder."
     )
 
 

@@ -110,7 +110,8 @@ class Reasons:
         text = (f"{name}: left out: no step was timed (every timing_interval={every}-th step is, from step {every + 1} "
                 f"on; this run took {self.steps} steps)")
         fitting = max(1, (self.steps - 1) // 3)  # times steps fitting + 1, 2 x fitting + 1, ...: three of them
-        return text + (f"; timing_interval={fitting} times {(self.steps - 1) // fitting}" if 1 < self.steps and fitting < every else "")
+        return text + (f"; timing_interval={fitting} times {(self.steps - 1) // fitting}"
+                       if 1 < self.steps and fitting < every else "")
 
     def evaluated(self, name: str, count: int) -> str:
         """eval_tasks.png: the tasks are evaluated at every evaluation (eval_interval, and at the end)."""

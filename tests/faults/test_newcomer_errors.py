@@ -66,18 +66,23 @@ def test_valid_alarm_without_plus_says_to_add_the_plus(capsys: pytest.CaptureFix
 @pytest.mark.parametrize(
     ("override", "pieces"),
     [
-        pytest.param("model.n_layer=abc", ["'model.n_layer' is 'abc'", "expected an integer", "model.n_layer=4"], id="int-str"),
+        pytest.param("model.n_layer=abc", ["'model.n_layer' is 'abc'", "expected an integer", "model.n_layer=4"],
+                     id="int-str"),
         pytest.param("model.n_layer=2.5", ["'model.n_layer' is 2.5", "expected an integer"], id="int-float"),
-        pytest.param("max_steps=1e3", ["'max_steps' is 1000.0", "expected an integer", "max_steps=1000"], id="int-exponent"),
+        pytest.param("max_steps=1e3", ["'max_steps' is 1000.0", "expected an integer", "max_steps=1000"],
+                     id="int-exponent"),
         pytest.param("seed=abc", ["'seed' is 'abc'", "expected an integer", "or null"], id="optional-int"),
         pytest.param("model.n_layer=null", ["'model.n_layer' is null", "expected an integer"], id="int-null"),
-        pytest.param("model.dropout=high", ["'model.dropout' is 'high'", "expected a number", "model.dropout=0.0"], id="float"),
+        pytest.param("model.dropout=high", ["'model.dropout' is 'high'", "expected a number", "model.dropout=0.0"],
+                     id="float"),
         pytest.param("model.bias=maybe", ["'model.bias' is 'maybe'", "expected a boolean: true or false"], id="bool"),
-        pytest.param("model.norm=rmsnrm", ["'model.norm' is 'rmsnrm'", "valid: layernorm, rmsnorm", "Did you mean 'rmsnorm'?"],
+        pytest.param("model.norm=rmsnrm",
+                     ["'model.norm' is 'rmsnrm'", "valid: layernorm, rmsnorm", "Did you mean 'rmsnorm'?"],
                      id="enum-typo"),
         pytest.param("precision.name=int8", ["'precision.name' is 'int8'", "valid: fp32, bf16, fp16, auto"], id="enum"),
         pytest.param("monitor.actions.grad_norm_high=halt",
-                     ["'monitor.actions.grad_norm_high' is 'halt'", "valid: warn, reduce_lr, skip_step, rollback, stop"],
+                     ["'monitor.actions.grad_norm_high' is 'halt'",
+                      "valid: warn, reduce_lr, skip_step, rollback, stop"],
                      id="enum-in-mapping"),
         pytest.param("data.seq_len_schedule=abc", ["'data.seq_len_schedule' is 'abc'", "expected a list"], id="list"),
     ],
@@ -109,9 +114,11 @@ def test_readme_ddp_command_is_accepted_by_the_preflight_check() -> None:
     assert (cfg.micro_batch_size, accumulation_steps(cfg), cfg.global_batch_size) == (8, 1, 16)
 
 
-@pytest.mark.parametrize(("global_", "world", "micro", "accum"), [(64, 1, 16, 4), (48, 2, 12, 2), (30, 1, 15, 2), (8, 4, 2, 1)])
+@pytest.mark.parametrize(("global_", "world", "micro", "accum"),
+                         [(64, 1, 16, 4), (48, 2, 12, 2), (30, 1, 15, 2), (8, 4, 2, 1)])
 def test_derived_micro_batch_is_the_largest_divisor_up_to_16(global_: int, world: int, micro: int, accum: int) -> None:
-    cfg = compose_config([f"global_batch_size={global_}", *(["parallel=ddp", f"parallel.nproc={world}"] if world > 1 else [])])
+    cfg = compose_config([f"global_batch_size={global_}",
+                          *(["parallel=ddp", f"parallel.nproc={world}"] if world > 1 else [])])
     assert (cfg.micro_batch_size, accumulation_steps(cfg)) == (micro, accum)
 
 
@@ -204,7 +211,8 @@ def refused(tmp_path: Path, *argv: str) -> str:
         pytest.param(["train", "--max_steps", "30"], "write max_steps=30.", id="dashes"),
         pytest.param(["train", "--max_steps=30"], "write max_steps=30.", id="dashes-equals"),
         pytest.param(["train", "-max_steps=30"], "write max_steps=30.", id="one-dash"),  # argparse read it as -m
-        pytest.param(["train", "--max_step", "30"], "write max_steps=30 ('max_step' is no config key", id="dashes-typo"),
+        pytest.param(["train", "--max_step", "30"], "write max_steps=30 ('max_step' is no config key",
+                     id="dashes-typo"),
         pytest.param(["train", "--lr", "1e-3"], "write optim.lr=1e-3 ('lr' is no config key", id="dashes-group-key"),
         pytest.param(["train", "--max_steps", "model=gpt2"], "write max_steps=<value>.", id="dashes-no-value"),
         pytest.param(["check", "--max_steps", "30"], "write max_steps=30.", id="check"),
@@ -258,19 +266,25 @@ def test_hydras_own_options_still_work(tmp_path: Path, flags: list[str]) -> None
 @pytest.mark.parametrize(
     ("overrides", "pieces"),
     [
-        pytest.param(["max_steps", "30"], ["'max_steps' is not an override", "key=value", "write max_steps=30."], id="space"),
+        pytest.param(["max_steps", "30"], ["'max_steps' is not an override", "key=value", "write max_steps=30."],
+                     id="space"),
         pytest.param(["max_steps", "=", "30"], ["write max_steps=30."], id="spaces-around"),
-        pytest.param(["max_steps=", "30"], ["'max_steps= 30' has a space after '='", "write max_steps=30."], id="space-after"),
+        pytest.param(["max_steps=", "30"], ["'max_steps= 30' has a space after '='", "write max_steps=30."],
+                     id="space-after"),
         pytest.param(["max_step", "30"], ["write max_steps=30 ('max_step' is no config key"], id="space-typo"),
         pytest.param(["+model.n_layr", "3"], ["write model.n_layer=3"], id="space-plus-typo"),
         pytest.param(["gpt_small"], ["Did you mean model=gpt_small?"], id="option-alone"),
-        pytest.param(["max_steps=30,"], ["'max_steps=30,' ends with a comma", "write max_steps=30.", "-m"], id="trailing-comma"),
-        pytest.param(["optim.lr=1e-3,,3e-3"], ["empty item", "`llmtrain train -m optim.lr=1e-3,3e-3`"], id="double-comma"),
+        pytest.param(["max_steps=30,"], ["'max_steps=30,' ends with a comma", "write max_steps=30.", "-m"],
+                     id="trailing-comma"),
+        pytest.param(["optim.lr=1e-3,,3e-3"], ["empty item", "`llmtrain train -m optim.lr=1e-3,3e-3`"],
+                     id="double-comma"),
         pytest.param(["+model.n_layr=3"], ["'model.n_layr'", "Did you mean 'model.n_layer'?"], id="plus-typo"),
         pytest.param(["modle=gpt2"], ["'modle'", "Did you mean 'model'?"], id="group-name-typo"),
     ],
 )
-def test_an_override_hydra_cannot_read_gets_the_one_meant(tmp_path: Path, overrides: list[str], pieces: list[str]) -> None:
+def test_an_override_hydra_cannot_read_gets_the_one_meant(
+    tmp_path: Path, overrides: list[str], pieces: list[str]
+) -> None:
     message = refused(tmp_path, "train", *overrides)
     for piece in pieces:
         assert piece in message, message
@@ -290,7 +304,8 @@ def test_a_comma_list_without_m_is_a_sweep_that_needs_m(tmp_path: Path, command:
     ("override", "as_list"),
     [
         pytest.param("preset=stable,fast", "'preset=[stable,fast]'", id="group-of-lists"),
-        pytest.param("data.seq_len_schedule=[0,16],[100,32]", "'data.seq_len_schedule=[[0,16],[100,32]]'", id="list-key"),
+        pytest.param("data.seq_len_schedule=[0,16],[100,32]", "'data.seq_len_schedule=[[0,16],[100,32]]'",
+                     id="list-key"),
     ],
 )
 def test_a_comma_list_for_a_key_that_takes_a_list_also_says_how_to_set_the_list(
