@@ -2,12 +2,13 @@
 
     python benchmarks/bench_checkpoint.py [--reps 3] [--dir /path/on/the/disk/to/test]
 
-A save is llmtrain's whole `save_checkpoint`: torch.save of model, optimizer and RNG states with a
-sha256 computed on the way out, fsync of every file, the manifest, the atomic rename and the
-`latest` pointer. The reference writes the same number of bytes from memory in 8 MiB chunks to one
-file with one fsync: the disk's own sequential speed, measured in the same run. Loading is
-`load_checkpoint` (sha256 of every file checked before it is read, `weights_only=True`) against a
-plain sequential read of the same bytes; both read from the page cache, so it measures CPU cost.
+A save is llmtrain's whole `save_checkpoint` (checkpoint/write.py), from reading the model's and
+optimizer's state dicts on: torch.save of model, optimizer and RNG states with a sha256 computed
+on the way out, fsync of every file, the manifest, the atomic rename and the `latest` pointer. The
+reference writes the same number of bytes from memory in 8 MiB chunks to one file with one fsync:
+the disk's own sequential speed, measured in the same run. Loading is `load_checkpoint` (sha256 of
+every file checked before it is read, `weights_only=True`) against a plain sequential read of the
+same bytes; both read from the page cache, so it measures CPU cost.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from llmtrain.checkpoint.format import save_checkpoint
 from llmtrain.checkpoint.read import load_checkpoint
+from llmtrain.checkpoint.write import CheckpointContents, save_checkpoint
 from llmtrain.config.schema import ModelConfig
 from llmtrain.engine.state import TrainState
 from llmtrain.model import GPT, param_count
@@ -83,8 +84,9 @@ def main(argv: list[str] | None = None) -> int:
         for rep in range(args.reps):
             run = root / f"run{rep}"
             start = time.perf_counter()
-            path = save_checkpoint(run, model=model, optimizer=optimizer, scaler=None, sampler_state={},
-                                   state=TrainState(step=rep + 1), config={})
+            contents = CheckpointContents(state=TrainState(step=rep + 1), config={}, sampler={},
+                                          model=model.state_dict(), optimizer=optimizer.state_dict())
+            path = save_checkpoint(run, contents)
             results["save"].append(time.perf_counter() - start)
             size = sum(f.stat().st_size for f in path.iterdir())
             results["write"].append(plain_write(root / f"plain{rep}.bin", size))
@@ -102,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         table.add_column(col)
     table.add_row("llmtrain save", f"{med['save']:.2f}", f"{gb / med['save']:.2f}", f"{med['write'] / med['save']:.0%}")
     table.add_row("plain write + fsync", f"{med['write']:.2f}", f"{gb / med['write']:.2f}", "100%")
-    table.add_row("llmtrain load (verified)", f"{med['load']:.2f}", f"{gb / med['load']:.2f}", f"{med['read'] / med['load']:.0%}")
+    table.add_row("llmtrain load (verified)", f"{med['load']:.2f}", f"{gb / med['load']:.2f}",
+                  f"{med['read'] / med['load']:.0%}")
     table.add_row("plain read", f"{med['read']:.2f}", f"{gb / med['read']:.2f}", "100%")
     console.print(table)
     console.print(f"save throughput = {med['write'] / med['save']:.0%} of a plain sequential write (target >= 50%)")

@@ -3,10 +3,11 @@ wall time of the command itself.
 
     python benchmarks/bench_sample.py [--run RUN_DIR] [--tokens 1000] [--reps 5] [--wall-reps 3] [--json out.json]
 
-Generation (in this process): llmtrain's path is `generate` (runs/sample.py: one prefill of the
-prompt, then one token per `GPT.decode` step through the KV cache; past the window, a refill from
-the last half window). The bare loop is written here in plain PyTorch against the same weights: a
-key/value buffer per layer, one token per step, the same refill, no module calls:
+Generation (in this process): llmtrain's path is `generate` (llmtrain/generation.py: one prefill of
+the prompt, then one token per `GPT.forward(idx, cache)`, the model's one forward, through the KV
+cache; past the window, a refill from the last half window). The bare loop is written here in plain
+PyTorch against the same weights: a key/value buffer per layer, one token per step, the same refill,
+no module calls:
 
     x = wte[tok] + wpe[pos]; per layer: layer_norm, qkv linear, write k/v, SDPA over the cache, ...
 
@@ -42,9 +43,9 @@ import yaml
 
 from llmtrain.config.schema import Config, MlpKind, NormKind, NormPosition, PositionEncoding, config_to_dict
 from llmtrain.data.tokenizers import ByteTokenizer, save_tokenizer
+from llmtrain.generation import generate, generation_threads
 from llmtrain.model import GPT, norm_eps, param_count
 from llmtrain.runs.artifacts import TrainedRun, load_run
-from llmtrain.runs.sample import generate, generation_threads
 
 PROMPT = "\n"  # `llmtrain sample`'s default prompt
 

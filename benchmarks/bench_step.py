@@ -105,18 +105,21 @@ def main(argv: list[str] | None = None) -> int:
             bare.append(time_bare(cfg, args.warmup))
             cfg.out_dir = str(Path(tmp) / f"run{rep}")
             ours.append(time_llmtrain(cfg, args.warmup))
-            console.print(f"rep {rep + 1}/{args.reps}: bare {bare[-1] * 1e3:.1f} ms/step, llmtrain {ours[-1] * 1e3:.1f} ms/step")
+            console.print(f"rep {rep + 1}/{args.reps}: bare {bare[-1] * 1e3:.1f} ms/step, "
+                          f"llmtrain {ours[-1] * 1e3:.1f} ms/step")
     tokens_per_step = cfg.global_batch_size * seq_len_of(cfg)
     b, o = statistics.median(bare), statistics.median(ours)
     accum = accumulation_steps(cfg)
     table = Table(
-        title=f"train step: {cfg.model.name}, {tokens_per_step:,} tokens/step ({accum} x {cfg.micro_batch_size} sequences), "
+        title=f"train step: {cfg.model.name}, {tokens_per_step:,} tokens/step "
+        f"({accum} x {cfg.micro_batch_size} sequences), "
         f"fp32, {torch.get_num_threads()} threads"
     )
     for col in ("loop", "median ms/step", "tokens/s", "all reps (ms)"):
         table.add_column(col)
-    table.add_row("bare PyTorch", f"{b * 1e3:.1f}", f"{tokens_per_step / b:,.0f}", ", ".join(f"{t * 1e3:.1f}" for t in bare))
-    table.add_row("llmtrain", f"{o * 1e3:.1f}", f"{tokens_per_step / o:,.0f}", ", ".join(f"{t * 1e3:.1f}" for t in ours))
+    for name, seconds, reps in (("bare PyTorch", b, bare), ("llmtrain", o, ours)):
+        table.add_row(name, f"{seconds * 1e3:.1f}", f"{tokens_per_step / seconds:,.0f}",
+                      ", ".join(f"{t * 1e3:.1f}" for t in reps))
     console.print(table)
     ratio = o / b
     console.print(f"ratio llmtrain / bare = [bold]{ratio:.3f}[/] (target <= 1.05)")

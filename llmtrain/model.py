@@ -5,18 +5,17 @@ always goes through `scaled_dot_product_attention` (fused kernels on CPU and GPU
 follows seed 003 §4: N(0, 0.02) weights, the last projection of every residual branch scaled down
 (or zeroed) so a deep stack starts close to the identity, and optionally a zero or tiny LM head.
 
-Generation has a path of its own (`GPT.decode` with a `KVCache`): a prefill of the prompt, then
-one token per forward against the cached keys and values of the earlier ones, the same arithmetic
-as `forward` without dropout, reading each block's tensors once per cache (`BlockWeights`).
+Generation goes through the same forward, given a `KVCache` (`GPT.forward(idx, cache)`): a prefill
+of the prompt, then one token per forward against the cached keys and values of the earlier ones;
+the attention takes the layer's cache and the position the new tokens start at (RoPE's and the
+learned positions' offset). The sampling loop is llmtrain/generation.py.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator
-from functools import partial
-from typing import NamedTuple
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -74,6 +73,46 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+class LayerCache:
+    """One layer's keys and values (B, kv heads, capacity, head_dim), filled from position 0; the
+    buffers are allocated on the first write, in the dtype the keys come in (autocast: bf16)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+    def extend(self, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k and v at positions start.. and return the keys and values of every position so far."""
+        end = start + k.shape[2]
+        # (re)allocated at a prefill only: a step never changes batch, heads or dtype
+        if start == 0 and (self.keys is None or self.keys.shape[:2] != k.shape[:2] or self.keys.dtype != k.dtype):
+            shape = (*k.shape[:2], self.capacity, k.shape[3])
+            self.keys = k.new_empty(shape)
+            self.values = v.new_empty(shape)
+        assert self.keys is not None and self.values is not None, "the first write is a prefill (start 0)"
+        self.keys[:, :, start:end] = k
+        self.values[:, :, start:end] = v
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+
+class KVCache:
+    """Keys and values of the tokens a model has read so far, per layer, for generating one token at
+    a time (`GPT.forward(idx, cache)`): each step computes the new token's keys and values only,
+    instead of the whole window's again. `length` tokens are held, at positions 0 .. length - 1; at
+    most `capacity` of them (positions past the model's context were never trained). `reset` empties it."""
+
+    def __init__(self, n_layer: int, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"a KV cache holds at least 1 token, not {capacity}")
+        self.capacity = capacity
+        self.length = 0
+        self.layers = [LayerCache(capacity) for _ in range(n_layer)]
+
+    def reset(self) -> None:
+        self.length = 0  # the buffers stay allocated: the next prefill overwrites them
+
+
 class CausalSelfAttention(nn.Module):
     """Causal attention with one fused q/k/v projection, rows in the order [q | k | v] (GPT-2's
     c_attn, or Llama's q_proj, k_proj, v_proj stacked). With grouped-query attention k and v have
@@ -89,24 +128,35 @@ class CausalSelfAttention(nn.Module):
         self.dropout_p = cfg.dropout  # SDPA takes a probability, not a module
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                cache: LayerCache | None = None, start: int = 0) -> torch.Tensor:
+        """x (B, T, C) holds the tokens at positions start.. (0 without a cache). With `cache` (generation)
+        their keys and values join those of the `start` tokens before them, which they attend to too."""
         B, T, C = x.shape
         q, k, v = self._heads(self.qkv(x), B, T)
         if rope is not None:
-            cos, sin = rope[0][:T], rope[1][:T]
+            cos, sin = rope[0][start:start + T], rope[1][start:start + T]
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.extend(k, v, start)
         k, v = self._repeat_kv(k, v)
-        y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout_p if self.training else 0.0, is_causal=True
-        )
+        dropout_p = self.dropout_p if self.training else 0.0
+        if start == 0:  # the whole sequence (training, or a prefill into the empty cache): plain causal attention
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+        else:  # after cached tokens: query i (at position start + i) sees keys 0 .. start + i
+            mask = None if T == 1 else torch.ones(T, start + T, dtype=torch.bool, device=x.device).tril(start)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
         y = y.transpose(1, 2).reshape(B, T, C)
-        return self.resid_dropout(self.proj(y))
+        y = self.proj(y)
+        # Dropout is the identity in eval mode: its module call is skipped there (generation makes ~10
+        # of them a token, a few percent of a small model's token on CPU).
+        return self.resid_dropout(y) if self.training else y
 
     def _heads(self, qkv: torch.Tensor, B: int, T: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The fused projection's output (B, T, [q | k | v]) as q (B, n_head, T, head_dim) and k, v
         (B, n_kv_head, T, head_dim)."""
         if self.n_kv_head == self.n_head:
-            q, k, v = qkv.view(B, T, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4)
+            q, k, v = qkv.view(B, T, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
             return q, k, v
         kv = self.n_kv_head * self.head_dim
         q, k, v = qkv.split([qkv.shape[-1] - 2 * kv, kv, kv], dim=-1)
@@ -141,7 +191,8 @@ class MLP(nn.Module):
             h = F.silu(self.gate(x)) * self.up(x)
         else:
             h = F.gelu(self.up(x), approximate="tanh")
-        return self.dropout(self.down(h))
+        h = self.down(h)
+        return self.dropout(h) if self.training else h  # the identity in eval mode (see CausalSelfAttention)
 
 
 class Block(nn.Module):
@@ -155,12 +206,11 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
                 cache: LayerCache | None = None, start: int = 0) -> torch.Tensor:
-        if cache is not None:  # GPT.decode of a model with hooks (FSDP gathers the block's parameters in them)
-            return decode_block(BlockWeights.of(self), x, rope, cache, start)
+        """x (B, T, C) at positions start..; `cache` and `start` as CausalSelfAttention.forward's."""
         if self.pre_norm:
-            x = x + self.attn(self.norm1(x), rope)
+            x = x + self.attn(self.norm1(x), rope, cache, start)
             return x + self.mlp(self.norm2(x))
-        x = self.norm1(x + self.attn(x, rope))
+        x = self.norm1(x + self.attn(x, rope, cache, start))
         return self.norm2(x + self.mlp(x))
 
 
@@ -217,212 +267,54 @@ class GPT(nn.Module):
                 nn.init.normal_(self.lm_head.weight, mean=0.0, std=1e-4)
 
     def forward(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        """Token ids (B, T) -> logits (B, T, vocab). With `cache`: see `decode` (this is its path for
-        a model with hooks, run by the module call: the model's tensors are read now, after them)."""
+        """Token ids (B, T) -> logits (B, T, vocab).
+
+        With `cache` (generation; see `new_cache`): idx follows the `cache.length` tokens the cache
+        holds (none: a prefill), its keys and values join the cache and its positions continue from
+        cache.length; the logits are those of the last position only, (B, 1, vocab): a token is
+        sampled from them, and a prefill needs none for the prompt's own tokens. They are the
+        forward's over the whole sequence (to float rounding). Dropout follows the model's mode, as
+        always: generate in eval mode, without autograd (llmtrain/generation.py)."""
+        x = self._residual_stream(idx, cache)
         if cache is not None:
-            return run_decode(DecodePlan.of(self, read_blocks=False), idx, cache)
-        return self.lm_head(self.hidden_states(idx))
+            x = x[:, -1:]
+        return self.lm_head(self.norm_f(x))
 
     def hidden_states(self, idx: torch.Tensor) -> torch.Tensor:
         """Token ids (B, T) -> the final hidden states (B, T, n_embd), normed: the head's input.
         Evaluation applies the head only where it scores a token (llmtrain/evaluation/scoring.py)."""
+        return self.norm_f(self._residual_stream(idx, None))
+
+    def _residual_stream(self, idx: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
+        """The last block's output (B, T, n_embd) for token ids (B, T) at positions start.. (the
+        cache's length; 0 without one)."""
         T = idx.shape[1]
-        if T > self.cfg.block_size:
+        start = 0 if cache is None else cache.length
+        if cache is None and T > self.cfg.block_size:
             raise ValueError(f"sequence length {T} exceeds the model's context {self.cfg.block_size}")
+        if cache is not None and start + T > cache.capacity:
+            raise ValueError(f"{start} cached + {T} new tokens exceed the cache's {cache.capacity}; reset it first")
         x = self.wte(idx)
         if self.wpe is not None:
-            x = x + self.wpe(torch.arange(T, device=idx.device))
-        x = self.drop(x)
+            x = x + self.wpe(torch.arange(start, start + T, device=idx.device))
+        if self.training:  # the identity in eval mode (see CausalSelfAttention.forward)
+            x = self.drop(x)
         rope = (self.rope_cos, self.rope_sin) if self.rope_cos is not None else None
+        if cache is not None:
+            for block, layer in zip(self.blocks, cache.layers, strict=True):
+                x = block(x, rope, layer, start)
+            cache.length = start + T
+            return x
         for block in self.blocks:
             if self.cfg.activation_checkpointing and self.training:
                 x = checkpoint(block, x, rope, use_reentrant=False)
             else:
                 x = block(x, rope)
-        return self.norm_f(x)
+        return x
 
     def new_cache(self, capacity: int | None = None) -> KVCache:
-        """An empty KV cache for `decode`, holding up to `capacity` tokens (default and most: the context)."""
+        """An empty KV cache for `forward`, holding up to `capacity` tokens (default and most: the context)."""
         return KVCache(self.cfg.n_layer, min(capacity or self.cfg.block_size, self.cfg.block_size))
-
-    def decode(self, idx: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """Generation: token ids (B, T) that follow the `cache.length` tokens the cache holds (none:
-        a prefill) -> the logits (B, vocab) of the token after them. Their keys and values join the
-        cache; positions continue from cache.length. The logits are forward's over the whole
-        sequence (to float rounding), without dropout. Call it under torch.no_grad/inference_mode.
-
-        Without hooks on the model and its blocks, the first decode of a cache reads the model's
-        tensors (`DecodePlan`) and every step runs on them directly; with hooks (FSDP gathers a
-        sharded model's parameters in them) every step goes through the module calls, as forward."""
-        if not cache.planned:
-            cache.plan = DecodePlan.of(self, read_blocks=True) if _without_hooks(self) else None
-            cache.planned = True
-        if cache.plan is not None:
-            return run_decode(cache.plan, idx, cache)
-        return self(idx, cache=cache)
-
-
-# ---- generation: the KV cache and the per-token path ---------------------------------------------------
-
-
-class LayerCache:
-    """One layer's keys and values (B, kv heads, capacity, head_dim), filled from position 0; the
-    buffers are allocated on the first write, in the dtype the keys come in (autocast: bf16)."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.keys: torch.Tensor | None = None
-        self.values: torch.Tensor | None = None
-
-    def extend(self, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k and v at positions start.. and return the keys and values of every position so far."""
-        end = start + k.shape[2]
-        # (re)allocated at a prefill only: a step never changes batch, heads or dtype
-        if start == 0 and (self.keys is None or self.keys.shape[:2] != k.shape[:2] or self.keys.dtype != k.dtype):
-            shape = (*k.shape[:2], self.capacity, k.shape[3])
-            self.keys = k.new_empty(shape)
-            self.values = v.new_empty(shape)
-        assert self.keys is not None and self.values is not None, "the first write is a prefill (start 0)"
-        self.keys[:, :, start:end] = k
-        self.values[:, :, start:end] = v
-        return self.keys[:, :, :end], self.values[:, :, :end]
-
-
-class KVCache:
-    """Keys and values of the tokens a model has read so far, per layer, for generating one token at
-    a time (`GPT.decode`): each step computes the new token's keys and values only, instead of the
-    whole window's again. `length` tokens are held, at positions 0 .. length - 1; at most `capacity`
-    of them (positions past the model's context were never trained). `reset` empties it. A cache
-    serves one generation: its first decode reads the model's tensors, which later decodes reuse."""
-
-    def __init__(self, n_layer: int, capacity: int) -> None:
-        if capacity < 1:
-            raise ValueError(f"a KV cache holds at least 1 token, not {capacity}")
-        self.capacity = capacity
-        self.length = 0
-        self.layers = [LayerCache(capacity) for _ in range(n_layer)]
-        # the model's tensors, read by the first GPT.decode (None: it has hooks, and is called as a module)
-        self.plan: DecodePlan | None = None
-        self.planned = False
-
-    def reset(self) -> None:
-        self.length = 0  # the buffers stay allocated: the next prefill overwrites them
-
-
-class DecodePlan(NamedTuple):
-    """What one decode step reads of a model: its tensors (bound into functions), or for a model
-    with hooks its blocks themselves (called as modules, so that their hooks run)."""
-
-    wte: torch.Tensor
-    wpe: torch.Tensor | None  # learned positions
-    rope: tuple[torch.Tensor, torch.Tensor] | None
-    blocks: list[Callable[..., torch.Tensor]]  # each (x, rope, layer cache, start) -> x
-    norm_f: Callable[[torch.Tensor], torch.Tensor]
-    head: torch.Tensor
-
-    @classmethod
-    def of(cls, model: GPT, read_blocks: bool) -> DecodePlan:
-        blocks = ([partial(decode_block, BlockWeights.of(block)) for block in model.blocks] if read_blocks
-                  else list(model.blocks))
-        rope = (model.rope_cos, model.rope_sin) if model.rope_cos is not None else None
-        wpe = model.wpe.weight if model.wpe is not None else None
-        return cls(model.wte.weight, wpe, rope, blocks, _norm_function(model.norm_f), model.lm_head.weight)
-
-
-def run_decode(plan: DecodePlan, idx: torch.Tensor, cache: KVCache) -> torch.Tensor:
-    """GPT.decode's step: idx (B, T) at positions cache.length.. -> the logits (B, vocab) after it."""
-    T, start = idx.shape[1], cache.length
-    if start + T > cache.capacity:
-        raise ValueError(f"{start} cached + {T} new tokens exceed the cache's {cache.capacity}; reset it first")
-    x = F.embedding(idx, plan.wte)
-    if plan.wpe is not None:
-        x = x + plan.wpe[start:start + T]
-    for block, layer in zip(plan.blocks, cache.layers, strict=True):
-        x = block(x, plan.rope, layer, start)
-    cache.length = start + T
-    # the head on the last position only: a prefill needs no logits for the prompt's own tokens
-    return F.linear(plan.norm_f(x[:, -1]), plan.head)
-
-
-class BlockWeights(NamedTuple):
-    """One block's tensors (and its attention module, for the head layout) as generation reads
-    them: looked up once per cache, where going through the modules at every token would cost as
-    much as the arithmetic of a small model (~30 attribute lookups and module calls per block)."""
-
-    attn: CausalSelfAttention
-    pre_norm: bool
-    norm1: Callable[[torch.Tensor], torch.Tensor]
-    norm2: Callable[[torch.Tensor], torch.Tensor]
-    qkv: tuple[torch.Tensor, torch.Tensor | None]  # (weight, bias) of each linear
-    proj: tuple[torch.Tensor, torch.Tensor | None]
-    gate: tuple[torch.Tensor, torch.Tensor | None] | None  # swiglu only
-    up: tuple[torch.Tensor, torch.Tensor | None]
-    down: tuple[torch.Tensor, torch.Tensor | None]
-
-    @classmethod
-    def of(cls, block: Block) -> BlockWeights:
-        attn, mlp = block.attn, block.mlp
-        return cls(attn, block.pre_norm, _norm_function(block.norm1), _norm_function(block.norm2),
-                   _linear(attn.qkv), _linear(attn.proj), _linear(mlp.gate) if mlp.gated else None, _linear(mlp.up),
-                   _linear(mlp.down))
-
-
-def decode_block(w: BlockWeights, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, cache: LayerCache,
-                 start: int) -> torch.Tensor:
-    """Block.forward at generation, without dropout: x (B, T, C) holds the tokens at positions
-    start.., after the `start` ones whose keys and values `cache` holds."""
-    if w.pre_norm:
-        x = x + _decode_attention(w, w.norm1(x), rope, cache, start)
-        h = w.norm2(x)
-    else:
-        x = h = w.norm1(x + _decode_attention(w, x, rope, cache, start))
-    up = F.linear(h, *w.up)  # the MLP
-    h = F.silu(F.linear(h, *w.gate)) * up if w.gate is not None else F.gelu(up, approximate="tanh")
-    x = x + F.linear(h, *w.down)
-    return x if w.pre_norm else w.norm2(x)
-
-
-def _decode_attention(w: BlockWeights, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
-                      cache: LayerCache, start: int) -> torch.Tensor:
-    """The new tokens' keys and values join the cache; each query attends to every position up to its own."""
-    B, T, C = x.shape
-    q, k, v = w.attn._heads(F.linear(x, *w.qkv), B, T)
-    if rope is not None:
-        cos, sin = rope[0][start:start + T], rope[1][start:start + T]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    k, v = cache.extend(k, v, start)
-    if w.attn.n_kv_head != w.attn.n_head:
-        k, v = w.attn._repeat_kv(k, v)
-    if start == 0:  # a prefill into the empty cache: plain causal attention
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    else:  # after cached tokens: query i (at position start + i) sees keys 0 .. start + i
-        mask = None if T == 1 else torch.ones(T, start + T, dtype=torch.bool, device=x.device).tril(start)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    return F.linear(y.transpose(1, 2).reshape(B, T, C), *w.proj)
-
-
-def _linear(module: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
-    return module.weight, module.bias
-
-
-def _norm_function(norm: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The norm as a function of its input, its parameters bound (what its forward computes)."""
-    if isinstance(norm, nn.RMSNorm):
-        return partial(F.rms_norm, normalized_shape=norm.normalized_shape, weight=norm.weight, eps=norm.eps)
-    if isinstance(norm, nn.LayerNorm):
-        return partial(F.layer_norm, normalized_shape=norm.normalized_shape, weight=norm.weight, bias=norm.bias,
-                       eps=norm.eps)
-    return norm
-
-
-def _without_hooks(model: GPT) -> bool:
-    """No forward hooks on the model or its blocks, nor global ones: decode may skip the module
-    calls. Hooks need them (FSDP gathers sharded parameters in its hooks; a probe reads outputs)."""
-    from torch.nn.modules import module
-
-    if module._global_forward_hooks or module._global_forward_pre_hooks:
-        return False
-    return not any(m._forward_hooks or m._forward_pre_hooks for m in (model, *model.blocks))
 
 
 def param_count(model: nn.Module, exclude_positions: bool = False) -> int:

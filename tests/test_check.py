@@ -9,12 +9,13 @@ from pathlib import Path
 
 import pytest
 
-import llmtrain.preflight.check as check
 import llmtrain.preflight.facts as facts
+import llmtrain.preflight.items_model as items_model
 import llmtrain.preflight.render as render
 from llmtrain.cli.compose import compose_config
 from llmtrain.config.schema import NormPosition, OptimizerName, Precision, ResidualInit, ScheduleName
-from llmtrain.preflight.check import Status, run_check
+from llmtrain.core.findings import Status
+from llmtrain.preflight.check import run_check
 
 from .conftest import TINY_CORPUS, run_cli, tiny_config
 
@@ -106,7 +107,7 @@ def test_train_mode_check_catches_an_evaluate_that_leaves_eval_mode(tmp_path: Pa
         model.eval()
         return 0.0
 
-    monkeypatch.setattr(check, "evaluate", broken_evaluate)
+    monkeypatch.setattr(items_model, "evaluate", broken_evaluate)
     row = run_check(base(tmp_path), measure_compute=False).row("train/eval mode")
     assert row.status is Status.FAIL and "left the model in eval mode" in row.seen
 
@@ -221,7 +222,8 @@ def test_cli_check_bad_value_is_a_one_paragraph_error(tmp_path: Path) -> None:
 
 
 def test_train_refuses_a_failing_config_before_making_a_run_dir(tmp_path: Path) -> None:
-    args = ["train", "precision=fp16", "precision.loss_scaling=false", "max_steps=2", f"hydra.run.dir={tmp_path / 'run'}"]
+    args = ["train", "precision=fp16", "precision.loss_scaling=false", "max_steps=2",
+            f"hydra.run.dir={tmp_path / 'run'}"]
     proc = llmtrain(tmp_path, *args)
     assert proc.returncode == 2
     assert "pre-flight check failed" in proc.stderr and "allow_check_failures=true" in proc.stderr
@@ -259,8 +261,8 @@ def test_fixes_are_overrides_that_work(tmp_path: Path) -> None:
     assert row.status is Status.WARN and row.fix.startswith("optim.lr=")
     scaled.optim.lr = float(row.fix.removeprefix("optim.lr="))  # the suggestion is scaled x8 again ...
     assert status(scaled, "learning rate") is Status.PASS  # ... and lands inside the range
-    assert run_check(base(tmp_path, **{"schedule.warmup_steps": 0}), measure_compute=False).row("warmup").fix.startswith(
-        "schedule.warmup_steps=5")
+    no_warmup = run_check(base(tmp_path, **{"schedule.warmup_steps": 0}), measure_compute=False)
+    assert no_warmup.row("warmup").fix.startswith("schedule.warmup_steps=5")
 
 
 def test_check_refuses_a_model_vocabulary_smaller_than_the_data(tmp_path: Path) -> None:
@@ -282,7 +284,8 @@ def test_a_schedule_that_ends_before_the_run_warns_right_after_the_warmup_row(tm
     assert row.seen == "ends at step 60 of 100: the last 40 steps at the floor LR 0.0003"  # 0.1 x lr 3e-3
     assert row.fix == "schedule.total_steps=null"
     assert report.row("warmup").seen == "5 of the schedule's 60 steps (8.3%)"
-    zero = run_check(base(tmp_path, **{"schedule.total_steps": 60, "schedule.min_lr_ratio": 0.0}), measure_compute=False)
+    zero = run_check(base(tmp_path, **{"schedule.total_steps": 60, "schedule.min_lr_ratio": 0.0}),
+                     measure_compute=False)
     assert zero.row("schedule length").seen == "ends at step 60 of 100: the last 40 steps at LR 0"
 
 

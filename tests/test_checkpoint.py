@@ -11,9 +11,9 @@ import pytest
 import torch
 from rich.console import Console
 
-from llmtrain.checkpoint.format import save_checkpoint
 from llmtrain.checkpoint.layout import LATEST
 from llmtrain.checkpoint.read import find_good_checkpoint, list_checkpoints, load_checkpoint, verify
+from llmtrain.checkpoint.write import CheckpointContents, save_checkpoint
 from llmtrain.config.schema import NonFinitePolicy, SaveErrorPolicy
 from llmtrain.core.errors import CheckpointError, ConfigError, Interrupted, NonFiniteStop, RunStopped
 from llmtrain.engine.state import TrainState
@@ -78,8 +78,8 @@ def _save_two(tmp_path: Path) -> Path:
     model = GPT(tiny_config(tmp_path).model, 11)
     optimizer = torch.optim.AdamW(model.parameters())
     for step in (2, 4):
-        save_checkpoint(tmp_path, model=model, optimizer=optimizer, scaler=None, sampler_state={},
-                        state=TrainState(step=step), config={})
+        save_checkpoint(tmp_path, CheckpointContents(state=TrainState(step=step), config={}, sampler={},
+                                                     model=model.state_dict(), optimizer=optimizer.state_dict()))
     return tmp_path
 
 
@@ -133,7 +133,7 @@ def test_keep_last_and_keep_best(tmp_path: Path) -> None:
 
 
 def test_a_failed_save_warns_and_keeps_the_previous_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import llmtrain.checkpoint.format as checkpoint_module
+    import llmtrain.checkpoint.write as checkpoint_module
 
     real = checkpoint_module.write_file
     calls = {"n": 0}

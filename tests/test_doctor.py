@@ -53,7 +53,8 @@ class InputBlindGPT(GPT):
         return super().forward(torch.zeros_like(idx))
 
 
-def _bidirectional_attention(self, x: torch.Tensor, rope: object = None) -> torch.Tensor:
+def _bidirectional_attention(self, x: torch.Tensor, rope: object = None, cache: object = None,
+                             start: int = 0) -> torch.Tensor:
     B, T, C = x.shape
     q, k, v = self.qkv(x).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)
     y = F.scaled_dot_product_attention(q, k, v, is_causal=False)  # the bug: no causal mask

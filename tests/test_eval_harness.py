@@ -25,8 +25,8 @@ from llmtrain.evaluation.harness import HarnessTask, ScorerLM, check_tasks  # no
 from llmtrain.evaluation.multiple_choice import read_multiple_choice  # noqa: E402
 from llmtrain.evaluation.perplexity import read_perplexity  # noqa: E402
 from llmtrain.evaluation.scoring import Scorer  # noqa: E402
+from llmtrain.generation import generate  # noqa: E402
 from llmtrain.model import GPT  # noqa: E402
-from llmtrain.runs.sample import generate  # noqa: E402
 
 WINDOW = 32
 TOKENIZER = ByteTokenizer()

@@ -158,10 +158,12 @@ class DrawingTask:
 def test_an_evaluation_leaves_the_generators_and_the_monitor_clock_as_they_were(tmp_path: Path) -> None:
     model = GPT(ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=32), 16)
     written, paused = [], []
-    evaluator = Evaluator(INTERVAL, model, [], torch.device("cpu"), contextlib.nullcontext,
-                          Dashboard(10, Console(file=io.StringIO())), SimpleNamespace(write=written.append),
-                          TrainResult(tmp_path, 0, 0), SimpleNamespace(evaluated=lambda step, loss: None),
-                          [DrawingTask()], Scorer(model, 32), SimpleNamespace(paused=paused.append))
+    evaluator = Evaluator(eval_interval=INTERVAL, model=model, batches=[], device=torch.device("cpu"),
+                          autocast=contextlib.nullcontext, dashboard=Dashboard(10, Console(file=io.StringIO())),
+                          metrics=SimpleNamespace(write=written.append), result=TrainResult(tmp_path, 0, 0),
+                          checkpointer=SimpleNamespace(evaluated=lambda step, loss: None),
+                          monitor=SimpleNamespace(paused=paused.append), scorer=Scorer(model, 32),
+                          tasks=[DrawingTask()])
     before = torch.rand(3), random.random(), np.random.rand()
     torch.manual_seed(0), random.seed(0), np.random.seed(0)
     assert evaluator.maybe_run(INTERVAL - 1, forced=False) is False and not written

@@ -26,13 +26,14 @@ from llmtrain.data.tokenizers import (
     PretrainedTokenizer,
     gpt2_tokenizer,
 )
+from llmtrain.generation import generate
 from llmtrain.hf.export import export_hf
 from llmtrain.hf.layouts import UnsupportedModel
 from llmtrain.hf.tokenizer_files import tokenizer_files
 from llmtrain.model import GPT
 from llmtrain.runs.artifacts import load_run
 from llmtrain.runs.export import export_run
-from llmtrain.runs.sample import generate, sample_text
+from llmtrain.runs.sample import sample_text
 from llmtrain.training.loop import train
 
 from .conftest import tiny_config

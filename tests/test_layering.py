@@ -1,18 +1,22 @@
-"""The architecture, held by tests: no import cycle inside llmtrain/ (lazy imports included), the
-config package never imports torch, the CLI's entry module imports only the standard library (so
+"""The architecture, held by tests: packages import only the layers below them, in the order
+docs/architecture.md writes down, and every file that page names exists; no import cycle inside
+llmtrain/ (lazy imports included), the config package never imports torch, the CLI's entry module imports only the standard library (so
 `llmtrain --help` answers instantly), no function is over 120 lines, no module over 600, and the
 step loop `fit` is under 100 (docs/architecture.md)."""
 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[1] / "llmtrain"
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "llmtrain"
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
 MAX_FUNCTION_LINES = 120
 MAX_FIT_LINES = 100
 MAX_MODULE_LINES = 600  # a longer module usually holds several jobs
@@ -92,6 +96,48 @@ def test_no_import_cycle() -> None:
 def test_the_cycle_finder_finds_cycles() -> None:
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def documented_layers() -> list[str]:
+    """The layers as docs/architecture.md lists them under "## Layers", top first: each line of its
+    first code block starts with a package (or a top-level module) of llmtrain."""
+    section = ARCHITECTURE.read_text().split("\n## Layers\n", 1)[1]
+    block = section.split("```", 2)[1]
+    return [line.split()[0] for line in block.splitlines()[1:] if line.strip()]
+
+
+def _unit(module: str) -> str:
+    """The layer a module belongs to: its package under llmtrain, or its own name at the top."""
+    return module.split(".")[1] if module.count(".") else module
+
+
+def test_the_documented_layers_are_the_packages() -> None:
+    layers = documented_layers()
+    units = {_unit(name) for name in MODULES if name != "llmtrain"} - {"__main__"}
+    assert len(layers) == len(set(layers)), "a layer listed twice"
+    assert set(layers) == units
+
+
+def test_packages_import_only_the_layers_below_them() -> None:
+    rank = {unit: i for i, unit in enumerate(reversed(documented_layers()))}  # 0: the bottom
+    upward = []
+    for name, path in MODULES.items():
+        own = _unit(name)
+        if own not in rank:  # llmtrain/__init__.py (the version), __main__.py (runs the CLI)
+            continue
+        for imported in sorted(_imported(path)):
+            other = _unit(imported)
+            if other != own and other in rank and rank[other] > rank[own]:
+                upward.append(f"{name} imports {imported}")
+    assert upward == []
+
+
+def test_the_files_the_architecture_page_names_exist() -> None:
+    """A path in docs/architecture.md (`training/setup.py`, `tests/test_train.py`) is a file here:
+    the page and the code say the same."""
+    named = set(re.findall(r"(?<![\w./-])((?:[a-z_]+/)+[a-z_0-9]+\.py)\b", ARCHITECTURE.read_text()))
+    missing = sorted(path for path in named if not any((base / path).exists() for base in (PACKAGE, ROOT, ROOT / "tests")))
+    assert missing == []
 
 
 def _run_python(code: str) -> str:

@@ -40,7 +40,8 @@ def test_a_refused_start_prints_only_the_failing_rows(capsys: pytest.CaptureFixt
     assert f"FAIL on 1 of {len(report.rows)} items ({warned} warn, {passed} pass not shown)" in err
     for row in report.rows:
         if row.item != "mixed precision":
-            assert f"{row.item}:" not in err and row.seen not in err, f"the {row.status.value} row '{row.item}' is printed"
+            assert f"{row.item}:" not in err and row.seen not in err, \
+                f"the {row.status.value} row '{row.item}' is printed"
     assert "┃" not in err and "predicted peak" not in err  # no table, no estimate
     assert full_table_command(err) == ["llmtrain", "check", *TINY, *FAILING]  # the run dir is check's no concern
 

@@ -19,8 +19,9 @@ from llmtrain.data.cache import cached_meta
 from llmtrain.runs.records import Records, read_records
 from llmtrain.runs.report import build_report
 from llmtrain.runs.report.alarms import alarms
-from llmtrain.runs.report.learning import overfitting, smoothness
-from llmtrain.runs.report.resources import step_time
+from llmtrain.runs.report.overfitting import overfitting
+from llmtrain.runs.report.smoothness import smoothness
+from llmtrain.runs.report.step_time import step_time
 from llmtrain.runs.report.verdict import NA, OK, WARN
 
 from .conftest import TINY_CORPUS, run_cli
@@ -32,8 +33,9 @@ RUN = [
     "monitor.interval=5", "monitor.activation_interval=10", "checkpoint.every_steps=10", "threads=1",
     "report.console=full",  # the whole table: a 40-step run prints only what is not ok by default
 ]
-QUESTIONS = ["Did the model learn?", "Is the loss curve smooth?", "Does validation track training?", "Does inference behave like training?",
-             "Peak memory and headroom?", "Where does a step's time go?", "Which alarms were raised, and what was done?"]
+QUESTIONS = ["Did the model learn?", "Is the loss curve smooth?", "Does validation track training?",
+             "Does inference behave like training?", "Peak memory and headroom?", "Where does a step's time go?",
+             "Which alarms were raised, and what was done?"]
 
 
 def llmtrain(cwd: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess[str]:
@@ -181,7 +183,8 @@ def test_the_bottleneck_is_compute_and_ok_when_forward_or_backward_dominate() ->
 def test_the_bottleneck_is_named_with_advice_when_it_is_not_compute() -> None:
     timing = [{"step": s, "total_s": 1.0, "data_s": 0.6, "forward_s": 0.2, "backward_s": 0.15, "optimizer_s": 0.03,
                "other_s": 0.02} for s in (6, 11, 16)]
-    verdict = step_time(records(timing=timing, train=[{"step": 5, "tokens_per_s": 100.0}, {"step": 10, "tokens_per_s": 120.0}]))
+    verdict = step_time(records(timing=timing,
+                                train=[{"step": 5, "tokens_per_s": 100.0}, {"step": 10, "tokens_per_s": 120.0}]))
     assert verdict.status == WARN and "bottleneck: data (the model waits for batches" in verdict.finding
     assert "data 60%" in verdict.finding and "median 120 tokens/s" in verdict.finding
     none = step_time(records())
@@ -203,7 +206,8 @@ def test_a_stretch_of_slow_steps_is_reported_as_a_shared_or_stalled_machine() ->
     train = [{"step": 10 * (i + 1), "tokens_per_s": v} for i, v in enumerate(speeds)]
     verdict = step_time(records(timing=timing, train=train))
     assert verdict.status == WARN
-    assert "fell below half its median in 10 of 39 log intervals" in verdict.finding and "steps 110-200" in verdict.finding
+    assert "fell below half its median in 10 of 39 log intervals" in verdict.finding
+    assert "steps 110-200" in verdict.finding
     train[15]["tokens_per_s"] = 2200.0  # one stray slow interval is not a finding
     steady = step_time(records(timing=timing, train=[{**r, "tokens_per_s": 24000.0} for r in train[:15]] + [train[15]]
                                + [{**r, "tokens_per_s": 24000.0} for r in train[16:]]))
@@ -224,7 +228,7 @@ def test_the_inference_check_never_prepares_data_that_is_not_cached(finished: tu
 
 
 def test_ranks_sharing_a_host_count_against_its_memory_together() -> None:
-    from llmtrain.runs.report.resources import memory
+    from llmtrain.runs.report.memory import memory
 
     start = {"kind": "start", "device": "cpu", "device_memory_mb": 10000.0, "local_world_size": 4}
     verdict = memory(records(start=[start], end=[{"step": 5, "peak_rss_mb": 2200.0}]))
@@ -259,7 +263,8 @@ def test_the_header_names_the_model_the_data_and_the_overrides_with_the_banners_
 
 
 def test_a_header_says_what_a_run_did_not_record(tmp_path: Path) -> None:
-    lines = [{"kind": "start", "steps": 20, "vocab_size": 256}, *({"kind": "train", "step": s, "loss": 3.0} for s in (10, 20))]
+    lines = [{"kind": "start", "steps": 20, "vocab_size": 256},
+             *({"kind": "train", "step": s, "loss": 3.0} for s in (10, 20))]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     facts = dict(build_report(tmp_path, inference_check=False).facts)
     assert facts["model"] == ("- (config.yaml is missing or unreadable); parameter counts not recorded (a run from "

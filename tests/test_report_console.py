@@ -16,6 +16,7 @@ from llmtrain.cli.compose import compose_config, upgrade_overrides
 from llmtrain.config.hydra import config_from_dict
 from llmtrain.config.schema import Config, ReportConfig, ReportConsole, config_to_dict
 from llmtrain.core.errors import ConfigError
+from llmtrain.core.findings import Finding, Status
 from llmtrain.runs.report.render import console_mode, render_console
 from llmtrain.runs.report.verdict import FAIL, NA, OK, WARN, Report, Verdict
 
@@ -30,11 +31,12 @@ TINY = ["data=text", f"data.path={TINY_CORPUS}", "data.tokenizer=char", "model.n
         "eval_interval=0", "threads=1", "checkpoint=none"]
 
 
-def report(statuses: dict[str, str] | None = None, seconds: float | None = 12.0) -> Report:
+def report(statuses: dict[str, Status] | None = None, seconds: float | None = 12.0) -> Report:
     """A report whose verdicts are ok except `statuses` (key -> status), its finding 'finding of KEY'."""
     statuses = statuses or {}
-    verdicts = [Verdict(key, question, statuses.get(key, OK), f"finding of {key}") for key, question in QUESTIONS]
-    verdicts.append(Verdict("curves", "The health quantities over the run", WARN, "the monitor's own verdict"))
+    verdicts = [Verdict(key, Finding(question, statuses.get(key, OK), f"finding of {key}"))
+                for key, question in QUESTIONS]
+    verdicts.append(Verdict("curves", Finding("The health quantities over the run", WARN, "the monitor's own verdict")))
     run = Path("/runs/r1")
     return Report(run, "Run report: r1", [], verdicts, {}, markdown=run / "report.md", html=run / "report.html",
                   seconds=seconds)

@@ -43,7 +43,8 @@ def write_run(run_dir: Path, records: list[dict], **config: object) -> Path:
     return run_dir
 
 
-def short_run(steps: int, log_interval: int = 10, monitor_interval: int = 10, activations: tuple[int, ...] = ()) -> list[dict]:
+def short_run(steps: int, log_interval: int = 10, monitor_interval: int = 10,
+              activations: tuple[int, ...] = ()) -> list[dict]:
     """The records of a run of `steps` steps: train records every log_interval and at the end, health
     checks every monitor_interval (with activations at `activations`), one evaluation at the end."""
     records: list[dict] = [{"kind": "start", "steps": steps, "step": 0, "unigram_entropy": 3.0}]
@@ -116,8 +117,8 @@ def test_a_50_step_run_has_an_activation_curve_and_its_resume_samples_the_same_s
     train(tiny_config(run, max_steps=50, log_interval=10))
 
     def activations(run_dir: Path) -> dict[int, list[float]]:
-        return {r["step"]: r["activation_var"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
-                if r["kind"] == "health" and "activation_var" in r}
+        logged = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+        return {r["step"]: r["activation_var"] for r in logged if r["kind"] == "health" and "activation_var" in r}
 
     assert sampled_steps(run) == [10, 20, 30, 40, 50]
     assert activations(run) == activations(reference), "the same steps, the same values: sampling moved nothing"
@@ -130,8 +131,10 @@ def test_a_run_without_activation_samples_leaves_the_plot_out_and_says_why(tmp_p
     report = write_report(run, inference=False)
     folder = run / "report"
     line = ("activations.png: left out: only 1 activation sample at step 10 (the monitor samples activations every 10 "
-            "steps on a 12-step run: denser than monitor.activation_interval=20, for 5 samples; this run took 12 steps)")
-    assert report.left_out["activations.png"].startswith(line.replace("only 1 activation sample at step 10", "no activation samples"))
+            "steps on a 12-step run: denser than monitor.activation_interval=20, for 5 samples; this run took 12 "
+            "steps)")
+    assert report.left_out["activations.png"].startswith(line.replace("only 1 activation sample at step 10",
+                                                                      "no activation samples"))
     markdown, page = (run / "report.md").read_text(), (run / "report.html").read_text()
     for name in ("activations.png", "loss.png", "lr.png", "grad_norm.png", "param_norm.png", "memory.png",
                  "throughput.png"):
@@ -156,7 +159,8 @@ def test_a_plot_left_out_removes_the_png_of_an_earlier_report(tmp_path: Path) ->
     assert "activations.png" in write_report(run, inference=False).plots
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in checks if r.get("step", 0) < 20))
     again = write_report(run, inference=False)
-    assert again.left_out["activations.png"].startswith("activations.png: left out: only 1 activation sample at step 10")
+    assert again.left_out["activations.png"].startswith(
+        "activations.png: left out: only 1 activation sample at step 10")
     assert not (run / "report" / "activations.png").exists(), "the first report's plot would pass for this run's"
 
 
@@ -164,8 +168,8 @@ def test_with_the_monitor_off_the_health_plots_say_so(tmp_path: Path) -> None:
     records = [r for r in short_run(40, log_interval=5) if r["kind"] != "health"]
     run = write_run(tmp_path / "run", records, max_steps=40, log_interval=5, **{"monitor.enabled": False})
     report = write_report(run, inference=False)
-    assert report.left_out["activations.png"] == ("activations.png: left out: no activation samples: the monitor was off "
-                                                  "(monitor.enabled=false)")
+    assert report.left_out["activations.png"] == ("activations.png: left out: no activation samples: the monitor was "
+                                                  "off (monitor.enabled=false)")
     assert report.left_out["param_norm.png"].endswith("the monitor was off (monitor.enabled=false)")
     assert {"loss.png", "lr.png", "grad_norm.png", "throughput.png"} <= set(report.plots)
     assert report.left_out["step_time.png"] == (
@@ -175,8 +179,8 @@ def test_with_the_monitor_off_the_health_plots_say_so(tmp_path: Path) -> None:
 
 def test_the_task_plot_needs_three_evaluations(tmp_path: Path) -> None:
     def with_tasks(name: str, steps: list[int]) -> Path:
-        tasks = [{"kind": "eval_task", "step": s, "task": "perplexity:held.txt", "loss": 3.0 - s / 100, "perplexity": 20.0,
-                  "tokens": 100} for s in steps]
+        tasks = [{"kind": "eval_task", "step": s, "task": "perplexity:held.txt", "loss": 3.0 - s / 100,
+                  "perplexity": 20.0, "tokens": 100} for s in steps]
         ends = [{"kind": "start", "steps": 30, "step": 0}, {"kind": "train", "step": 30, "loss": 3.0}]
         return write_run(tmp_path / name, ends + tasks, max_steps=30, log_interval=5, eval_interval=10)
 
@@ -187,7 +191,8 @@ def test_the_task_plot_needs_three_evaluations(tmp_path: Path) -> None:
     assert one.left_out["eval_tasks.png"] == (
         "eval_tasks.png: left out: only 1 evaluation of the tasks (at every evaluation: every eval_interval=10 steps "
         "and at the end; this run took 30 steps): too few for a curve; eval_interval=6 gives 5")
-    assert f"*{one.left_out['eval_tasks.png']}*" in (tmp_path / "one" / "report.md").read_text().split("## Evaluation")[1]
+    evaluation_section = (tmp_path / "one" / "report.md").read_text().split("## Evaluation")[1]
+    assert f"*{one.left_out['eval_tasks.png']}*" in evaluation_section
 
 
 # ---- compare -------------------------------------------------------------------------------------------

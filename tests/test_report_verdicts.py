@@ -18,10 +18,12 @@ from rich.console import Console  # noqa: E402
 
 from llmtrain.runs.records import Records  # noqa: E402
 from llmtrain.runs.report import build_report, write_report  # noqa: E402
-from llmtrain.runs.report.alarms import alarms, health_quantities  # noqa: E402
-from llmtrain.runs.report.learning import learning, smoothness  # noqa: E402
+from llmtrain.runs.report.alarms import alarms  # noqa: E402
+from llmtrain.runs.report.health import health_quantities  # noqa: E402
+from llmtrain.runs.report.learning import learning  # noqa: E402
 from llmtrain.runs.report.plots import alarm_marks, draw_loss  # noqa: E402
 from llmtrain.runs.report.render import render_summary  # noqa: E402
+from llmtrain.runs.report.smoothness import smoothness  # noqa: E402
 from llmtrain.runs.report.verdict import FAIL, NA, OK, WARN  # noqa: E402
 
 BASELINE = 3.2492  # the default data's unigram entropy, nats/token
@@ -63,7 +65,8 @@ def test_alarms_turn_the_health_verdict_and_list_each_with_its_step_and_top_caus
     assert verdict.status == WARN
     assert verdict.finding.startswith(
         "3 alarm(s) fired: param_norm_jump at step 20 (most likely: Learning rate too high); activation_mean_drift "
-        "at steps 200, 300; 1 non-finite step(s) at step 44 (evidence and actions under the alarms question)."), verdict.finding
+        "at steps 200, 300; 1 non-finite step(s) at step 44 (evidence and actions under the alarms question)."), \
+        verdict.finding
     assert "8.2" not in verdict.finding + verdict.question
     listed = alarms(logs).details
     assert ("step 20: param_norm_jump (critical): param_norm left the band relative change <= 0.5 -> warn; most "
@@ -134,7 +137,8 @@ def test_a_healthy_run_learns_and_a_short_one_is_too_short_to_judge() -> None:
 def test_a_loss_that_trends_up_is_rising_not_a_spike() -> None:
     rising = [3.0 - 0.02 * i for i in range(10)] + [2.8 + 0.08 * i for i in range(10)]
     verdict = learning(run(rising, val=3.6), BASELINE)
-    assert verdict.status == FAIL and verdict.finding.startswith("the loss is rising: the train loss trends up, +0.7200 over steps 110-200")
+    assert verdict.status == FAIL
+    assert verdict.finding.startswith("the loss is rising: the train loss trends up, +0.7200 over steps 110-200")
     assert learning(run(rising, val=float("nan")), BASELINE).status == FAIL
 
 

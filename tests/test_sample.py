@@ -6,8 +6,8 @@ from types import SimpleNamespace
 
 import torch
 
+from llmtrain.generation import generate
 from llmtrain.model import KVCache
-from llmtrain.runs.sample import generate
 
 
 class CountingModel(torch.nn.Module):
@@ -19,18 +19,17 @@ class CountingModel(torch.nn.Module):
         self.vocab = vocab
         self.anchor = torch.nn.Parameter(torch.zeros(1))
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         logits = torch.full((*idx.shape, self.vocab), -1e9)
         logits.scatter_(2, ((idx + 1) % self.vocab).unsqueeze(-1), 0.0)
-        return logits
-
-    # generate's cache interface (GPT.new_cache / GPT.decode): no layers, only the count of tokens read
-    def new_cache(self, capacity: int) -> KVCache:
-        return KVCache(0, capacity)
-
-    def decode(self, idx: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        if cache is None:
+            return logits
+        # GPT.forward's cached call: the count of tokens read grows, the last position's logits come back
         cache.length += idx.shape[1]
-        return self(idx)[:, -1]
+        return logits[:, -1:]
+
+    def new_cache(self, capacity: int) -> KVCache:  # generate's cache: no layers, only the count of tokens read
+        return KVCache(0, capacity)
 
 
 def test_generation_ends_after_end_of_text_and_only_then() -> None:

@@ -1,4 +1,5 @@
-"""Generation through the KV cache (GPT.decode, runs/sample.py's generate) and the weights it loads.
+"""Generation through the KV cache (GPT.forward(idx, cache), llmtrain/generation.py's generate) and
+the weights it loads.
 
 Within the window the cache gives the logits and tokens of recomputing the whole sequence for every
 token (reference loops written here); past it, the cache is refilled from the last half window and
@@ -19,9 +20,9 @@ import torch
 import yaml
 
 import llmtrain.checkpoint.read as reader
-from llmtrain.checkpoint.format import save_checkpoint
 from llmtrain.checkpoint.read import read_model_weights
 from llmtrain.checkpoint.shards import hash_files, write_shards
+from llmtrain.checkpoint.write import CheckpointContents, save_checkpoint
 from llmtrain.config.schema import (
     Config,
     MlpKind,
@@ -34,14 +35,16 @@ from llmtrain.config.schema import (
 from llmtrain.core.errors import CheckpointError, UserError
 from llmtrain.data.tokenizers import ByteTokenizer, save_tokenizer
 from llmtrain.engine.state import TrainState
+from llmtrain.generation import ONE_THREAD_BELOW, _inference_mode, generate, generation_threads, stream_tokens
 from llmtrain.model import GPT, KVCache, param_count
 from llmtrain.runs.artifacts import load_run
-from llmtrain.runs.sample import ONE_THREAD_BELOW, generate, generation_threads, sample_text, stream_tokens
+from llmtrain.runs.sample import sample_text
 
 VOCAB = 50
 WINDOW = 32
 SHAPES = {
     "gpt2": {},  # learned positions, pre-LN layernorm, GELU, tied head
+    # RoPE, RMSNorm, SwiGLU, grouped-query attention (4 query heads on 2 key/value heads), as llama_tiny
     "llama": {"position": PositionEncoding.rope, "norm": NormKind.rmsnorm, "mlp": MlpKind.swiglu, "n_kv_head": 2,
               "bias": False, "tie_weights": False},
     "mqa_post_norm": {"n_kv_head": 1, "norm_position": NormPosition.post},
@@ -88,38 +91,41 @@ def reference(model: GPT, prompt: list[int], n: int, window: int, temperature: f
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-def test_decode_logits_equal_the_full_forward_at_every_position(shape: str) -> None:
+@pytest.mark.parametrize("batch", [1, 2])
+def test_cached_logits_equal_the_full_forward_at_every_position(shape: str, batch: int) -> None:
     model = make_model(shape)
-    ids = torch.randint(0, VOCAB, (1, WINDOW), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, VOCAB, (batch, WINDOW), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         full = model(ids)
         cache = model.new_cache()
-        got = [model.decode(ids[:, :5], cache)]  # prefill
-        got.append(model.decode(ids[:, 5:12], cache))  # several tokens after cached ones: the masked path
-        got += [model.decode(ids[:, t:t + 1], cache) for t in range(12, WINDOW)]
+        got = [model(ids[:, :5], cache=cache)]  # prefill
+        got.append(model(ids[:, 5:12], cache=cache))  # several tokens after cached ones: the masked path
+        got += [model(ids[:, t:t + 1], cache=cache) for t in range(12, WINDOW)]
+    assert all(g.shape == (batch, 1, VOCAB) for g in got), "the last position's logits only"
     positions = [4, 11, *range(12, WINDOW)]
     assert cache.length == WINDOW
-    assert torch.allclose(torch.stack(got, 1), full[:, positions], atol=1e-5, rtol=0)
+    assert torch.allclose(torch.cat(got, 1), full[:, positions], atol=1e-5, rtol=0)
 
 
-def test_blocks_with_hooks_are_called_and_give_the_same_logits() -> None:
-    """A block with hooks (FSDP gathers its parameters in them) goes through its module call."""
+def test_generation_runs_the_block_hooks_at_every_step_and_gives_the_same_tokens() -> None:
+    """Every step goes through the modules' calls, so hooks run (FSDP gathers a block's parameters in
+    them; a probe reads its output), outside inference mode (FSDP2 fails on inference tensors)."""
     model = make_model("llama")
-    ids = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(4))
+    prompt = [3, 1, 4, 1, 5, 9]
+    plain = generate(model, prompt, 6, temperature=0)
+    assert _inference_mode(model) is torch.inference_mode, "no hooks: generation skips the autograd bookkeeping"
+    seen: list[tuple[int, int, bool]] = []  # (start, new tokens, inference mode) of every call of block 1
 
-    def logits() -> tuple[list[torch.Tensor], KVCache]:
-        cache = model.new_cache()
-        with torch.no_grad():
-            return [model.decode(ids[:, :6], cache)] + [model.decode(ids[:, t:t + 1], cache) for t in range(6, 12)], cache
+    def hook(module: torch.nn.Module, args: tuple) -> None:
+        seen.append((args[3], args[0].shape[1], torch.is_inference_mode_enabled()))
 
-    plain, cache = logits()
-    assert cache.plan is not None, "no hooks: the blocks' tensors are read once per cache"
-    starts: list[int] = []
-    handle = model.blocks[1].register_forward_pre_hook(lambda module, args: starts.append(args[3]))
-    hooked, cache = logits()
-    handle.remove()
-    assert cache.plan is None and starts == [0, *range(6, 12)]
-    assert all(torch.allclose(a, b, atol=1e-6, rtol=0) for a, b in zip(plain, hooked, strict=True))
+    handle = model.blocks[1].register_forward_pre_hook(hook)
+    try:
+        hooked = generate(model, prompt, 6, temperature=0)
+    finally:
+        handle.remove()
+    assert hooked == plain
+    assert seen == [(0, 6, False), *((t, 1, False) for t in range(6, 11))]
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -142,13 +148,14 @@ def test_seeded_sampling_within_the_window_equals_recomputing_it() -> None:
 def test_past_the_window_the_cache_refills_from_the_last_half_window(shape: str, monkeypatch: pytest.MonkeyPatch) -> None:
     model = make_model(shape, block_size=16)
     reads: list[tuple[int, int]] = []  # (cached tokens, new tokens) of every forward
-    decode = GPT.decode
+    forward = GPT.forward
 
-    def spy(self: GPT, idx: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        reads.append((cache.length, idx.shape[1]))
-        return decode(self, idx, cache)
+    def spy(self: GPT, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        if cache is not None:  # generate's forwards (the reference below reads without a cache)
+            reads.append((cache.length, idx.shape[1]))
+        return forward(self, idx, cache)
 
-    monkeypatch.setattr(GPT, "decode", spy)
+    monkeypatch.setattr(GPT, "forward", spy)
     prompt = [1, 2, 3]
     out = generate(model, prompt, 60, temperature=0)
     assert len(out) == 60
@@ -157,6 +164,7 @@ def test_past_the_window_the_cache_refills_from_the_last_half_window(shape: str,
     refills = [new for cached, new in reads[1:] if cached == 0]
     assert len(refills) >= 5 and set(refills) == {8}
     assert out == reference(model, prompt, 60, 16)
+    assert len(reads) == 60, "the reference's forwards read no cache"
     # a window below the model's context (the run's training length) bounds the cache instead
     reads.clear()
     assert len(generate(model, prompt, 30, temperature=0, context=6)) == 30
@@ -199,9 +207,9 @@ def test_the_cache_refuses_more_tokens_than_it_holds() -> None:
     model = make_model()
     cache = model.new_cache(4)
     with torch.no_grad():
-        model.decode(torch.tensor([[1, 2, 3]]), cache)
+        model(torch.tensor([[1, 2, 3]]), cache=cache)
         with pytest.raises(ValueError, match="exceed the cache"):
-            model.decode(torch.tensor([[4, 5]]), cache)
+            model(torch.tensor([[4, 5]]), cache=cache)
     assert model.new_cache(1000).capacity == WINDOW, "never past the model's context"
 
 
@@ -223,8 +231,8 @@ def interrupted_run(tmp_path: Path) -> tuple[Path, dict[int, dict[str, torch.Ten
         torch.manual_seed(step)
         model.reset_parameters()
         saved[step] = {k: v.clone() for k, v in model.state_dict().items()}
-        save_checkpoint(run, model=model, optimizer=optimizer, scaler=None, sampler_state={},
-                        state=TrainState(step=step), config=config_to_dict(cfg))
+        save_checkpoint(run, CheckpointContents(state=TrainState(step=step), config=config_to_dict(cfg), sampler={},
+                                                model=model.state_dict(), optimizer=optimizer.state_dict()))
     return run, saved
 
 
@@ -313,7 +321,7 @@ dist.init_process_group("gloo", rank=0, world_size=1)
 from torch.distributed.fsdp import fully_shard
 from llmtrain.config.schema import ModelConfig
 from llmtrain.model import GPT
-from llmtrain.runs.sample import generate
+from llmtrain.generation import generate
 torch.manual_seed(0)
 model = GPT(ModelConfig(n_layer=2, n_head=4, n_embd=32, block_size=16), 50)
 plain = GPT(ModelConfig(n_layer=2, n_head=4, n_embd=32, block_size=16), 50)

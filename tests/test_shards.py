@@ -69,9 +69,10 @@ def _worker(rank: int, world_size: int, port: int, run_dir: str, job: str) -> No
     model_state, optimizer_state = ShardedModelState(model), ShardedOptimizerState(model, optimizer)
     warnings: list[str] = []
     policy = Checkpointer(
-        CheckpointConfig(every_steps=1, keep_last=5), Path(run_dir), SavedObjects(model_state, optimizer_state, None, _Sampler()),
-        {"model": {}}, _Records(), warnings.append,
-        RankAgreement(writer=layout.is_main, agree=lambda value: broadcast_from_main(value, layout)),
+        cfg=CheckpointConfig(every_steps=1, keep_last=5), run_dir=Path(run_dir),
+        saved=SavedObjects(model_state=model_state, optimizer_state=optimizer_state, sampler=_Sampler()),
+        config_dict={"model": {}}, metrics=_Records(), warn=warnings.append,
+        ranks=RankAgreement(writer=layout.is_main, agree=lambda value: broadcast_from_main(value, layout)),
         shard_layout=(rank, world_size),
     )
     real_write_item = dcp_files._write_item

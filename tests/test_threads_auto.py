@@ -19,6 +19,7 @@ from llmtrain.config.validate import validate
 from llmtrain.core.errors import ConfigError
 from llmtrain.distributed.cores import CoreMeter, auto_threads, parse_proc_stat, pick_threads
 from llmtrain.distributed.layout import Layout, resolve_threads
+from llmtrain.engine.precision import NumericPrecision
 from llmtrain.engine.state import TrainResult, TrainState
 from llmtrain.engine.timing import StepTimer
 from llmtrain.metrics.dashboard import Dashboard
@@ -252,9 +253,10 @@ def test_progress_feeds_the_detector_its_intervals_and_pauses() -> None:
     records: list[dict] = []
     metrics = SimpleNamespace(write=records.append)
     slowdown = SlowdownWatch(lambda message: sink.print(f"warning: {message}"), metrics, 2, BusyMeter(1.5))
-    progress = Progress(10, StepTimer(0, torch.device("cpu")), sink, metrics, TrainResult(Path("."), 0, 0), 1.0, None, None,
-                        SimpleNamespace(staged=False), StepClock(400, clock=lambda: now[0]), slowdown,
-                        clock=lambda: now[0])
+    progress = Progress(log_interval=10, timer=StepTimer(0, torch.device("cpu")), dashboard=sink, metrics=metrics,
+                        result=TrainResult(Path("."), 0, 0), flops_per_token=1.0, precision=NumericPrecision(),
+                        sampler=None, stages=SimpleNamespace(staged=False), eta=StepClock(400, clock=lambda: now[0]),
+                        slowdown=slowdown, clock=lambda: now[0])
     state = TrainState()
     progress.begin(state)
     loss = grad = torch.tensor(1.0)

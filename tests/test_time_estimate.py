@@ -14,6 +14,7 @@ import pytest
 import torch
 from rich.console import Console
 
+from llmtrain.engine.precision import NumericPrecision
 from llmtrain.engine.state import TrainResult, TrainState
 from llmtrain.engine.timing import StepTimer
 from llmtrain.metrics.dashboard import Dashboard
@@ -22,6 +23,7 @@ from llmtrain.preflight.estimate import ComputeEstimate, format_seconds
 from llmtrain.training.eta import StepClock, clock_text
 from llmtrain.training.loop import train
 from llmtrain.training.progress import Progress
+from llmtrain.training.throughput import NullSlowdownWatch
 
 from .conftest import tiny_config
 
@@ -88,9 +90,10 @@ def progress_with(clock: Clock, total: int, log_interval: int, estimate_s: float
     sink = Dashboard(total, console)
     records: list[dict] = []
     metrics = SimpleNamespace(write=records.append)
-    progress = Progress(log_interval, StepTimer(0, torch.device("cpu")), sink, metrics, TrainResult(Path("."), 0, 0),
-                        1.0, None, None, SimpleNamespace(staged=False), StepClock(total, estimate_s, clock=clock),
-                        None, clock=clock)
+    progress = Progress(log_interval=log_interval, timer=StepTimer(0, torch.device("cpu")), dashboard=sink,
+                        metrics=metrics, result=TrainResult(Path("."), 0, 0), flops_per_token=1.0,
+                        precision=NumericPrecision(), sampler=None, stages=SimpleNamespace(staged=False),
+                        eta=StepClock(total, estimate_s, clock=clock), slowdown=NullSlowdownWatch(), clock=clock)
     return progress, sink, records
 
 

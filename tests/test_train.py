@@ -13,7 +13,9 @@ import torch
 
 from llmtrain.config.schema import ModelConfig, OptimizerName
 from llmtrain.data.sampler import IGNORE_INDEX
-from llmtrain.engine.step import accumulate_gradients, evaluate, loss_sum
+from llmtrain.engine.precision import NumericPrecision
+from llmtrain.engine.step import accumulate_window, evaluate, loss_sum
+from llmtrain.engine.timing import StepTimer
 from llmtrain.model import GPT
 from llmtrain.training.loop import train
 
@@ -90,7 +92,8 @@ def test_partial_window_gradient_equals_one_big_batch() -> None:
     for split in ([6], [2, 2, 2], [1, 5]):
         model = _tiny_model()
         batches = list(zip(x.split(split), y.split(split)))
-        loss = accumulate_gradients(model, batches, torch.device("cpu"), contextlib.nullcontext)
+        cpu = torch.device("cpu")
+        loss = accumulate_window(model, batches, cpu, NumericPrecision(), StepTimer(0, cpu))
         grads.append((loss.item(), [p.grad.clone() for p in model.parameters()]))
     for loss, grad in grads[1:]:
         assert loss == pytest.approx(grads[0][0], rel=1e-6)

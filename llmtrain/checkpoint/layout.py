@@ -1,5 +1,5 @@
 """What a checkpoint is on disk: the folder names, the files, the format version, and the
-`Checkpoint` a verified one is read back as (checkpoint/read.py reads it, format.py writes it).
+`Checkpoint` a verified one is read back as (checkpoint/read.py reads it, write.py writes it).
 
 Layout of a run dir:
 
@@ -83,17 +83,18 @@ class Checkpoint:
             self.full_state = read_full(self.path / SHARDS, self.shards, self.device)
         return self.full_state
 
-    def load_into(self, model: Any, optimizer: Any) -> None:
-        """Weights and optimizer state into the run's objects: an FSDP2 model (its state objects
-        from distributed/wrapping.py) reads just its shards of a sharded checkpoint; anything else the whole."""
-
-        if self.sharded and isinstance(model, ShardedModelState) and isinstance(optimizer, ShardedOptimizerState):
+    def load_into(self, model_state: Any, optimizer_state: Any) -> None:
+        """Weights and optimizer state into the run's state views (a plain model and optimizer, or
+        distributed/wrapping.py's sharded and consolidated views): an FSDP2 run's sharded views read
+        just their shards of a sharded checkpoint; anything else reads the whole."""
+        if (self.sharded and isinstance(model_state, ShardedModelState)
+                and isinstance(optimizer_state, ShardedOptimizerState)):
             from llmtrain.checkpoint.shards import read_shards_into
 
-            read_shards_into(self.path / SHARDS, model.model, optimizer.optimizer, self.shards)
+            read_shards_into(self.path / SHARDS, model_state.model, optimizer_state.optimizer, self.shards)
             return
-        model.load_state_dict(self.model)
-        optimizer.load_state_dict(self.optimizer)
+        model_state.load_state_dict(self.model)
+        optimizer_state.load_state_dict(self.optimizer)
 
 
 def step_dir_name(step: int) -> str:

@@ -6,26 +6,26 @@ from __future__ import annotations
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from llmtrain.checkpoint.format import (
-    describe_write_error,
+from llmtrain.checkpoint.disk import describe_write_error, previous_checkpoint_bytes
+from llmtrain.checkpoint.layout import checkpoint_root, step_dir_name
+from llmtrain.checkpoint.read import list_checkpoints
+from llmtrain.checkpoint.shards import SHARDS
+from llmtrain.checkpoint.write import (
+    CheckpointContents,
+    ShardedFiles,
     newest_good_checkpoint,
-    previous_checkpoint_bytes,
     resume_point,
     save_checkpoint,
     staging_dir,
 )
-from llmtrain.checkpoint.layout import checkpoint_root, step_dir_name
-from llmtrain.checkpoint.read import list_checkpoints
-from llmtrain.checkpoint.shards import SHARDS
 from llmtrain.config.schema import CheckpointConfig, SaveErrorPolicy
 from llmtrain.core.errors import CheckpointSaveError, SaveFailed
 from llmtrain.core.files import Kind
+from llmtrain.engine.precision import NumericPrecision
 from llmtrain.engine.state import TrainState
 
 
@@ -43,30 +43,21 @@ def apply_retention(run_dir: Path, keep_last: int, keep_step: int | None = None)
     return removed
 
 
-class _Held:
-    """A state dict read already, handed on as if from its object."""
-
-    def __init__(self, state: dict) -> None:
-        self.state = state
-
-    def state_dict(self) -> dict:
-        return self.state
-
-
 def _as_is(value: Any) -> Any:
     return value
 
 
 @dataclass(frozen=True)
 class SavedObjects:
-    """What a checkpoint holds besides the TrainState, each anything with state_dict(): the model
-    and optimizer (or distributed/wrapping.py's sharded/consolidated views of them), the fp16 loss scaler, the
-    data sampler (its position), and more JSON state to keep (the health monitor's)."""
+    """What a checkpoint holds besides the TrainState, each read through its state_dict() at a save:
+    the state views of the model and the optimizer (the plain objects, or distributed/wrapping.py's
+    sharded/consolidated views of them), the precision (fp16's loss scaler), the data sampler (its
+    position), and more JSON state to keep (the run's seed, the health monitor's)."""
 
-    model: Any
-    optimizer: Any
-    scaler: torch.amp.GradScaler | None
+    model_state: Any
+    optimizer_state: Any
     sampler: Any
+    precision: NumericPrecision = field(default_factory=NumericPrecision)
     extra_state: Callable[[], dict] = dict
 
 
@@ -89,27 +80,26 @@ class Checkpointer:
     failed save does."""
 
     def __init__(
-        self, policy: CheckpointConfig, run_dir: Path, saved: SavedObjects, config_dict: dict, metrics: Any,
+        self, *, cfg: CheckpointConfig, run_dir: Path, saved: SavedObjects, config_dict: dict, metrics: Any,
         warn: Callable[[str], None], ranks: RankAgreement = RankAgreement(),
         shard_layout: tuple[int, int] | None = None, resumed_at: int | None = None,
     ) -> None:
-        # metrics: anything with write(record) (a JsonlSink).
+        # metrics: anything with write(record) (a MetricsWriter).
         self.ranks = ranks
         self.writer, self.agree = ranks.writer, ranks.agree
-        # (rank, world size): sharded files, every rank writing its own shards (model and optimizer
-        # are then distributed/wrapping.py's ShardedModelState / ShardedOptimizerState).
+        # (rank, world size): sharded files, every rank writing its own shards (the state views are
+        # then distributed/wrapping.py's ShardedModelState / ShardedOptimizerState).
         self.shard_layout = shard_layout
-        self.policy, self.run_dir = policy, run_dir
-        self.model, self.optimizer, self.scaler, self.sampler = saved.model, saved.optimizer, saved.scaler, saved.sampler
+        self.policy, self.run_dir, self.saved = cfg, run_dir, saved
         self.config_dict, self.metrics, self.warn = config_dict, metrics, warn
-        self.extra_state = saved.extra_state
         self.last_saved_step: int | None = resumed_at  # a resumed run's checkpoint is its latest save
         self.last_saved_time = time.monotonic()
         self.last_val: tuple[int, float] | None = None  # (step, val loss) of the latest evaluation
 
     def due(self, step: int) -> bool:
         by_steps = self.policy.every_steps is not None and step % self.policy.every_steps == 0
-        by_time = self.policy.every_minutes is not None and time.monotonic() - self.last_saved_time >= 60 * self.policy.every_minutes
+        by_time = (self.policy.every_minutes is not None
+                   and time.monotonic() - self.last_saved_time >= 60 * self.policy.every_minutes)
         return by_steps or by_time
 
     def decide(self, step: int, stop_requested: bool, last_step: bool) -> tuple[bool, bool]:
@@ -141,9 +131,9 @@ class Checkpointer:
                 path = self._save_sharded(state)
             else:
                 # On every rank: under ZeRO-1/FSDP2 reading the full state gathers the shards.
-                model_state, optimizer_state = self.model.state_dict(), self.optimizer.state_dict()
+                model, optimizer = self.saved.model_state.state_dict(), self.saved.optimizer_state.state_dict()
                 if self.writer:
-                    path = self._write(state, model=_Held(model_state), optimizer=_Held(optimizer_state))
+                    path = save_checkpoint(self.run_dir, self._contents(state, model=model, optimizer=optimizer))
         except CheckpointSaveError as err:
             error = str(err)
         # Rank 0's outcome decides for all: every rank then stops, warns or records the same save.
@@ -159,16 +149,18 @@ class Checkpointer:
             return None
         self.last_saved_step = state.step
         if self.writer:
-            removed = apply_retention(self.run_dir, self.policy.keep_last, state.best_step if self.policy.keep_best else None)
+            removed = apply_retention(self.run_dir, self.policy.keep_last,
+                                      state.best_step if self.policy.keep_best else None)
             self.metrics.write({"kind": Kind.CHECKPOINT, "step": state.step, "path": str(path),
                                 "seconds": time.perf_counter() - began, "removed": [p.name for p in removed]})
         return path
 
-    def _write(self, state: TrainState, **tensors: Any) -> Path:
-        return save_checkpoint(
-            self.run_dir, scaler=self.scaler, sampler_state=self.sampler.state_dict(), state=state,
-            config=self.config_dict, extra=self.extra_state(), **tensors,
-        )
+    def _contents(self, state: TrainState, **tensors: Any) -> CheckpointContents:
+        """The checkpoint of `state`: the saved objects' states now, and `tensors` (the model's and
+        optimizer's state dicts, or a sharded save's `shards`)."""
+        saved = self.saved
+        return CheckpointContents(state=state, config=self.config_dict, sampler=saved.sampler.state_dict(),
+                                  precision=saved.precision.state_dict(), extras=saved.extra_state(), **tensors)
 
     def _save_sharded(self, state: TrainState) -> Path | None:
         """Every rank writes its shards into the folder rank 0 staged, and hashes a share of the
@@ -197,7 +189,8 @@ class Checkpointer:
             return CheckpointSaveError(f"could not save the shards of checkpoint {staged}: {why}")
 
         try:
-            non_tensor = write_shards(staged / SHARDS, self.model.model, self.optimizer.optimizer)
+            non_tensor = write_shards(staged / SHARDS, self.saved.model_state.model,
+                                      self.saved.optimizer_state.optimizer)
         except (OSError, RuntimeError, CheckpointException) as err:  # DCP raises on every rank
             raise failed(err) from None
         # A rank that cannot hash its share still joins the gather (with its error), or the
@@ -212,8 +205,7 @@ class Checkpointer:
         files = dict(sorted(files.items()))
         if not self.writer:
             return None
-        return self._write(state, model=None, optimizer=None, staged=staged,
-                           shards={"files": files, "non_tensor": non_tensor})
+        return save_checkpoint(self.run_dir, self._contents(state, shards=ShardedFiles(staged, files, non_tensor)))
 
     def _shard_error(self, err: BaseException, staged: Path) -> str:
         """DCP's exception, rank by rank and without its tracebacks (its str() holds them all)."""
@@ -231,6 +223,6 @@ class Checkpointer:
         if previous is not None:
             return previous
         try:
-            return 3 * sum(p.numel() * p.element_size() for p in self.model.model.parameters())
+            return 3 * sum(p.numel() * p.element_size() for p in self.saved.model_state.model.parameters())
         except (AttributeError, RuntimeError):
             return None

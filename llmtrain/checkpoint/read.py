@@ -163,7 +163,8 @@ def damaged(path: Path, name: str, err: BaseException) -> CheckpointError:
     """A file of a checkpoint that cannot be loaded, as a CheckpointError naming it: the reason in
     a few words, never torch's advice to load it with weights_only=False."""
     text = str(err).strip()
-    detail = " ".join(line.strip() for line in text.splitlines() if line.strip() and not any(a in line for a in _ADVICE))
+    detail = " ".join(line.strip() for line in text.splitlines()
+                      if line.strip() and not any(a in line for a in _ADVICE))
     detail = detail.replace("WeightsUnpickler error:", "").strip()
     if "Weights only load failed" in text:  # weights_only met what is not a tensor or plain data
         named = re.search(r"GLOBAL (\S+)", detail)
@@ -222,7 +223,8 @@ def _trainer_state(path: Path) -> dict:
         raise CheckpointError(f"{path}: {name} cannot be read ({type(err).__name__}: {str(err)[:200]})") from None
     _expect(isinstance(trainer, dict), path, name, "a JSON object")
     if trainer.get("format") != FORMAT_VERSION:
-        raise CheckpointError(f"{path}: format {trainer.get('format')} is not {FORMAT_VERSION}, which this llmtrain reads")
+        raise CheckpointError(f"{path}: format {trainer.get('format')} is not {FORMAT_VERSION}, which this llmtrain "
+                              "reads")
     for key in ("state", "sampler", "rng", "config"):
         _expect(isinstance(trainer.get(key), dict), path, name, f"'{key}' is not an object")
     fields = {f.name for f in dataclasses.fields(TrainState)}
@@ -270,10 +272,13 @@ def load_checkpoint(path: Path, device: torch.device | str = "cpu", verify_files
     sharded = isinstance(manifest, dict) and manifest.get("layout") == "sharded"
     opt = _torch_file(path, "optimizer.pt", device)
     keys = ("shards", "scaler") if sharded else ("optimizer", "scaler")
-    _expect(isinstance(opt, dict) and all(k in opt for k in keys), path, "optimizer.pt", f"a dict of {' and '.join(keys)}")
-    _expect(opt["scaler"] is None or isinstance(opt["scaler"], dict), path, "optimizer.pt", "the loss scaler is no dict")
+    _expect(isinstance(opt, dict) and all(k in opt for k in keys), path, "optimizer.pt",
+            f"a dict of {' and '.join(keys)}")
+    _expect(opt["scaler"] is None or isinstance(opt["scaler"], dict), path, "optimizer.pt",
+            "the loss scaler is no dict")
     rng = _torch_file(path, "rng.pt", "cpu")
-    _expect(isinstance(rng, dict) and isinstance(rng.get("torch"), torch.Tensor), path, "rng.pt", "a dict of RNG tensors")
+    _expect(isinstance(rng, dict) and isinstance(rng.get("torch"), torch.Tensor), path, "rng.pt",
+            "a dict of RNG tensors")
     _check_rng(path, rng, trainer["rng"])
     try:
         if sharded:  # tensors read when asked for (each rank its shards, or whole); the metadata now

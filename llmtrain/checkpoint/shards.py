@@ -161,7 +161,8 @@ class _MetadataUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _ALLOWED_GLOBALS or (
-            module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format))
+            module == "torch"
+            and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format))
         ):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"it refers to {module}.{name}, which a checkpoint's metadata never holds")
@@ -242,7 +243,8 @@ def _is_count(value: Any) -> bool:
 
 
 def _tensor_problem(meta: Any) -> str | None:
-    size, properties, chunks = getattr(meta, "size", None), getattr(meta, "properties", None), getattr(meta, "chunks", None)
+    size, properties = getattr(meta, "size", None), getattr(meta, "properties", None)
+    chunks = getattr(meta, "chunks", None)
     if not isinstance(size, torch.Size) or not all(_is_count(n) for n in size):
         return "has no valid shape"
     if not isinstance(getattr(properties, "dtype", None), torch.dtype):
@@ -253,7 +255,8 @@ def _tensor_problem(meta: Any) -> str | None:
         offsets, lengths = getattr(chunk, "offsets", None), getattr(chunk, "sizes", None)
         if (not isinstance(offsets, torch.Size) or not isinstance(lengths, torch.Size)
                 or len(offsets) != len(size) or len(lengths) != len(size)
-                or not all(_is_count(o) and _is_count(n) and o + n <= dim for o, n, dim in zip(offsets, lengths, size))):
+                or not all(_is_count(o) and _is_count(n) and o + n <= dim
+                           for o, n, dim in zip(offsets, lengths, size))):
             return "has a piece outside its shape"
     return None
 
@@ -310,7 +313,8 @@ def _as_checkpoint_error(folder: Path) -> Iterator[None]:
     except (CheckpointException, Exception) as err:  # noqa: BLE001 - any failure of the read is a damaged shard
         if isinstance(err, CheckpointException) and err.failures:  # the ranks' own errors, not DCP's traceback text
             err = next(iter(err.failures.values()))[0]
-        raise CheckpointError(f"{folder}: its shards could not be read ({type(err).__name__}: {_first_line(err)})") from None
+        raise CheckpointError(f"{folder}: its shards could not be read "
+                              f"({type(err).__name__}: {_first_line(err)})") from None
 
 
 def _check_same_keys(folder: Path, wanted: set[str], saved: set[str]) -> None:

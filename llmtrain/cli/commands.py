@@ -29,7 +29,8 @@ def prepare_command(args: list[str]) -> None:
         "          llmtrain prepare data=jsonl data.path='dumps/*.jsonl' data.text_field=content",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("overrides", nargs="*", help="config overrides, as for `llmtrain train` (data=..., data.path=...)")
+    parser.add_argument("overrides", nargs="*",
+                        help="config overrides, as for `llmtrain train` (data=..., data.path=...)")
     parser.add_argument("--config-dir", "-cd", default=None, help="a folder of your own group options (as for train)")
     opts = parse_command_line(parser, args)
     check_config_dir(opts.config_dir)
@@ -51,7 +52,8 @@ def prepare_command(args: list[str]) -> None:
     console.print(
         (f"prepared {source} in {data.directory}" if data.built
          else f"reused the {source} prepared in {data.directory} (its inputs are unchanged)") + "\n"
-        f"  {m['documents']:,} document{'s' if m['documents'] != 1 else ''}, {m['source_bytes']:,} bytes -> {m['train_tokens']:,} train / "
+        f"  {m['documents']:,} document{'s' if m['documents'] != 1 else ''}, {m['source_bytes']:,} bytes -> "
+        f"{m['train_tokens']:,} train / "
         f"{m['val_tokens']:,} val tokens ({m['dtype']})\n"
         f"  tokenizer {m['tokenizer']}, vocabulary {m['vocab_size']:,}; unigram entropy "
         f"{m['unigram_entropy_nats']:.4f} nats/token (the loss to beat)"
@@ -81,7 +83,8 @@ def check_command(args: list[str]) -> None:
         "Exit code: 0 all items pass, 1 warnings, 2 failures (or a bad config).",
         epilog="example: llmtrain check model=gpt_small optim=adamw precision=fp16",
     )
-    parser.add_argument("overrides", nargs="*", help="config overrides, as for `llmtrain train` (GROUP=OPTION, KEY=VALUE)")
+    parser.add_argument("overrides", nargs="*",
+                        help="config overrides, as for `llmtrain train` (GROUP=OPTION, KEY=VALUE)")
     parser.add_argument("--config-dir", "-cd", default=None, help="a folder of your own group options (as for train)")
     parser.add_argument("--no-compute", action="store_true", help="skip the matmul measurement and the time estimate")
     opts = parse_command_line(parser, args)
@@ -115,7 +118,8 @@ def sample_command(args: list[str]) -> None:
     # The model's own distribution by default: a small byte-level model sampled colder (or top-k
     # truncated) falls into its most likely loop, e.g. endless runs of indentation spaces.
     parser.add_argument("--temperature", type=float, default=1.0, help="softmax temperature; 0 = greedy (default 1.0)")
-    parser.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest tokens only (default: all)")
+    parser.add_argument("--top-k", type=int, default=None,
+                        help="sample among the k likeliest tokens only (default: all)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed: same seed, same text (default 0)")
     parser.add_argument("--ignore-end-of-text", action="store_true",
                         help="keep generating past the end-of-text token (by default the text ends there: the model "
@@ -170,7 +174,8 @@ def export_command(args: list[str]) -> None:
     except UserError as err:
         fail(str(err))
     if opts.format == "llmtrain":
-        print(f"exported to {out}: model.safetensors, model_config.json, tokenizer.json (sample it: llmtrain sample {out})")
+        print(f"exported to {out}: model.safetensors, model_config.json, tokenizer.json "
+              f"(sample it: llmtrain sample {out})")
         return
     _print_hf_export(out)
 
@@ -187,7 +192,8 @@ def _print_hf_export(out: Path) -> None:
     print(f"exported to {out} as a Hugging Face {architecture}: {listing}\n"
           f"load it with transformers (no llmtrain needed):\n"
           f"  from transformers import AutoModelForCausalLM, AutoTokenizer\n"
-          f"  model = AutoModelForCausalLM.from_pretrained({where}); tokenizer = AutoTokenizer.from_pretrained({where})\n"
+          f"  model = AutoModelForCausalLM.from_pretrained({where}); "
+          f"tokenizer = AutoTokenizer.from_pretrained({where})\n"
           f"or sample it here: llmtrain sample {out}")
 
 
@@ -204,7 +210,8 @@ def compare_command(args: list[str]) -> None:
         description="Compare the runs of a sweep (`llmtrain train -m ...`): overrides, final train/val loss, best "
         "val loss and step, alarms, tokens/s, status; sorted by final val loss. Writes compare.csv and compare.png "
         "(loss curves) into the sweep dir.",
-        epilog="example: llmtrain train -m optim.lr=1e-3,3e-3,1e-2 max_steps=200 && llmtrain compare multirun/<date>/<time>",
+        epilog="example: llmtrain train -m optim.lr=1e-3,3e-3,1e-2 max_steps=200 && "
+        "llmtrain compare multirun/<date>/<time>",
     )
     parser.add_argument("sweep_dir", type=Path, help="the sweep dir (or any folder of run dirs)")
     parser.add_argument("--csv", type=Path, default=None, help="where the CSV goes (default: <sweep dir>/compare.csv)")
@@ -225,8 +232,8 @@ def compare_command(args: list[str]) -> None:
     csv_path = opts.csv or opts.sweep_dir / "compare.csv"
     png_path = opts.png or opts.sweep_dir / "compare.png"
     title = f"{len(summaries)} run{'s' if len(summaries) != 1 else ''} in {opts.sweep_dir}"
-    table = Table(title=title, caption=f"common to all: {escape(' '.join(common))}" if common else None, title_justify="left",
-                  caption_justify="left")
+    table = Table(title=title, caption=f"common to all: {escape(' '.join(common))}" if common else None,
+                  title_justify="left", caption_justify="left")
     for column in columns(summaries):
         table.add_column(column, overflow="fold")
     for row in rows(summaries, opts.sweep_dir):
@@ -297,7 +304,8 @@ def doctor_command(args: list[str]) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("experiment", choices=list(EXPERIMENTS), help="which experiment to run")
-    parser.add_argument("overrides", nargs="*", help="config overrides, as for `llmtrain train` (GROUP=OPTION, KEY=VALUE)")
+    parser.add_argument("overrides", nargs="*",
+                        help="config overrides, as for `llmtrain train` (GROUP=OPTION, KEY=VALUE)")
     parser.add_argument("--config-dir", "-cd", default=None, help="a folder of your own group options (as for train)")
     parser.add_argument("--out", type=Path, default=Path("doctor"),
                         help="where plots and results go (default: ./doctor)")

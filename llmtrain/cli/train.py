@@ -149,7 +149,8 @@ def _plan_run_dir(args: list[str], extra_dir: str | None, config_name: str | Non
     return args, checked
 
 
-def _planned_dirs(overrides: list[str], extra_dir: str | None, config_name: str | None) -> tuple[str, str, str | None] | None:
+def _planned_dirs(overrides: list[str], extra_dir: str | None,
+                  config_name: str | None) -> tuple[str, str, str | None] | None:
     """hydra.run.dir as written and as resolved, and out_dir, for this command line; None when the
     config does not compose or the name does not resolve outside a run."""
     from hydra import compose, initialize_config_dir
@@ -165,7 +166,8 @@ def _planned_dirs(overrides: list[str], extra_dir: str | None, config_name: str 
     previous = HydraConfig.instance().cfg
     try:
         with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3", job_name="train"):
-            node = compose(config_name=config_name or "config", overrides=[*search, *overrides], return_hydra_config=True)
+            node = compose(config_name=config_name or "config", overrides=[*search, *overrides],
+                           return_hydra_config=True)
         HydraConfig.instance().set_config(node)  # for a ${hydra:...} in the name
         raw = OmegaConf.to_container(node.hydra.run, resolve=False)["dir"]
         out_dir = node.get("out_dir")
@@ -214,10 +216,12 @@ def train_task(node) -> float | None:  # node: the composed OmegaConf DictConfig
         # out as a BaseException, maybe turned into another error by the code it cut), before the run
         # was accepted: no dir left behind.
         by_signal = signal_stop(stop)
-        stopped = by_signal is not None or (isinstance(stop, SystemExit) and stop.code in (EXIT_USER_ERROR, EXIT_INTERRUPTED))
+        stopped = by_signal is not None or (isinstance(stop, SystemExit)
+                                            and stop.code in (EXIT_USER_ERROR, EXIT_INTERRUPTED))
         if stopped and not (Path(run_dir) / files.CONFIG).exists():
             rundir.discard_created(run_dir)
-        if by_signal is not None and by_signal is not stop:  # the signal goes on, not Hydra's traceback of what it became
+        # the signal goes on, not Hydra's traceback of what it became
+        if by_signal is not None and by_signal is not stop:
             raise by_signal from None
         raise
     finally:
@@ -275,7 +279,8 @@ def _run_task(node, describe: Callable[[Path], None]) -> float | None:
     return result.train_losses[max(result.train_losses)] if result.train_losses else None
 
 
-def _train_on_local_ranks(cfg: Config, resume_hint: Callable[[object], str], describe: Callable[[Path], None]) -> float | None:
+def _train_on_local_ranks(cfg: Config, resume_hint: Callable[[object], str],
+                          describe: Callable[[Path], None]) -> float | None:
     """parallel.nproc=N: the ranks train (llmtrain.training.launch); this process exits with a
     failed rank's code, or reads their results, writes the review and returns the run's objective."""
     try:
@@ -296,7 +301,8 @@ def _report_after_run(cfg: Config, later: bool = False) -> None:
     report.console says. The run's own results are on disk by then: a report that fails is a
     warning, never a failed run. `later`: a run stopped on request gets a line instead, since the
     review (plots, the weights reloaded) takes as long as several steps and the user is waiting."""
-    if not cfg.report.enabled or os.environ.get("RANK", "0") != "0" or not (Path(cfg.out_dir) / files.METRICS).is_file():
+    if (not cfg.report.enabled or os.environ.get("RANK", "0") != "0"
+            or not (Path(cfg.out_dir) / files.METRICS).is_file()):
         return
     from llmtrain.core.console import default_console
 

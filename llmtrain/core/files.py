@@ -22,7 +22,9 @@ imports only the standard library, so any layer may name a file through it.
 
 from __future__ import annotations
 
+import math
 import os
+from typing import Any
 
 CONFIG = "config.yaml"
 TOKENIZER = "tokenizer.json"
@@ -77,3 +79,15 @@ class Kind:
     CHECKPOINT_ERROR = "checkpoint_error"  # a save failed (the previous checkpoints are intact)
     END = "end"  # the run's end (also on a stop or failure): peak memory
     SLOWDOWN = "slowdown"  # tokens/s collapsed mid-run (the machine became busy): the figures, warned once
+
+
+def json_safe(value: Any) -> Any:
+    """`value` as strict JSON can hold it: a NaN or infinite float (also inside lists and dicts)
+    becomes the string "nan", "inf" or "-inf", which the readers of records turn back into floats."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value

@@ -18,9 +18,11 @@ helpers, the gradient helpers and the `Check` table. This file holds `EXPERIMENT
 
 Everything reuses the train loop's building blocks (training/setup.py's runtime, data, train
 sampler and model builders, `accumulate_gradients`, `evaluate`, `build_optimizer`, `clip_gradients`,
-the autocast factory), so what is checked is the code `llmtrain train` runs, set up as it sets up. Every experiment takes an optional model factory
+the autocast factory, engine/modes.py's train/eval-mode probe), so what is checked is the code
+`llmtrain train` runs, set up as it sets up. Every experiment takes an optional model factory
 (`build_model(model_cfg, vocab_size) -> nn.Module`, default `GPT`): the tests hand in deliberately
-broken models and check that each experiment catches them.
+broken models and check that each experiment catches them. The measured comparisons are `Check`s,
+each a `Finding` (core/findings.py) printed by the shared findings table.
 
 Only the standard library and llmtrain's config are imported here: `llmtrain doctor --help` imports
 `EXPERIMENTS` and must not pay for torch. The experiment modules are imported when an experiment

@@ -7,9 +7,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,14 +16,16 @@ from typing import Any
 import torch
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
 from torch import nn
 
 from llmtrain.config.derived import model_vocab_size, seq_len_of
 from llmtrain.config.schema import Config
 from llmtrain.config.threads import parse_threads
 from llmtrain.config.validate import validate
+from llmtrain.core.atomic import write_atomically
 from llmtrain.core.errors import ConfigError, UserError
+from llmtrain.core.files import json_safe
+from llmtrain.core.findings import Column, Finding, Status, badge, render_table
 from llmtrain.data.cache import PreparedData
 from llmtrain.distributed.layout import Layout
 from llmtrain.engine.precision import resolve_precision
@@ -118,7 +119,7 @@ def fastest_threads(bench: Bench, model: nn.Module, batch: Batch, autocast: Call
 
 
 # ---------------------------------------------------------------------------------------------
-# helpers shared by the experiments: out dir, strict JSON, report, plots, eval mode
+# helpers shared by the experiments: out dir, strict JSON, report, plots
 # ---------------------------------------------------------------------------------------------
 
 
@@ -137,17 +138,9 @@ def prepare_out_dir(out_dir: Path) -> Path:
 
 def write_json(path: Path, payload: dict) -> None:
     """Strict JSON: non-finite floats (a diverged loss) become the strings "nan"/"inf"."""
-    path.write_text(json.dumps(_strict(payload), indent=2) + "\n")
+    write_atomically(path, json.dumps(json_safe(payload), indent=2) + "\n")
 
 
-def _strict(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, dict):
-        return {k: _strict(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_strict(v) for v in value]
-    return value
 
 
 def _param_count(model: nn.Module) -> int:
@@ -155,7 +148,7 @@ def _param_count(model: nn.Module) -> int:
 
 
 def _verdict(passed: bool) -> str:
-    return "[bold green]PASS[/]" if passed else "[bold red]FAIL[/]"
+    return badge(Status.of(passed))
 
 
 def _precision_name(cfg: Config, device: torch.device) -> str:
@@ -169,18 +162,6 @@ def _pyplot() -> Any:
     import matplotlib.pyplot as plt
 
     return plt
-
-
-@contextlib.contextmanager
-def eval_mode(model: nn.Module) -> Iterator[None]:
-    """Eval mode and no autograd inside; the previous mode comes back."""
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            yield
-    finally:
-        model.train(was_training)
 
 
 def _names(names: list[str], limit: int = 6) -> str:
@@ -248,30 +229,40 @@ def compare_gradients(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) ->
 
 @dataclass
 class Check:
-    """One measured comparison: its verdict, the number that decided it and the bar it had to clear."""
+    """One measured comparison: its Finding (item: the check's name; seen: the number that decided it;
+    criterion: the bar it had to clear; details: more numbers, printed under the table; fix: what a
+    failure points at, printed when it failed) and everything measured, for the JSON file."""
 
-    name: str
-    passed: bool
-    measured: str  # the deciding number(s), short: the table's column
-    tolerance: str  # the pass criterion, short
-    info: str = ""  # more numbers, printed under the table
-    hint: str = ""  # what a failure points at, printed when it failed
-    details: dict[str, Any] = field(default_factory=dict)  # everything, for the JSON file
+    finding: Finding
+    details: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.finding.item
+
+    @property
+    def passed(self) -> bool:
+        return self.finding.status is Status.PASS
+
+    def record(self) -> dict[str, Any]:
+        """The check as the experiment's JSON file keeps it."""
+        f = self.finding
+        return {"name": f.item, "passed": self.passed, "measured": f.seen, "tolerance": f.criterion,
+                "info": "; ".join(f.details), "hint": f.fix, "details": self.details}
+
+
+CHECK_COLUMNS = [Column("check", "item"), Column("result", "status"), Column("measured", "seen"),
+                 Column("pass when", "criterion")]
 
 
 def render_checks(checks: list[Check], console: Console, title: str) -> None:
-    """A table (check, verdict, the deciding number, the criterion), then one line of detail per check,
+    """A table (check, verdict, the deciding number, the criterion), then the details of each check,
     and what each failure points at."""
-    table = Table(title=f"doctor {title}")
-    table.add_column("check")
-    table.add_column("result")
-    table.add_column("measured")
-    table.add_column("pass when")
-    for check in checks:
-        table.add_row(escape(check.name), _verdict(check.passed), escape(check.measured), escape(check.tolerance))
-    console.print(table)
-    for check in checks:
-        if check.info:
-            console.print(f"  {escape(check.name)}: [dim]{escape(check.info)}[/]")
-        if not check.passed and check.hint:
-            console.print(f"  [bold red]{escape(check.name)} failed[/]: {escape(check.hint)}")
+    render_table(console, [c.finding for c in checks], CHECK_COLUMNS, f"doctor {title}", notes=True)
+
+
+def result_record(experiment: str, result: Any) -> dict[str, Any]:
+    """An experiment's result (a dataclass with `checks`) for its JSON file."""
+    record = {"experiment": experiment, **dataclasses.asdict(result)}
+    record["checks"] = [check.record() for check in result.checks]
+    return record

@@ -14,6 +14,7 @@ import torch
 from rich.console import Console
 
 from llmtrain.config.schema import Config, Precision
+from llmtrain.core.findings import Finding, Status
 from llmtrain.data.sampler import IGNORE_INDEX
 from llmtrain.doctor.bench import (
     Bench,
@@ -27,6 +28,7 @@ from llmtrain.doctor.bench import (
     make_bench,
     prepare_out_dir,
     render_checks,
+    result_record,
     write_json,
 )
 from llmtrain.engine.precision import autocast_factory, native_bf16
@@ -62,7 +64,7 @@ def run_grad_check(
     checks = [check_activation_checkpointing(bench), check_autocast(bench), *check_accumulation(bench)]
     result = GradCheckResult(all(c.passed for c in checks), checks, time.perf_counter() - start)
     render_checks(checks, console, "grad-check")
-    write_json(out_dir / "grad-check.json", {"experiment": "grad-check", **dataclasses.asdict(result)})
+    write_json(out_dir / "grad-check.json", result_record("grad-check", result))
     console.print(f"{_verdict(result.passed)}; wrote {out_dir / 'grad-check.json'} ({result.seconds:.1f}s)")
     return result
 
@@ -87,14 +89,13 @@ def check_activation_checkpointing(bench: Bench) -> Check:
             f"{saved[1] / 2**20:.1f} MiB on")
     if saved[1] >= saved[0]:  # not a wrong gradient, but the memory the user asked for is not saved
         info += " -- checkpointing saved NO memory: the model ignores model.activation_checkpointing"
-    return Check(
-        "activation checkpointing on = off", diff.finite and diff.rel_diff <= CHECKPOINT_TOL,
-        f"rel. diff {diff.rel_diff:.2e}", f"<= {CHECKPOINT_TOL:g} (fp32, same RNG)", info,
-        "the checkpointed path computes something else than the plain one: an argument not passed through "
+    return Check(Finding(
+        "activation checkpointing on = off", Status.of(diff.finite and diff.rel_diff <= CHECKPOINT_TOL),
+        f"rel. diff {diff.rel_diff:.2e}", criterion=f"<= {CHECKPOINT_TOL:g} (fp32, same RNG)", details=[info],
+        fix="the checkpointed path computes something else than the plain one: an argument not passed through "
         "checkpoint() (positions, RoPE tables, masks), a stateful forward (a counter, a cache) that changes when "
         "recomputed, or the RNG not replayed (preserve_rng_state=False with dropout)",
-        {"gradients": diff.as_dict(), "losses": losses, "saved_activation_bytes": saved},
-    )
+    ), {"gradients": diff.as_dict(), "losses": losses, "saved_activation_bytes": saved})
 
 
 @contextlib.contextmanager
@@ -131,17 +132,16 @@ def check_autocast(bench: Bench) -> Check:
     mixed = gradients(model, scale=scaler.get_scale() if scaler is not None else 1.0)
     diff = compare_gradients(mixed, reference)
     norm_diff = abs(diff.norm_ratio - 1.0)
-    return Check(
+    return Check(Finding(
         f"fp32 ~ {name.value} autocast",
-        diff.finite and diff.cosine >= AUTOCAST_MIN_COSINE and norm_diff <= AUTOCAST_MAX_NORM_DIFF,
+        Status.of(diff.finite and diff.cosine >= AUTOCAST_MIN_COSINE and norm_diff <= AUTOCAST_MAX_NORM_DIFF),
         f"cosine {diff.cosine:.5f}, norm diff {norm_diff:.2%}",
-        f"cosine >= {AUTOCAST_MIN_COSINE:g}, norm diff <= {AUTOCAST_MAX_NORM_DIFF:.0%}",
-        f"rel. diff {diff.rel_diff:.2e}, worst parameter {diff.worst_param} ({diff.worst_rel_diff:.2e})"
-        + ("" if diff.finite else "; NON-FINITE gradients under autocast"),
-        "mixed precision changes the gradients beyond rounding: a loss or softmax computed in low precision, fp16 "
+        criterion=f"cosine >= {AUTOCAST_MIN_COSINE:g}, norm diff <= {AUTOCAST_MAX_NORM_DIFF:.0%}",
+        details=[f"rel. diff {diff.rel_diff:.2e}, worst parameter {diff.worst_param} ({diff.worst_rel_diff:.2e})"
+                 + ("" if diff.finite else "; NON-FINITE gradients under autocast")],
+        fix="mixed precision changes the gradients beyond rounding: a loss or softmax computed in low precision, fp16 "
         "gradients underflowing without loss scaling, or a cast that cuts a tensor from the graph",
-        {"precision": name.value, "gradients": diff.as_dict()},
-    )
+    ), {"precision": name.value, "gradients": diff.as_dict()})
 
 
 def check_accumulation(bench: Bench) -> list[Check]:
@@ -170,15 +170,15 @@ def check_accumulation(bench: Bench) -> list[Check]:
     for label, batches in splits:
         split_loss = backward(model, batches, bench.device, label_smoothing=cfg.optim.label_smoothing)
         diff = compare_gradients(gradients(model), reference)
-        checks.append(Check(
-            f"accumulated {label} = whole batch", diff.finite and diff.rel_diff <= ACCUMULATION_TOL,
-            f"rel. diff {diff.rel_diff:.2e}", f"<= {ACCUMULATION_TOL:g} (fp32, dropout 0)",
-            f"worst parameter {diff.worst_param} ({diff.worst_rel_diff:.2e}); loss {split_loss:.6f} accumulated, "
-            f"{whole_loss:.6f} whole; {x.shape[0]} sequences, {int((y != IGNORE_INDEX).sum()):,} real target tokens",
-            "the accumulated gradient is not the big batch's: the loss is not divided by the token count of the whole "
-            "window (a mean per micro-batch, or a division by the number of micro-batches when their token counts "
-            "differ), or gradients are zeroed or clipped inside the window",
-            {"gradients": diff.as_dict(), "loss": split_loss, "whole_batch_loss": whole_loss,
-             "sequences": int(x.shape[0]), "real_tokens": int((y != IGNORE_INDEX).sum())},
-        ))
+        checks.append(Check(Finding(
+            f"accumulated {label} = whole batch", Status.of(diff.finite and diff.rel_diff <= ACCUMULATION_TOL),
+            f"rel. diff {diff.rel_diff:.2e}", criterion=f"<= {ACCUMULATION_TOL:g} (fp32, dropout 0)",
+            details=[f"worst parameter {diff.worst_param} ({diff.worst_rel_diff:.2e}); loss {split_loss:.6f} "
+                     f"accumulated, {whole_loss:.6f} whole; {x.shape[0]} sequences, "
+                     f"{int((y != IGNORE_INDEX).sum()):,} real target tokens"],
+            fix="the accumulated gradient is not the big batch's: the loss is not divided by the token count of the "
+            "whole window (a mean per micro-batch, or a division by the number of micro-batches when their token "
+            "counts differ), or gradients are zeroed or clipped inside the window",
+        ), {"gradients": diff.as_dict(), "loss": split_loss, "whole_batch_loss": whole_loss,
+            "sequences": int(x.shape[0]), "real_tokens": int((y != IGNORE_INDEX).sum())}))
     return checks

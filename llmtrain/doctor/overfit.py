@@ -28,12 +28,12 @@ from llmtrain.doctor.bench import (
     _pyplot,
     _verdict,
     backward,
-    eval_mode,
     fastest_threads,
     make_bench,
     prepare_out_dir,
     write_json,
 )
+from llmtrain.engine.modes import eval_mode, probe_modes
 from llmtrain.engine.optim import build_optimizer, grad_norm
 from llmtrain.engine.precision import autocast_factory, build_grad_scaler
 
@@ -235,7 +235,7 @@ def overfit_suspects(
     updates = probe_updates(model, optimizer, initial)
     probes["updates"] = updates
     suspects += updates["suspects"]
-    modes = probe_modes(model, x)
+    modes = probe_train_mode(model, x)
     probes["modes"] = modes
     suspects += modes["suspects"]
     if norms and norms[0] == 0.0:
@@ -321,23 +321,25 @@ def probe_updates(model: nn.Module, optimizer: torch.optim.Optimizer, initial: d
     return {"not_in_optimizer": missing, "unchanged": unchanged, "lrs": lrs, "suspects": suspects}
 
 
-def probe_modes(model: nn.Module, x: torch.Tensor) -> dict[str, Any]:
-    """In train mode, with dropout forced to 0: every submodule in train mode, the forward deterministic."""
+def probe_train_mode(model: nn.Module, x: torch.Tensor) -> dict[str, Any]:
+    """In train mode, with dropout forced to 0 (engine/modes.py's probe): every submodule in train
+    mode, no dropout layer left on, the forward deterministic."""
     model.train()
-    stuck = [name for name, m in model.named_modules() if not m.training]
+    probe = probe_modes(model, x)
     dropouts = [name for name, m in model.named_modules() if isinstance(m, nn.Dropout) and m.p > 0]
-    with torch.no_grad():
-        random = not torch.equal(model(x), model(x))
+    random = probe.dropout_active()  # two train-mode forwards differ: with dropout 0 nothing should
     suspects = []
-    if stuck:
-        suspects.append(f"{len(stuck)} submodule(s) stay in eval mode after model.train(): {_names(stuck)}")
+    if probe.stuck_in_eval:
+        suspects.append(f"{len(probe.stuck_in_eval)} submodule(s) stay in eval mode after model.train(): "
+                        f"{_names(probe.stuck_in_eval)}")
     if dropouts:
         suspects.append(f"dropout is still on although model.dropout=0 was asked for: {_names(dropouts)} (the config "
                         "value does not reach the layers)")
     if random:
         suspects.append("the forward is random in train mode with dropout 0: noise that is not dropout, or a dropout "
                         "probability that ignores the config")
-    return {"eval_mode_submodules": stuck, "active_dropout": dropouts, "random_forward": random, "suspects": suspects}
+    return {"eval_mode_submodules": probe.stuck_in_eval, "active_dropout": dropouts, "random_forward": random,
+            "suspects": suspects}
 
 
 def batch_unigram_entropy(y: torch.Tensor) -> float:

@@ -33,7 +33,8 @@ def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
     ]
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, device_type: str, fused_ok: bool = True) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, cfg: OptimConfig, device_type: str,
+                    fused_ok: bool = True) -> torch.optim.Optimizer:
     """`fused_ok=False` (parameters sharded by FSDP2, DTensors): the foreach implementation."""
     groups = param_groups(model, cfg)
     lr = cfg.lr if cfg.lr is not None else _default_lr_for(model, cfg)

@@ -1,5 +1,6 @@
 """One optimizer step's maths: the masked loss sum, gradient accumulation over a window of
-micro-batches, clipping, the finiteness check, the update, and evaluation on fixed batches."""
+micro-batches, clipping, and evaluation on fixed batches. The finiteness check and the update are
+the precision's (engine/precision.py): under fp16 loss scaling they go through the scaler."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 from llmtrain.config.schema import OptimConfig
 from llmtrain.data.sampler import IGNORE_INDEX
 from llmtrain.engine.optim import clip_gradients
+from llmtrain.engine.precision import NumericPrecision, with_scaler
 from llmtrain.engine.timing import StepTimer
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -46,6 +48,46 @@ def deferred_gradient_sync(model: torch.nn.Module) -> Iterator[None]:
             yield
 
 
+def accumulate_window(
+    model: torch.nn.Module,
+    batches: list[Batch],
+    device: torch.device,
+    precision: NumericPrecision,
+    timer: StepTimer,
+    *,
+    label_smoothing: float = 0.0,
+    n_tokens: int | None = None,
+    world_size: int = 1,
+) -> torch.Tensor:
+    """Forward/backward over one accumulation window; returns the window's mean loss (a tensor).
+
+    The loss is summed over real tokens and divided by `n_tokens`, the window's tokens over all
+    ranks (default: this window's). Under DDP, which averages the ranks' gradients, each rank's
+    loss is also multiplied by `world_size`, and gradients are synchronized once, on the window's
+    last micro-batch (no_sync before): the result is the gradient one process would compute.
+    `precision` runs the forward in its autocast and the backward (of the scaled loss, under fp16
+    loss scaling); `timer` (on sampled steps) times the copies to the device, each forward and
+    each backward."""
+    n_tokens = max(1, n_tokens if n_tokens is not None else count_tokens(batches))
+    window_loss = torch.zeros((), device=device)
+    for i, (x, y) in enumerate(batches):
+        if device.type == "cuda":  # page-locked: the copy runs asynchronously (nanoGPT does the same)
+            x, y = x.pin_memory(), y.pin_memory()
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        timer.lap("data")
+        defer_sync = world_size > 1 and i < len(batches) - 1
+        with deferred_gradient_sync(model) if defer_sync else contextlib.nullcontext():
+            with precision.autocast():
+                loss = loss_sum(model(x), y, label_smoothing) / n_tokens
+                if world_size > 1:
+                    loss = loss * world_size
+            timer.lap("forward")
+            precision.backward(loss)
+        timer.lap("backward")
+        window_loss += loss.detach()
+    return window_loss
+
+
 def accumulate_gradients(
     model: torch.nn.Module,
     batches: list[Batch],
@@ -55,38 +97,16 @@ def accumulate_gradients(
     label_smoothing: float = 0.0,
     n_tokens: int | None = None,
     world_size: int = 1,
-    timer: StepTimer | None = None,
 ) -> torch.Tensor:
-    """Forward/backward over one accumulation window; returns the window's mean loss (a tensor).
-
-    The loss is summed over real tokens and divided by `n_tokens`, the window's tokens over all
-    ranks (default: this window's). Under DDP, which averages the ranks' gradients, each rank's
-    loss is also multiplied by `world_size`, and gradients are synchronized once, on the window's
-    last micro-batch (no_sync before): the result is the gradient one process would compute.
-    `timer` (on sampled steps) times the copies to the device, each forward and each backward."""
-    n_tokens = max(1, n_tokens if n_tokens is not None else count_tokens(batches))
-    lap = timer.lap if timer is not None else lambda phase: None
-    window_loss = torch.zeros((), device=device)
-    for i, (x, y) in enumerate(batches):
-        if device.type == "cuda":  # page-locked: the copy runs asynchronously (nanoGPT does the same)
-            x, y = x.pin_memory(), y.pin_memory()
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        lap("data")
-        defer_sync = world_size > 1 and i < len(batches) - 1
-        with deferred_gradient_sync(model) if defer_sync else contextlib.nullcontext():
-            with autocast():
-                loss = loss_sum(model(x), y, label_smoothing) / n_tokens
-                if world_size > 1:
-                    loss = loss * world_size
-            lap("forward")
-            (scaler.scale(loss) if scaler is not None else loss).backward()
-        lap("backward")
-        window_loss += loss.detach()
-    return window_loss
+    """`accumulate_window` with the precision given as an autocast factory and an optional loss
+    scaler, untimed: the form the doctor's checks call."""
+    return accumulate_window(model, batches, device, with_scaler(autocast, scaler), StepTimer(0, device),
+                             label_smoothing=label_smoothing, n_tokens=n_tokens, world_size=world_size)
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, batches: list[Batch], device: torch.device, autocast: Callable[[], ContextManager]) -> float:
+def evaluate(model: torch.nn.Module, batches: list[Batch], device: torch.device,
+             autocast: Callable[[], ContextManager]) -> float:
     """Mean loss per real token over fixed batches, in eval mode (dropout off); restores train mode."""
     model.eval()
     total = torch.zeros((), device=device, dtype=torch.float32 if device.type == "mps" else torch.float64)
@@ -97,23 +117,9 @@ def evaluate(model: torch.nn.Module, batches: list[Batch], device: torch.device,
     return total.item() / max(1, count_tokens(batches))
 
 
-def unscale_and_clip(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None,
+def unscale_and_clip(optimizer: torch.optim.Optimizer, precision: NumericPrecision,
                      params: list[torch.nn.Parameter], cfg: OptimConfig) -> torch.Tensor:
-    """The window's gradient norm, clipped as configured (a tensor: no host sync)."""
-    if scaler is not None:
-        scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
+    """The window's gradient norm, clipped as configured (a tensor: no host sync); under fp16 loss
+    scaling the true gradients are clipped, unscaled first."""
+    precision.unscale(optimizer)
     return clip_gradients(params, cfg)
-
-
-def is_finite(loss: torch.Tensor, grad_norm: torch.Tensor, scaler: torch.amp.GradScaler | None) -> bool:
-    """The step's one host sync: a NaN/Inf loss or gradient must never reach the weights.
-    (Under fp16 an inf gradient is the loss scaler's business: it skips and rescales.)"""
-    return bool(torch.isfinite(loss) if scaler is not None else torch.isfinite(loss) & torch.isfinite(grad_norm))
-
-
-def apply_update(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None) -> None:
-    if scaler is not None:
-        scaler.step(optimizer)  # skips the step if the gradients overflowed
-        scaler.update()
-    else:
-        optimizer.step()

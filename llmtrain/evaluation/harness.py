@@ -3,7 +3,7 @@ with llmtrain's model wrapped as an `lm_eval.api.model.LM`.
 
 `ScorerLM` answers the harness's three request types on a `Scorer`: loglikelihood (the pairs encoded
 as the harness's own HFLM encodes them, `encode_pair`), loglikelihood_rolling (a document's windows,
-`rolling_requests`) and generate_until (`runs/sample.generate`, greedy unless the task samples).
+`rolling_requests`) and generate_until (llmtrain/generation.py's `generate`, greedy unless the task samples).
 `HarnessTask` is a TaskSource and a Task both: the harness tokenizes its documents itself, so
 `encode` only remembers the tokenizer and `run` calls `lm_eval.simple_evaluate` on one task (or
 group). Nothing is downloaded unless the user allows it (HF_DATASETS_OFFLINE / HF_HUB_OFFLINE).
@@ -421,7 +421,7 @@ class _Adapter:
         return totals
 
     def generate_until(self, requests: list[Any]) -> list[str]:
-        """Each context's continuation (runs/sample.generate, sliding over the window), up to the
+        """Each context's continuation (generation.generate, sliding over the window), up to the
         first `until` string (cut off, as the harness expects), end-of-text or max_gen_toks."""
         model = self.scorer.model
         was_training = model.training
@@ -450,10 +450,10 @@ class _Adapter:
 
     def _generate(self, prompt: list[int], stops: list[str], max_new: int, temperature: float, top_k: int | None,
                   generator: Any) -> str:
-        """One cached generation (runs/sample.py's stream_tokens), read as it comes: the text is
+        """One cached generation (generation.py's stream_tokens), read as it comes: the text is
         checked for a stop string after 8, 16, 32, ... tokens and at the end, so a stop ends the work
         soon after it appears; the tokens are those of one `generate` call of max_new."""
-        from llmtrain.runs.sample import stream_tokens
+        from llmtrain.generation import stream_tokens
 
         ids: list[int] = []
         check_at = 8

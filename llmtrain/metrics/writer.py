@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -13,17 +12,7 @@ from typing import Any, BinaryIO
 
 from llmtrain.core.console import warn_on_stderr
 from llmtrain.core.errors import UserError
-from llmtrain.core.files import METRICS, Kind
-
-
-def _finite_or_string(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, dict):
-        return {k: _finite_or_string(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite_or_string(v) for v in value]
-    return value
+from llmtrain.core.files import METRICS, Kind, json_safe
 
 
 class JsonlSink:
@@ -38,7 +27,7 @@ class JsonlSink:
 
     def write(self, record: dict[str, Any]) -> None:
         # Strict JSON has no NaN/Infinity: write them as the strings "nan", "inf", "-inf".
-        line = (json.dumps(_finite_or_string(record), allow_nan=False) + "\n").encode()
+        line = (json.dumps(json_safe(record), allow_nan=False) + "\n").encode()
         if not self.file.closed:
             self._append(self.file, line)
             return

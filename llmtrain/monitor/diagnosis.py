@@ -21,13 +21,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from llmtrain.config.derived import init_gain, resolved_warmup_steps, sane_lr_range
 from llmtrain.config.schema import Config, NormPosition, ResidualInit
-
-if TYPE_CHECKING:  # the check imports torch; the diagnosis reads only its rows' item and fix
-    from llmtrain.preflight.check import Row
+from llmtrain.core.findings import Finding
 
 # Update-to-weight ratio ||dW|| / ||W|| per step, as evidence (the alarm bands are monitor keys):
 # measured on gpt_tiny at the default LR 3e-3 it falls from ~1.5e-2 early to ~1.5e-3 by step 300;
@@ -398,14 +396,14 @@ def diagnose(alarm: str, facts: RunFacts | None, signals: Signals) -> list[Cause
     return [cause for *_, cause in sorted(ranked, key=lambda r: (r[0], r[1]))]
 
 
-def run_facts(cfg: Config, check_rows: list[Row], *, peak_lr: float, total_steps: int, schedule_steps: int,
+def run_facts(cfg: Config, check_rows: list[Finding], *, peak_lr: float, total_steps: int, schedule_steps: int,
               schedule_floor: float, baseline: float, vocab_size: int, fp16_without_scaler: bool) -> RunFacts:
     """The configuration's side of the evidence, with the pre-flight check's fixes (`check_rows`:
     the rows of the check the run passed; their `item` and `fix`)."""
     m, o = cfg.model, cfg.optim
     low, high = sane_lr_range(o.name, m.n_embd)
     init_std = m.init_std if m.init == "normal_0.02" else math.nan
-    fixes = {row.item: row.fix for row in check_rows if getattr(row, "fix", None)}
+    fixes = {row.item: row.fix for row in check_rows if row.fix}
     return RunFacts(
         lr=peak_lr, lr_low=low, lr_high=high, optimizer=o.name.value, n_embd=m.n_embd, n_layer=m.n_layer,
         warmup_steps=resolved_warmup_steps(cfg.schedule, schedule_steps), total_steps=total_steps,

@@ -42,15 +42,15 @@ class Monitor:
     """The monitor, as the loop sees it: one call per moment of the step (before/after the forward,
     the check, after the optimizer step), plus what a checkpoint, a rollback or a stop needs."""
 
-    def __init__(self, cfg: MonitorConfig, model: torch.nn.Module, run_dir: Path, sink: Dashboard,
-                 metrics: MetricsWriter | NullMetricsWriter, total_steps: int, fp16_without_scaler: bool = False,
+    def __init__(self, cfg: MonitorConfig, model: torch.nn.Module, run_dir: Path, dashboard: Dashboard,
+                 metrics: MetricsWriter | NullMetricsWriter, total_steps: int, *, fp16_without_scaler: bool = False,
                  flops_per_token: float = 0.0, write_events: bool = True, world_size: int = 1,
                  facts: RunFacts | None = None, peak_flops: float | None = None) -> None:
         self.flops_per_token = flops_per_token
         self.world_size = world_size  # tokens/s counts all ranks; the peak is one device's
         # The MFU reference: the run's start-up measurement when given (measured once), else at the first check.
         self.peak_flops: float | None = peak_flops
-        self.cfg, self.sink, self.metrics = cfg, sink, metrics
+        self.cfg, self.dashboard, self.metrics = cfg, dashboard, metrics
         self.fp16_without_scaler = fp16_without_scaler
         # Test-only hook (faults.py): keep this many MB alive per step, a leak the monitor must see.
         self.leak_mb = faults.leak_mb_per_step()
@@ -150,18 +150,18 @@ class Monitor:
         self.interval_start = time.perf_counter()  # the peak measurement is not training time
         if not math.isfinite(grad_v):
             # fp16: the loss scaler found an overflow and skips this step; it is not the run's gradient.
-            self.sink.health({**self.last_activations, **self.record}, sorted(self.monitor.active))
+            self.dashboard.health({**self.last_activations, **self.record}, sorted(self.monitor.active))
             self.before = [p.detach().clone() for p in self.params]
             return []
         alarms = self.monitor.check(sample)
         for alarm in alarms:
             self.events.write(alarm.to_record())
             self.metrics.write(alarm.to_record())
-            self.sink.alarm(alarm)
+            self.dashboard.alarm(alarm)
         if act_mean is not None:
             self.last_activations = {"activation_mean": act_mean, "activation_var": act_var}
         # The dashboard shows the latest activation sample until the next one (every activation_every steps).
-        self.sink.health({**self.last_activations, **self.record}, sorted(self.monitor.active))
+        self.dashboard.health({**self.last_activations, **self.record}, sorted(self.monitor.active))
         self.before = [p.detach().clone() for p in self.params]  # for the update-to-parameter ratio
         return alarms
 

@@ -193,7 +193,8 @@ class MemoryEstimate:
             ("weights", self.weights), ("gradients", self.gradients), ("optimizer state", self.optimizer),
             ("autocast weight copies", self.autocast_weights), ("activations (one micro-batch)", self.activations),
             ("loss transients", self.loss_transients),
-            (f"allocator slack (x{self.allocator_slack:g} of activations)", (self.allocator_slack - 1) * self.activations),
+            (f"allocator slack (x{self.allocator_slack:g} of activations)",
+             (self.allocator_slack - 1) * self.activations),
             ("runtime (Python, torch)", self.runtime),
             ("data pages", self.data),
         ]
@@ -245,7 +246,8 @@ def estimate_memory(
         optimizer=opt, autocast_weights=autocast, activations=micro * per_sequence_act,
         loss_transients=micro * per_sequence_transient, runtime=runtime_bytes, data=data_bytes,
         accumulating=accum > 1, allocator_slack=ALLOCATOR_SLACK.get(device_type, DEFAULT_ALLOCATOR_SLACK),
-        per_sequence=per_sequence_act * ALLOCATOR_SLACK.get(device_type, DEFAULT_ALLOCATOR_SLACK) + per_sequence_transient,
+        per_sequence=(per_sequence_act * ALLOCATOR_SLACK.get(device_type, DEFAULT_ALLOCATOR_SLACK)
+                      + per_sequence_transient),
     )
     return est
 

@@ -76,7 +76,8 @@ def gather_facts(cfg: Config, measure_compute: bool = True, data_meta: dict | No
     precision = resolve_precision(cfg.precision.name, device)
     meta = data_meta if data_meta is not None else cached_meta(cfg.data)
     if meta is not None:
-        data_vocab, train_tokens, itemsize = int(meta["vocab_size"]), int(meta["train_tokens"]), 2 if meta["dtype"] == "uint16" else 4
+        data_vocab, train_tokens = int(meta["vocab_size"]), int(meta["train_tokens"])
+        itemsize = 2 if meta["dtype"] == "uint16" else 4
         note = "prepared data"
     else:
         data_vocab, train_tokens = _expected_vocab(cfg), _estimated_train_tokens(cfg)

@@ -1,6 +1,6 @@
 """The pre-flight check's output: the table of rows (`render`), a refusal's failing rows and the
-command that shows them all (`render_refusal`), and the memory and compute estimates under it
-(`estimate_summary`)."""
+command that shows them all (`render_refusal`), both through the findings renderers
+(core/findings.py), and the memory and compute estimates under the table (`estimate_summary`)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from collections.abc import Sequence
 
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
 
 from llmtrain.core.console import default_console
-from llmtrain.preflight.check import CheckReport, Status
+from llmtrain.core.findings import Column, Status, badge, render_lines, render_table
+from llmtrain.preflight.check import CheckReport
 from llmtrain.preflight.estimate import format_bytes, format_seconds
 from llmtrain.preflight.facts import TOKENS_PER_PARAM, Facts
 from llmtrain.preflight.parameters import WITHOUT_EMBEDDINGS
@@ -21,21 +21,17 @@ from llmtrain.preflight.parameters import WITHOUT_EMBEDDINGS
 # Output
 # ---------------------------------------------------------------------------------------------
 
-_STYLE = {Status.PASS: "green", Status.WARN: "yellow", Status.FAIL: "bold red"}
+COLUMNS = [Column("item", "item", {"no_wrap": True}), Column("", "status", {"no_wrap": True}),
+           Column("seen", "seen", {"ratio": 3}), Column("why it matters", "why", {"ratio": 4}),
+           Column("fix", "fix", {"ratio": 3})]
 
 
 def render(report: CheckReport, console: Console | None = None, estimates: bool = True) -> None:
     console = console or default_console()  # piped: a wide table, no padding, unwrapped lines
-    table = Table(title="llmtrain check: pre-flight checklist", title_justify="left")
-    for name, kwargs in (("item", {"no_wrap": True}), ("", {"no_wrap": True}), ("seen", {"ratio": 3}),
-                         ("why it matters", {"ratio": 4}), ("fix", {"ratio": 3})):
-        table.add_column(name, **kwargs)
-    for r in report.rows:
-        table.add_row(r.item, f"[{_STYLE[r.status]}]{r.status.value}[/]", r.seen, r.why, r.fix)
-    console.print(table)
+    render_table(console, report.rows, COLUMNS, "llmtrain check: pre-flight checklist", title_justify="left")
     if estimates:
         console.print(estimate_summary(report.facts))
-    counts = {s: sum(r.status is s for r in report.rows) for s in Status}
+    counts = {s: sum(r.status is s for r in report.rows) for s in (Status.PASS, Status.WARN, Status.FAIL)}
     console.print(f"{counts[Status.PASS]} pass, {counts[Status.WARN]} warn, {counts[Status.FAIL]} fail "
                   f"-> exit {report.exit_code}")
 
@@ -47,13 +43,9 @@ def render_refusal(report: CheckReport, console: Console, full_table: str) -> No
     failures, warnings = report.failures, report.warnings
     passed = len(report.rows) - len(failures) - len(warnings)
     hidden = ", ".join(f"{n} {label}" for n, label in ((len(warnings), "warn"), (passed, "pass")) if n)
-    console.print(f"[bold]pre-flight check[/]: [{_STYLE[Status.FAIL]}]FAIL[/] on {len(failures)} of {len(report.rows)} "
+    console.print(f"[bold]pre-flight check[/]: {badge(Status.FAIL)} on {len(failures)} of {len(report.rows)} "
                   f"items{f' ({hidden} not shown)' if hidden else ''}")
-    for r in failures:
-        console.print(f"  [{_STYLE[Status.FAIL]}]FAIL[/] [bold]{escape(r.item)}[/]: {escape(r.seen)}")
-        console.print(f"       why: {escape(r.why)}")
-        if r.fix:
-            console.print(f"       fix: {escape(r.fix)}")
+    render_lines(console, failures, reasons=True)
     console.print(f"  the full table{' (the warnings too)' if warnings else ''}, with the memory and compute estimate:")
     console.print(f"    {escape(full_table)}", highlight=False)
 
@@ -70,8 +62,8 @@ def check_command_line(overrides: Sequence[str] | None, config_dir: str | None =
 
 def estimate_summary(facts: Facts) -> str:
     mem = facts.memory
-    lines = [f"[bold]memory per process[/] ({facts.device}, {facts.precision.value}, micro-batch {mem.micro_batch_size}; "
-             f"{facts.data_note}):"]
+    lines = [f"[bold]memory per process[/] ({facts.device}, {facts.precision.value}, micro-batch "
+             f"{mem.micro_batch_size}; {facts.data_note}):"]
     lines += [f"  {name:<40} {format_bytes(value):>12}" for name, value in mem.rows() if value]
     lines.append(f"  {'predicted peak':<40} {format_bytes(mem.peak):>12}   budget {format_bytes(facts.memory_budget)} "
                  f"({facts.memory_source})")

@@ -2,56 +2,64 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from llmtrain.config.derived import SeqLenStage, describe_lr, micro_batch_size_derived, resolved_warmup_steps
 from llmtrain.config.schema import Config, ParallelMode, Precision, SeqLenKeep
 from llmtrain.engine.schedule import final_lr, held_lr_text, lr_at
+from llmtrain.engine.state import TrainState
 from llmtrain.preflight.estimate import ComputeEstimate, estimate_compute, format_seconds
-from llmtrain.training.run import Run
+from llmtrain.training.parts import Context, TrainModule
+from llmtrain.training.plan import Plan
 
 
-def print_banner(run: Run) -> None:
+def print_banner(context: Context, plan: Plan, module: TrainModule, state: TrainState) -> None:
     """The banner on the console: model, batch, stages, accumulation, steps, the estimated time,
-    optimizer, device, data, checkpoints and the pre-flight verdicts, one row each."""
-    cfg, layout, device, data, check = run.cfg, run.layout, run.device, run.data, run.check
-    optimizer, seq_len = run.optim.optimizer, run.seq_len
-    accum, total_steps, peak_lr, tokens_per_step = run.accum, run.total_steps, run.peak_lr, run.tokens_per_step
-    estimate = run_estimate(run)
+    optimizer, device, data, checkpoints and the pre-flight verdicts, one row each (`state`: the
+    step a resumed run starts at)."""
+    cfg, layout, device, data, check, runtime = (context.cfg, context.layout, context.device, context.data,
+                                                 context.check, context.runtime)
+    optimizer, seq_len, resumed = module.optimizer, plan.seq_len, context.resume_from is not None
+    accum, total_steps, peak_lr = plan.accumulation_steps, plan.total_steps, plan.effective_lr
+    estimate = run_estimate(context)
     scaled = "" if peak_lr == cfg.optim.lr else (
         f" -> {peak_lr:g} ({cfg.schedule.lr_scaling.value} scaling from batch {cfg.schedule.reference_batch_size} "
         f"to {cfg.global_batch_size})")
-    run.sink.banner(
-        f"llmtrain: {cfg.model.name} on {cfg.data.source.value} -> {run.run_dir}",
+    context.dashboard.banner(
+        f"llmtrain: {cfg.model.name} on {cfg.data.source.value} -> {context.run_dir}",
         [
             # the check's counts: the same numbers, under the same names, as `llmtrain check` and the report
             ("parameters", check.facts.parameters.text()
-                           + (f", weights from {cfg.model.init_from}" if cfg.model.init_from and not run.resume_from else "")),
-            ("batch", f"{cfg.global_batch_size} sequences x {seq_len} tokens = {tokens_per_step:,} tokens/step"),
-            *([("seq_len stages", describe_stages(run.stage_plan, accum * layout.world_size, cfg.data.seq_len_keep))]
-              if len(run.stage_plan) > 1 else []),
+                           + (f", weights from {cfg.model.init_from}" if cfg.model.init_from and not resumed else "")),
+            ("batch", f"{cfg.global_batch_size} sequences x {seq_len} tokens = {plan.tokens_per_step:,} tokens/step"),
+            *([("seq_len stages", describe_stages(plan.seq_len_stages, accum * layout.world_size,
+                                                  cfg.data.seq_len_keep))]
+              if len(plan.seq_len_stages) > 1 else []),
             ("accumulation", f"{accum} micro-batch{'es' if accum > 1 else ''} of {cfg.micro_batch_size} per process "
                              f"(world size {layout.world_size}{_engine(cfg, device) if layout.distributed else ''})"
                              f"{' (derived: micro_batch_size not set)' if micro_batch_size_derived(cfg) else ''}"),
-            ("steps", f"{total_steps:,} (warmup {resolved_warmup_steps(cfg.schedule, run.schedule_steps)}, "
-                      f"{describe_schedule(cfg, total_steps, run.schedule_steps, peak_lr)}), "
-                      f"{run.micro_total * cfg.micro_batch_size * seq_len * layout.world_size:,} tokens"),
-            *([("time", time_text(estimate, total_steps - run.state.step, total_steps))] if estimate else []),
+            ("steps", f"{total_steps:,} (warmup {resolved_warmup_steps(cfg.schedule, plan.schedule_steps)}, "
+                      f"{describe_schedule(cfg, total_steps, plan.schedule_steps, peak_lr)}), "
+                      f"{plan.total_micro_batches * cfg.micro_batch_size * seq_len * layout.world_size:,} tokens"),
+            *([("time", time_text(estimate, total_steps - state.step, total_steps))] if estimate else []),
             ("optimizer", f"{cfg.optim.name.value} lr {describe_lr(cfg)}{scaled}, {type(optimizer).__name__}"
                           f"{' (fused)' if optimizer.defaults.get('fused') else ''}"),
-            ("device", f"{device}, {run.runtime.precision.name.value}{' (auto)' if cfg.precision.name is Precision.auto else ''}, "
-                       f"{threads_text(run.runtime.threads, layout.world_size, run.runtime.threads_reason)}, "
-                       f"seed {run.runtime.seed}"
+            ("device", f"{device}, {runtime.precision.name.value}"
+                       f"{' (auto)' if cfg.precision.name is Precision.auto else ''}, "
+                       f"{threads_text(runtime.threads, layout.world_size, runtime.threads_reason)}, "
+                       f"seed {runtime.seed}"
                        f"{' (drawn)' if cfg.seed is None else ''}{', deterministic' if cfg.deterministic else ''}"),
             ("data", f"{data.meta['train_tokens']:,} train / {data.meta['val_tokens']:,} val tokens, "
-                     f"vocab {data.vocab_size}{_padded_vocab(cfg, run.vocab_size, data.vocab_size)}, "
+                     f"vocab {data.vocab_size}{_padded_vocab(cfg, plan.model_vocab_size, data.vocab_size)}, "
                      f"{cfg.data.tokenizer.value} tokens"),
             ("baseline", f"unigram entropy {data.unigram_entropy:.4f} nats/token: the loss to beat"),
-            ("checkpoints", f"every {cfg.checkpoint.every_steps or '-'} steps / {cfg.checkpoint.every_minutes or '-'} min, "
-                            f"keep {cfg.checkpoint.keep_last}{' + best' if cfg.checkpoint.keep_best else ''}"
-                            f"{', sharded files (every rank its shards)' if run.optim.sharded_files else ''}; "
+            ("checkpoints", f"every {cfg.checkpoint.every_steps or '-'} steps / {cfg.checkpoint.every_minutes or '-'} "
+                            f"min, keep {cfg.checkpoint.keep_last}{' + best' if cfg.checkpoint.keep_best else ''}"
+                            f"{', sharded files (every rank its shards)' if module.sharded_files else ''}; "
                             f"non-finite: {cfg.checkpoint.on_nonfinite.value}"
-                            + (f"; resumed at step {run.state.step}" if run.resume_from else "")),
+                            + (f"; resumed at step {state.step}" if resumed else "")),
             ("check", f"{len(check.rows) - len(check.warnings) - len(check.failures)} of {len(check.rows)} pre-flight "
                       f"items pass" + ("" if check.warnings or check.failures else " (llmtrain check)")),
             *[(f"  {row.status.value.lower()}", f"{row.item}: {row.seen}" + (f" -> {row.fix}" if row.fix else ""))
@@ -69,7 +77,8 @@ def describe_schedule(cfg: Config, total_steps: int, schedule_steps: int, peak_l
         return name
     if schedule_steps < total_steps:
         held = held_lr_text(final_lr(peak_lr, schedule_steps, cfg.schedule), peak_lr)
-        return f"{name} over {schedule_steps:,} of {total_steps:,} steps: the last {total_steps - schedule_steps:,} at {held}"
+        return (f"{name} over {schedule_steps:,} of {total_steps:,} steps: the last "
+                f"{total_steps - schedule_steps:,} at {held}")
     last_lr = lr_at(total_steps - 1, peak_lr, schedule_steps, cfg.schedule)
     return f"{name} over {schedule_steps:,} steps: the run ends at step {total_steps:,}, at LR {last_lr:.3g}"
 
@@ -81,13 +90,13 @@ def threads_text(threads: int, world_size: int, reason: str = "") -> str:
     return f"{text} ({reason})" if reason else text
 
 
-def run_estimate(run: Run) -> ComputeEstimate | None:
+def run_estimate(context: Context) -> ComputeEstimate | None:
     """The run's compute estimate per process: its FLOPs against the matmul rate measured at start-up
     (with the run's threads) times the assumed MFU; None when no rate was measured."""
-    if run.runtime.matmul_flops is None:
+    if context.runtime.matmul_flops is None:
         return None
-    return estimate_compute(run.cfg, run.check.facts.shape, run.device, run.runtime.matmul_flops,
-                            run.layout.world_size)
+    return estimate_compute(context.cfg, context.check.facts.shape, context.device, context.runtime.matmul_flops,
+                            context.layout.world_size)
 
 
 def time_text(estimate: ComputeEstimate, steps_left: int, total_steps: int) -> str:
@@ -100,7 +109,8 @@ def time_text(estimate: ComputeEstimate, steps_left: int, total_steps: int) -> s
     plural = "s" if steps_left != 1 else ""
     steps = (f"{total_steps:,} step{plural}" if steps_left == total_steps
              else f"the {steps_left:,} step{plural} left of {total_steps:,}")
-    return f"~{format_seconds(estimate.step_seconds)}/step, ~{format_seconds(estimate.step_seconds * steps_left)} for {steps} {source}"
+    return (f"~{format_seconds(estimate.step_seconds)}/step, "
+            f"~{format_seconds(estimate.step_seconds * steps_left)} for {steps} {source}")
 
 
 def _padded_vocab(cfg: Config, model_vocab: int, data_vocab: int) -> str:
@@ -118,7 +128,7 @@ def _engine(cfg: Config, device: torch.device) -> str:
     return f", {name} over {'NCCL' if device.type == 'cuda' else 'gloo'}"
 
 
-def describe_stages(stages: list[SeqLenStage], accum: int, keep: SeqLenKeep) -> str:
+def describe_stages(stages: Sequence[SeqLenStage], accum: int, keep: SeqLenKeep) -> str:
     """E.g. '256 x 32 from step 0 -> 512 x 16 from 1000; 8,192 tokens/step throughout'."""
     shown = " -> ".join(f"{s.seq_len} x {s.micro_batch_size}{' from step' if i == 0 else ' from'} {s.start_step}"
                         for i, s in enumerate(stages))

@@ -343,7 +343,8 @@ class StopRequest:
         abort_at_once(message)
 
     def _abort_text(self, name: str) -> str:
-        where = "mid-step" if self.phase is Phase.LOOP else "while setting up" if self.phase is Phase.SETUP else "at the end"
+        where = ("mid-step" if self.phase is Phase.LOOP else "while setting up" if self.phase is Phase.SETUP
+                 else "at the end")
         return (f"a second signal ({'Ctrl-C' if name == 'SIGINT' else name}): stopped at once, {where}, without "
                 "saving; the checkpoints already written are intact")
 

@@ -16,9 +16,11 @@ top to bottom:
     the `end` record (also on a stop or failure), and the final weights on their own (then the
     `end` record once more, with the peaks of that save)
 
-Each side concern is one call on the component that owns its cadence: the health watch (a
-NullMonitor when the monitor is off), the checkpoint saver, the evaluator, the stages, the progress
-log; recovery.py decides what becomes of a step that must not be applied (one Outcome).
+Each side concern is one call on the component that owns its cadence (the run's loop parts): the
+monitor (a NullMonitor when monitoring is off), the checkpointer, the evaluator, the stages, the
+progress log; the recovery (recovery.py) decides what becomes of a step that must not be applied
+(one Outcome). The precision object does what fp16's loss scaling asks of the step (scaled
+backward, unscale before clipping, the scaler's step), so the loop never asks whether there is one.
 
 One host sync per step (the finiteness check) guarantees no NaN reaches the weights; everything
 else that needs the host (loss values, grad norm) waits for the log interval.
@@ -41,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from llmtrain.checkpoint.format import save_final_weights
+from llmtrain.checkpoint.write import save_final_weights
 from llmtrain.config.schema import Config
 from llmtrain.core import files
 from llmtrain.core.errors import Interrupted, RunStopped
@@ -49,11 +51,11 @@ from llmtrain.core.files import Kind
 from llmtrain.distributed.layout import all_reduce_sum, barrier, broadcast_from_main, end_process_group, layout_from_env
 from llmtrain.engine.schedule import lr_at
 from llmtrain.engine.state import TrainResult, TrainState
-from llmtrain.engine.step import Batch, accumulate_gradients, apply_update, count_tokens, is_finite, unscale_and_clip
+from llmtrain.engine.step import Batch, accumulate_window, count_tokens, unscale_and_clip
 from llmtrain.metrics.dashboard import Dashboard
 from llmtrain.monitor.probes import cuda_memory_mb, peak_rss_mb
 from llmtrain.training.interrupts import StopRequest, signal_text
-from llmtrain.training.recovery import Decision, Outcome, act_on_alarms, handle_nonfinite
+from llmtrain.training.recovery import Decision, Outcome
 from llmtrain.training.run import Run
 from llmtrain.training.setup import build_run
 
@@ -81,92 +83,103 @@ def train(cfg: Config, console: Dashboard | None = None,
 
 def fit(run: Run) -> TrainResult:
     """Train `run` from its state's step to the last one; then the final checkpoint and weights."""
-    cfg, layout, watch, saver, progress = run.cfg, run.layout, run.watch, run.saver, run.progress
-    optimizer, scaler, timer, state = run.optim.optimizer, run.scaler, run.progress.timer, run.state
+    cfg, layout, faults, plan, module, loop = (run.context.cfg, run.context.layout, run.context.faults, run.plan,
+                                               run.module, run.loop)
+    monitor, checkpointer, progress, precision = loop.monitor, loop.checkpointer, loop.progress, module.precision
+    optimizer, timer, state = module.optimizer, progress.timer, run.state
     progress.begin(state)
     try:
         with StopRequest.shared().looping() as stop:
-            while state.step < run.total_steps:
+            while state.step < plan.total_steps:
                 step = state.step
-                run.faults.maybe_crash(layout.rank, step + 1)
-                run.stages.begin_step(step)
+                faults.maybe_crash(layout.rank, step + 1)
+                loop.stages.begin_step(step)
                 timer.start(step + 1)  # every timing_interval-th step: where its time goes, for the report
                 fetch_start = time.perf_counter()
                 window, window_tokens = next_window(run, step)
-                lr_schedule = lr_at(step, run.peak_lr, run.schedule_steps, cfg.schedule)
-                lr = lr_schedule * state.lr_scale
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
-                watch.waited_for_data(time.perf_counter() - fetch_start)
-                watch.before_forward(step + 1)
+                lr_schedule, lr = set_lr(run, step, state.lr_scale)
+                monitor.waited_for_data(time.perf_counter() - fetch_start)
+                monitor.before_forward(step + 1)
                 timer.lap("other")
 
                 loss = forward_backward(run, window, window_tokens)
-                watch.after_forward(loss)
-                grad_norm = unscale_and_clip(optimizer, scaler, run.params, cfg.optim)
-                loss, grad_norm = run.faults.poison(step + 1, loss, grad_norm)
-                finite = is_finite(loss, grad_norm, scaler)  # the step's one host sync
+                monitor.after_forward(loss)
+                grad_norm = unscale_and_clip(optimizer, precision, module.params, cfg.optim)
+                loss, grad_norm = faults.poison(step + 1, loss, grad_norm)
+                finite = precision.is_finite(loss, grad_norm)  # the step's one host sync
                 outcome = health_verdict(run, state, step + 1, finite, loss, grad_norm, lr_schedule, window_tokens)
                 timer.lap("other")
                 applied = finite and outcome.decision is Decision.APPLY
                 if applied:
-                    apply_update(optimizer, scaler)
+                    precision.step(optimizer)  # under fp16, skipped if the gradients overflowed
                     outcome.state.consecutive_skips = 0
-                watch.after_step(applied=applied)
+                monitor.after_step(applied=applied)
                 optimizer.zero_grad(set_to_none=True)
                 timer.lap("optimizer")
                 if outcome.decision is not Decision.ROLLED_BACK:  # the step counts: its data was consumed
                     outcome.state.step += 1
                     outcome.state.tokens += window_tokens
                 if not finite:  # the update was not applied: skip, roll back or stop
-                    outcome = handle_nonfinite(cfg, outcome.state, loss, grad_norm, saver, run.metrics, run.warn,
-                                               run.optim.model_state, run.optim.optimizer_state, scaler, watch)
+                    outcome = loop.recovery.on_nonfinite(outcome.state, loss, grad_norm)
                 run.state = state = outcome.state
                 if outcome.decision is Decision.ROLLED_BACK:  # the run goes on from the checkpoint's step
-                    watch.restart_interval(state.tokens)
+                    monitor.restart_interval(state.tokens)
                     progress.moved_to(state)  # the bar, and tokens/s counting from the checkpoint's tokens
                     continue
 
-                last_step = state.step == run.total_steps
+                last_step = state.step == plan.total_steps
                 progress.step_done(state, loss, grad_norm, lr, applied, last_step)
                 stop.step_finished()  # its duration: the first signal's message says how long a step takes
                 # signals and the clock differ per rank: every rank stops and saves together
-                stopping, saving = saver.decide(state.step, stop.requested(state.step), last_step)
+                stopping, saving = checkpointer.decide(state.step, stop.requested(state.step), last_step)
                 # Asked to stop: save and leave, without evaluating (as long as several steps); the
                 # resumed run evaluates on its cadence, and a checkpoint without a val loss is fine.
-                if not stopping and run.evaluator.maybe_run(state.step, forced=last_step or saving):
+                if not stopping and loop.evaluator.maybe_run(state.step, forced=last_step or saving):
                     progress.restart_clock(state.tokens)  # tokens/s measures training, not evaluation
                 if saving:
-                    path = saver.save(state)
+                    path = checkpointer.save(state)
                     progress.restart_clock()  # tokens/s measures training, not saving
                     if stopping:
-                        raise interrupted(stop, state.step, path, run.run_dir)
-        # Before the sinks close (a save records its outcome in metrics.jsonl): the final save
-        # failed in the loop, or a resumed run had no step left to take.
-        saver.save_final(state)
+                        raise interrupted(stop, state.step, path, run.context.run_dir)
+        # Before the metrics writer closes (a save records its outcome in metrics.jsonl): the final
+        # save failed in the loop, or a resumed run had no step left to take.
+        checkpointer.save_final(state)
     finally:
         # The run's peaks, also when it stops or fails: the report's memory decision reads them.
-        run.metrics.write(end_record(run.state, run.device))
-        run.sink.stop()
-        watch.close()
-        run.metrics.close()
+        loop.metrics.write(end_record(run.state, run.context.device))
+        run.context.dashboard.stop()
+        monitor.close()
+        loop.metrics.close()
     return finish(run)
+
+
+def set_lr(run: Run, step: int, lr_scale: float) -> tuple[float, float]:
+    """The LR of step `step` (0-based) as the schedule has it, and as applied: times the run's LR
+    scale (cut by rollbacks and alarms), set on every parameter group."""
+    plan = run.plan
+    lr_schedule = lr_at(step, plan.effective_lr, plan.schedule_steps, run.context.cfg.schedule)
+    lr = lr_schedule * lr_scale
+    for group in run.module.optimizer.param_groups:
+        group["lr"] = lr
+    return lr_schedule, lr
 
 
 def next_window(run: Run, step: int) -> tuple[list[Batch], int]:
     """The micro-batches of step `step` (a final window may have fewer), and their real target
     tokens over all ranks (instruction padding and prompts do not count)."""
-    window = [run.train_batches.next_batch() for _ in range(min(run.accum, run.micro_total - step * run.accum))]
-    run.progress.timer.lap("data")
-    return window, int(all_reduce_sum([count_tokens(window)], run.layout)[0])
+    plan = run.plan
+    window = [run.batches.train.next_batch()
+              for _ in range(min(plan.accumulation_steps, plan.total_micro_batches - step * plan.accumulation_steps))]
+    run.loop.progress.timer.lap("data")
+    return window, int(all_reduce_sum([count_tokens(window)], run.context.layout)[0])
 
 
 def forward_backward(run: Run, window: list[Batch], window_tokens: int) -> torch.Tensor:
     """The window's gradients accumulated; its mean loss per token, the same on every rank."""
-    layout = run.layout
-    loss = accumulate_gradients(run.model.train_model, window, run.device, run.autocast, run.scaler,
-                                run.cfg.optim.label_smoothing, n_tokens=window_tokens, world_size=layout.world_size,
-                                timer=run.progress.timer)
+    layout, module = run.context.layout, run.module
+    loss = accumulate_window(module.train_model, window, run.context.device, module.precision,
+                             run.loop.progress.timer, label_smoothing=run.context.cfg.optim.label_smoothing,
+                             n_tokens=window_tokens, world_size=layout.world_size)
     if layout.distributed:  # each rank's share -> the window's loss, the same on every rank
         torch.distributed.all_reduce(loss)
         loss /= layout.world_size
@@ -177,15 +190,14 @@ def health_verdict(run: Run, state: TrainState, step: int, finite: bool, loss: t
                    grad_norm: torch.Tensor, lr_schedule: float, window_tokens: int) -> Outcome:
     """On a check step with a finite loss and gradient: the monitor's alarms, acted on alike by
     every rank (rank 0's verdicts). APPLY on any other step: the monitor has nothing against it."""
-    watch, scaler = run.watch, run.scaler
-    if not (finite and watch.is_check(step)):
-        watch.skip_check()
+    monitor = run.loop.monitor
+    if not (finite and monitor.is_check(step)):
+        monitor.skip_check()
         return Outcome(Decision.APPLY, state)
-    alarms = watch.check(step, loss, grad_norm, run.optim.optimizer.param_groups[0]["lr"], lr_schedule,
-                         state.tokens + window_tokens, scaler.get_scale() if scaler is not None else None)
-    alarms = broadcast_from_main(alarms, run.layout)  # every rank acts on rank 0's verdicts
-    return act_on_alarms(alarms, run.cfg, state, watch, run.saver, run.warn, run.metrics, run.optim.model_state,
-                         run.optim.optimizer_state, scaler)
+    alarms = monitor.check(step, loss, grad_norm, run.module.optimizer.param_groups[0]["lr"], lr_schedule,
+                           state.tokens + window_tokens, run.module.precision.loss_scale())
+    alarms = broadcast_from_main(alarms, run.context.layout)  # every rank acts on rank 0's verdicts
+    return run.loop.recovery.on_alarms(alarms, state)
 
 
 def interrupted(stop: StopRequest, step: int, path: Path | None, run_dir: Path) -> Interrupted:
@@ -204,13 +216,14 @@ def end_record(state: TrainState, device: torch.device) -> dict:
 
 def finish(run: Run) -> TrainResult:
     """The final weights on their own (for `sample` and `export`), the peaks once more, the summary."""
-    weights = run.optim.model_state.state_dict()  # every rank: under FSDP2 this gathers the shards on rank 0
-    if run.layout.is_main:
-        save_final_weights(weights, run.run_dir, run.state.step)
+    context, loop = run.context, run.loop
+    weights = run.module.model_state.state_dict()  # every rank: under FSDP2 this gathers the shards on rank 0
+    if context.layout.is_main:
+        save_final_weights(weights, context.run_dir, run.state.step)
         # The peaks again, now that the final save and (FSDP2) the gather of the weights are done.
-        # The sinks are closed: MetricsWriter appends this record to metrics.jsonl alone (TensorBoard
+        # The metrics writer is closed: it appends this record to metrics.jsonl alone (TensorBoard
         # and W&B are finished), through a handle of its own.
-        run.metrics.write(end_record(run.state, run.device))
-    summary = run.progress.summary(run.state, run.data.unigram_entropy)
-    run.sink.print(f"{summary}. Weights: {run.run_dir / files.FINAL_WEIGHTS}")
-    return run.result
+        loop.metrics.write(end_record(run.state, context.device))
+    summary = loop.progress.summary(run.state, context.data.unigram_entropy)
+    context.dashboard.print(f"{summary}. Weights: {context.run_dir / files.FINAL_WEIGHTS}")
+    return loop.result

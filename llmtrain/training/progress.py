@@ -18,37 +18,39 @@ import torch
 
 from llmtrain.core.files import Kind
 from llmtrain.data.sampler import EpochOrder
+from llmtrain.engine.precision import NumericPrecision
 from llmtrain.engine.state import TrainResult, TrainState
 from llmtrain.engine.timing import StepTimer
 from llmtrain.metrics.dashboard import Dashboard
 from llmtrain.training.eta import StepClock
 from llmtrain.training.stages import SeqLenStages
-from llmtrain.training.throughput import SlowdownWatch
+from llmtrain.training.throughput import NullSlowdownWatch, SlowdownWatch
 
 
 class Progress:
-    def __init__(self, log_interval: int, timer: StepTimer, sink: Dashboard, metrics: Any,
-                 result: TrainResult, flops_per_token: float, scaler: torch.amp.GradScaler | None, sampler: Any,
-                 stages: SeqLenStages, eta: StepClock | None = None, slowdown: SlowdownWatch | None = None,
+    """The `train` records, the console's progress and the closing summary; `precision` for the
+    loss scale in the records, `sampler` for the epoch, `stages` for the sequence length."""
+
+    def __init__(self, *, log_interval: int, timer: StepTimer, dashboard: Dashboard, metrics: Any,
+                 result: TrainResult, flops_per_token: float, precision: NumericPrecision, sampler: Any,
+                 stages: SeqLenStages, eta: StepClock, slowdown: SlowdownWatch | NullSlowdownWatch,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.log_interval = log_interval
-        self.timer, self.sink, self.metrics, self.result = timer, sink, metrics, result
-        self.flops_per_token, self.scaler, self.sampler, self.stages = flops_per_token, scaler, sampler, stages
-        self.clock = clock
-        self.eta = eta or StepClock(sink.total_steps, clock=clock)
-        self.slowdown = slowdown
+        self.timer, self.dashboard, self.metrics, self.result = timer, dashboard, metrics, result
+        self.flops_per_token, self.precision, self.sampler, self.stages = flops_per_token, precision, sampler, stages
+        self.clock, self.eta, self.slowdown = clock, eta, slowdown
         self.start = self.last_log_time = clock()
         self.start_tokens = self.last_log_tokens = self.step_tokens = 0
         self.clean = False  # the interval since the last log line had no evaluation, save or rollback (nor the warm-up)
 
     def begin(self, state: TrainState) -> None:
         """The loop starts (from step 0, or where a resume left off): the bar and the clocks."""
-        self.sink.start()
+        self.dashboard.start()
         self.eta.begin(state.step)
-        self.sink.advance(state.step, self.eta.eta_text())
+        self.dashboard.advance(state.step, self.eta.eta_text())
         if self.eta.slow():  # predicted: say so now, before a first step that may take minutes
             per_step, _ = self.eta.per_step()
-            self.sink.print(f"[dim]steps are estimated at ~{per_step:.0f} s each: every step is logged with its "
+            self.dashboard.print(f"[dim]steps are estimated at ~{per_step:.0f} s each: every step is logged with its "
                             "time[/]", highlight=False)
         self.start = self.last_log_time = self.clock()
         self.start_tokens = self.last_log_tokens = self.step_tokens = state.tokens
@@ -67,7 +69,7 @@ class Progress:
         """After a rollback: the bar back at the checkpoint's step, and tokens/s counting from the
         checkpoint's tokens (against the count before it, the next rate came out negative)."""
         self.eta.moved_to(state.step)
-        self.sink.advance(state.step, self.eta.eta_text())
+        self.dashboard.advance(state.step, self.eta.eta_text())
         self.restart_clock(state.tokens)
 
     def step_done(self, state: TrainState, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float,
@@ -78,7 +80,7 @@ class Progress:
         self.result.steps, self.result.tokens = state.step, state.tokens
         duration = self.eta.step_done(state.step)
         step_tokens, self.step_tokens = state.tokens - self.step_tokens, state.tokens
-        self.sink.advance(state.step, self.eta.eta_text())
+        self.dashboard.advance(state.step, self.eta.eta_text())
         slow = self.eta.slow(duration)
         if applied and (state.step % self.log_interval == 0 or last_step):
             self._log(state, loss, grad_norm, lr, self._timing_text(duration, slow), slow)
@@ -86,7 +88,7 @@ class Progress:
             # shown only (metrics.jsonl keeps its train records at log_interval, which the report reads)
             shown = {"step": state.step, "loss": loss.item(), "lr": lr, "grad_norm": grad_norm.item(),
                      "tokens_per_s": step_tokens / max(duration, 1e-9)}
-            self.sink.log_train(shown, self._timing_text(duration, slow), above_bar=slow)
+            self.dashboard.log_train(shown, self._timing_text(duration, slow), above_bar=slow)
         timing = self.timer.finish(state.step)
         if timing is not None:
             self.metrics.write(timing)
@@ -109,8 +111,9 @@ class Progress:
             "elapsed_s": now - self.start,
         }
         record["flops_per_s"] = record["tokens_per_s"] * self.flops_per_token
-        if self.scaler is not None:
-            record["loss_scale"] = self.scaler.get_scale()
+        loss_scale = self.precision.loss_scale()
+        if loss_scale is not None:  # fp16 with loss scaling
+            record["loss_scale"] = loss_scale
         if isinstance(self.sampler, EpochOrder):
             record["epoch"] = self.sampler.epochs_done
         if self.stages.staged:
@@ -118,10 +121,9 @@ class Progress:
         self.last_log_time, self.last_log_tokens = now, state.tokens
         self.result.train_losses[state.step] = record["loss"]
         self.metrics.write(record)
-        self.sink.log_train(record, timing, above_bar=slow)
-        if self.slowdown is not None:
-            self.slowdown.interval(state.step, record["tokens_per_s"], self.clean,
-                                   self.stages.current.seq_len if self.stages.staged else None)
+        self.dashboard.log_train(record, timing, above_bar=slow)
+        self.slowdown.interval(state.step, record["tokens_per_s"], self.clean,
+                               self.stages.current.seq_len if self.stages.staged else None)
         self.clean = True
 
     def summary(self, state: TrainState, unigram_entropy: float) -> str:
@@ -135,7 +137,8 @@ class Progress:
         if result.val_losses and unigram_entropy > 0:
             below = 1 - result.final_val_loss / unigram_entropy
             summary += (
-                f"; final val loss {result.final_val_loss:.4f} is {abs(below):.0%} {'below' if below >= 0 else 'ABOVE'} "
+                f"; final val loss {result.final_val_loss:.4f} is {abs(below):.0%} "
+                f"{'below' if below >= 0 else 'ABOVE'} "
                 f"the unigram entropy {unigram_entropy:.4f}"
             )
         if state.skipped_steps or state.rollbacks or state.alarm_skipped_steps:

@@ -7,21 +7,24 @@ which error a user sees first: everything that can fail on user input fails befo
                  the data's tokenizer once the data is prepared
     runtime      device, process group, seed, threads (auto: the free cores, measured by rank 0),
                  deterministic kernels, subnormals, precision
-    data         prepared (rank 0 first), long enough for the longest stage; the pre-flight check;
-                 the device's matmul rate (the banner's time estimate, the monitor's MFU)
-    resume       which checkpoint (resume=auto|never|PATH), and whether it fits this config and data
+    data         prepared (rank 0 first), long enough for the longest stage; the plan (plan.py:
+                 every derived number, the data's vocabulary included); the pre-flight check; the
+                 device's matmul rate (the banner's time estimate, the monitor's MFU)
+    resume       which checkpoint (training/resume.py: resume=auto|never|PATH), and whether it
+                 fits this config and data
     model        initialized (from torch's RNG, as the runtime seeded it; model.init_from on a
                  fresh start: the folder's weights), compiled per block, sharded (FSDP2) or
                  wrapped (DDP)
-    optimizer    (+ ZeRO-1), and the views checkpoints read and write the state through
-    samplers     the train batches (their own RNG) and the fixed validation batches
+    train module the model, the optimizer (+ ZeRO-1), the views checkpoints read and write the
+                 state through, the trainable parameters and the precision object
+    batches      the train sampler (its own RNG) and the fixed validation batches
     state        restored from the checkpoint; the run is then accepted (the run dir is written)
-    banner       what is about to be trained
-    loop parts   the metrics sinks (+ the `start` record), the health watch, the checkpoint
-                 saver, the evaluator, the sequence-length stages and the progress log
+    banner       what is about to be trained, from the context, the plan and the train module
+    loop parts   loop_parts.py: the metrics writer (+ the `start` record), the monitor, the
+                 checkpointer, the recovery, the evaluator, the sequence-length stages and the
+                 progress log
 
-`llmtrain doctor` builds its bench with the same runtime, data, sampler and model builders.
-"""
+`llmtrain doctor` builds its bench with the same runtime, data, sampler and model builders."""
 
 from __future__ import annotations
 
@@ -30,7 +33,6 @@ import json
 import os
 import random
 import secrets
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -41,26 +43,8 @@ from rich.console import Console
 from rich.markup import escape
 from torch.nn.parallel import DistributedDataParallel
 
-from llmtrain.checkpoint.format import remove_stale_temps
-from llmtrain.checkpoint.layout import Checkpoint
-from llmtrain.checkpoint.policy import Checkpointer, RankAgreement, SavedObjects
-from llmtrain.checkpoint.resume import (
-    agreed_resume,
-    check_resumable,
-    check_same_tokenizer,
-    restore,
-    set_damaged_aside,
-)
-from llmtrain.config.derived import (
-    accumulation_steps,
-    effective_lr,
-    model_vocab_size,
-    schedule_steps,
-    seq_len_of,
-    seq_len_stages,
-    total_micro_batches,
-    total_steps,
-)
+from llmtrain.checkpoint.write import remove_stale_temps
+from llmtrain.config.derived import seq_len_of, seq_len_stages, total_steps
 from llmtrain.config.eval_tasks import VALIDATION, parse_task_specs
 from llmtrain.config.schema import (
     CheckpointFormat,
@@ -77,17 +61,13 @@ from llmtrain.core import files
 from llmtrain.core.atomic import write_atomically
 from llmtrain.core.errors import ConfigError
 from llmtrain.core.faults import Faults
-from llmtrain.core.files import Kind
 from llmtrain.data import EpochSampler, InstructionSampler, RandomWindowSampler, prepare_data
 from llmtrain.data.cache import PreparedData
 from llmtrain.data.tokenizers import Tokenizer
-from llmtrain.distributed.cores import CoreMeter
 from llmtrain.distributed.layout import (
     Layout,
-    all_reduce_sum,
     barrier,
     broadcast_from_main,
-    local_world_size,
     resolve_device,
     resolve_threads,
     start_process_group,
@@ -100,31 +80,24 @@ from llmtrain.distributed.wrapping import (
     zero_redundancy,
 )
 from llmtrain.engine.optim import build_optimizer
-from llmtrain.engine.precision import autocast_factory, build_grad_scaler, resolve_precision
-from llmtrain.engine.schedule import lr_at
-from llmtrain.engine.state import TrainResult, TrainState
+from llmtrain.engine.precision import build_precision, resolve_precision
+from llmtrain.engine.state import TrainState
 from llmtrain.engine.step import Batch
-from llmtrain.engine.timing import StepTimer
-from llmtrain.evaluation.scoring import Scorer, random_states_kept
+from llmtrain.evaluation.scoring import random_states_kept
 from llmtrain.evaluation.tasks import Task, TaskSource, read_tasks
 from llmtrain.hf.folder import load_weights
 from llmtrain.hf.init import apply_init_from, open_folder
 from llmtrain.metrics.dashboard import Dashboard
-from llmtrain.metrics.writer import MetricsWriter, NullMetricsWriter
 from llmtrain.model import GPT, uninitialized
-from llmtrain.model_tensors import model_tensors
-from llmtrain.monitor.diagnosis import run_facts
-from llmtrain.monitor.probes import device_memory_mb, matmul_peak_flops
-from llmtrain.monitor.watch import Monitor, NullMonitor
+from llmtrain.monitor.probes import matmul_peak_flops
 from llmtrain.preflight.check import CheckFailed, CheckReport, run_check
 from llmtrain.preflight.render import check_command_line, render_refusal
-from llmtrain.training.banner import print_banner, run_estimate
-from llmtrain.training.eta import StepClock
-from llmtrain.training.evaluator import Evaluator
-from llmtrain.training.progress import Progress
-from llmtrain.training.run import Model, Optimization, Run, Runtime, TrainSampler
-from llmtrain.training.stages import SeqLenStages
-from llmtrain.training.throughput import SlowdownWatch
+from llmtrain.training.banner import print_banner
+from llmtrain.training.loop_parts import build_loop_parts
+from llmtrain.training.parts import Batches, Context, Model, Runtime, Sampler, TrainModule
+from llmtrain.training.plan import Plan, build_plan
+from llmtrain.training.resume import choose_resume, restore, set_damaged_aside
+from llmtrain.training.run import Run
 
 ModelFactory = Callable[[ModelConfig, int], torch.nn.Module]
 
@@ -144,55 +117,48 @@ def build_run(cfg: Config, console: Dashboard | None, layout: Layout,
     run_dir.mkdir(parents=True, exist_ok=True)
     runtime = build_runtime(cfg, layout)
     device = runtime.device
-    planned_steps, seq_len, stages = total_steps(cfg), seq_len_of(cfg), seq_len_stages(cfg)
-    sink = console or Dashboard(planned_steps, Console(quiet=True) if not layout.is_main else None)
-    warn = console_warning(sink)
+    dashboard = console or Dashboard(total_steps(cfg), Console(quiet=True) if not layout.is_main else None)
+    warn = console_warning(dashboard)
 
-    data = build_data(cfg, layout, lambda msg: sink.print(f"[dim]{escape(msg)}[/]"), progress=layout.is_main)
-    vocab_size = model_vocab_size(cfg, data.vocab_size)
-    check = refuse_failed_check(cfg, data, sink)
+    def log(message: str) -> None:
+        dashboard.print(f"[dim]{escape(message)}[/]")
+
+    data = build_data(cfg, layout, log, progress=layout.is_main)
+    plan = build_plan(cfg, data.vocab_size)
+    check = refuse_failed_check(cfg, data, dashboard)
     # With the run's threads set: the banner's time estimate, and the health monitor's MFU reference
     # (measured once): the fastest of 4 products, ~0.1 s on 2 CPU cores, steady within a few % there.
-    runtime.matmul_flops = matmul_peak_flops(device, repeats=4)
-    eval_tasks = encode_training_tasks(cfg, task_sources, data, max(stage.seq_len for stage in stages),
-                                       lambda msg: sink.print(f"[dim]{escape(msg)}[/]"))
+    runtime = dataclasses.replace(runtime, matmul_flops=matmul_peak_flops(device, repeats=4))
+    eval_tasks = encode_training_tasks(cfg, task_sources, data, plan.longest_seq_len, log)
     config_dict = config_to_dict(cfg)
     checkpoint = choose_resume(cfg, run_dir, warn, device, layout, config_dict, data.tokenizer())
-    model = build_model(cfg, vocab_size, runtime, layout, fresh_start=checkpoint is None)
-    optim = build_optimization(cfg, model, layout, device)
-    autocast = autocast_factory(runtime.precision, device.type)
-    scaler = build_grad_scaler(runtime.precision, device.type)
-    params = [p for p in model.model.parameters() if p.requires_grad]
+    model = build_model(cfg, plan.model_vocab_size, runtime, layout, fresh_start=checkpoint is None)
+    module = build_train_module(cfg, model, runtime, layout)
     if checkpoint is not None and cfg.seed is None:
         # A drawn seed stays the run's seed on resume: the validation batches derive from it.
-        runtime.seed = checkpoint.trainer.get("run_seed") or checkpoint.trainer["config"].get("seed") or runtime.seed
-    # The sampler owns its RNG, so the data order is independent of init and dropout.
-    data_seed = cfg.data.seed if cfg.data.seed is not None else runtime.seed
-    train_batches = build_train_sampler(cfg, data, cfg.micro_batch_size, seq_len, data_seed, layout)
-    val_batches = fixed_val_batches(cfg, data, seq_len, data_seed, device)
+        seed = checkpoint.trainer.get("run_seed") or checkpoint.trainer["config"].get("seed") or runtime.seed
+        runtime = dataclasses.replace(runtime, seed=seed)
+    batches = build_batches(cfg, data, plan, runtime.seed, layout, device)
     state = TrainState()
     if checkpoint is not None:
-        state = restore(checkpoint, config_dict, optim.model_state, optim.optimizer_state, scaler, train_batches, sink)
+        state = restore(checkpoint, config_dict, module, batches.train, dashboard)
     # Only now, with any resume accepted, is the run dir touched: a refused command leaves it as it was.
     if layout.is_main:
         accept_run(run_dir, config_dict, data.tokenizer(), cfg.resume == "never" and checkpoint is None, warn,
                    on_accept)
-    run = Run(cfg=cfg, layout=layout, run_dir=run_dir, sink=sink, warn=warn, runtime=runtime, data=data,
-              vocab_size=vocab_size, check=check, config_dict=config_dict,
-              resume_from=checkpoint.path if checkpoint is not None else None, model=model, optim=optim,
-              autocast=autocast, scaler=scaler, params=params, train_batches=train_batches, val_batches=val_batches,
-              state=state, total_steps=planned_steps, schedule_steps=schedule_steps(cfg),
-              micro_total=total_micro_batches(cfg), accum=accumulation_steps(cfg), seq_len=seq_len, stage_plan=stages,
-              tokens_per_step=cfg.global_batch_size * seq_len, peak_lr=effective_lr(cfg), faults=Faults.from_env(),
-              eval_tasks=eval_tasks)
-    print_banner(run)
-    build_loop_parts(run, checkpoint)
+    context = Context(cfg=cfg, config_dict=config_dict, layout=layout, run_dir=run_dir, runtime=runtime, data=data,
+                      check=check, resume_from=checkpoint.path if checkpoint is not None else None,
+                      dashboard=dashboard, warn=warn, faults=Faults.from_env())
+    print_banner(context, plan, module, state)
+    loop = build_loop_parts(context, plan, module, batches, state, checkpoint, eval_tasks)
+    run = Run(context=context, plan=plan, module=module, batches=batches, loop=loop, state=state)
+    context.faults.slow_backward(module.model, lambda: run.state.step)
     return run
 
 
-def console_warning(sink: Dashboard) -> Callable[[str], None]:
+def console_warning(dashboard: Dashboard) -> Callable[[str], None]:
     def warn(message: str) -> None:
-        sink.print(f"[bold yellow]warning:[/] {message}")
+        dashboard.print(f"[bold yellow]warning:[/] {message}")
 
     return warn
 
@@ -214,7 +180,8 @@ def use_deterministic_algorithms(device: torch.device, on: bool) -> None:
     torch.use_deterministic_algorithms(on)
 
 
-def build_runtime(cfg: Config, layout: Layout, unseeded: Callable[[], int] = lambda: secrets.randbelow(2**31)) -> Runtime:
+def build_runtime(cfg: Config, layout: Layout,
+                  unseeded: Callable[[], int] = lambda: secrets.randbelow(2**31)) -> Runtime:
     """The device (one GPU per local rank), the process group, the seed (`unseeded()` when the
     config has none), threads, deterministic kernels, subnormal flushing and the precision."""
     device = resolve_device(cfg.device)
@@ -259,12 +226,12 @@ def build_data(cfg: Config, layout: Layout, log: Callable[[str], None], progress
     return data
 
 
-def refuse_failed_check(cfg: Config, data: PreparedData, sink: Dashboard) -> CheckReport:
+def refuse_failed_check(cfg: Config, data: PreparedData, dashboard: Dashboard) -> CheckReport:
     """The pre-flight checklist (`llmtrain check`), now with the data's real size: FAIL refuses
     (unless allow_check_failures)."""
     check = run_check(cfg, measure_compute=False, data_meta=data.meta)
     if check.failures and not cfg.allow_check_failures:
-        render_refusal(check, sink.console, check_command_line(*_command_line_of_this_run()))
+        render_refusal(check, dashboard.console, check_command_line(*_command_line_of_this_run()))
         raise CheckFailed(check.refusal(), check)
     return check
 
@@ -318,22 +285,10 @@ def encode_training_tasks(cfg: Config, sources: list[TaskSource | None], data: P
         return [source.encode(tokenizer, window, eos_id, cfg.eval.truncate, log) for source in sources]
 
 
-# ---- resume ------------------------------------------------------------------------------------
-
-def choose_resume(cfg: Config, run_dir: Path, warn: Callable[[str], None], device: torch.device, layout: Layout,
-                  config_dict: dict, tokenizer: Tokenizer) -> Checkpoint | None:
-    """The checkpoint to resume from (agreed by the ranks), refused unless it fits the config and
-    the data's tokenizer; None for a fresh start."""
-    checkpoint = agreed_resume(cfg.resume, run_dir, warn, device, layout)
-    if checkpoint is not None:
-        check_resumable(checkpoint, config_dict)
-        check_same_tokenizer(checkpoint, tokenizer)
-    return checkpoint
-
-
 # ---- model and optimizer -----------------------------------------------------------------------
 
-def new_model(model_cfg: ModelConfig, vocab_size: int, device: torch.device, factory: ModelFactory = GPT) -> torch.nn.Module:
+def new_model(model_cfg: ModelConfig, vocab_size: int, device: torch.device,
+              factory: ModelFactory = GPT) -> torch.nn.Module:
     """A freshly initialized model (from torch's RNG as seeded), on the device, in train mode."""
     model = factory(model_cfg, vocab_size).to(device)
     model.train()
@@ -374,23 +329,38 @@ def build_model(cfg: Config, vocab_size: int, runtime: Runtime, layout: Layout, 
     return Model(model, train_model, sharded)
 
 
-def build_optimization(cfg: Config, model: Model, layout: Layout, device: torch.device) -> Optimization:
+def build_train_module(cfg: Config, model: Model, runtime: Runtime, layout: Layout) -> TrainModule:
+    """The model with its optimizer (+ ZeRO-1), the views checkpoints read and write their state
+    through, the trainable parameters and the precision (autocast, fp16's loss scaler)."""
+    device = runtime.device
     optimizer = build_optimizer(model.model, cfg.optim, device.type, fused_ok=not model.sharded)
     if cfg.parallel.mode is ParallelMode.zero1 and layout.distributed:
         optimizer = zero_redundancy(optimizer)
     sharded = model.sharded
     model_state = ShardedModelState(model.model) if sharded else model.model
     optimizer_state = (ShardedOptimizerState(model.model, optimizer) if sharded
-                       else ConsolidatedOptimizerState(optimizer, layout) if hasattr(optimizer, "consolidate_state_dict")
-                       else optimizer)
-    return Optimization(optimizer, model_state, optimizer_state,
-                        sharded_files=sharded and cfg.checkpoint.format is not CheckpointFormat.full)
+                       else ConsolidatedOptimizerState(optimizer, layout)
+                       if hasattr(optimizer, "consolidate_state_dict") else optimizer)
+    return TrainModule(model=model.model, train_model=model.train_model, sharded=sharded, optimizer=optimizer,
+                       model_state=model_state, optimizer_state=optimizer_state,
+                       sharded_files=sharded and cfg.checkpoint.format is not CheckpointFormat.full,
+                       params=[p for p in model.model.parameters() if p.requires_grad],
+                       precision=build_precision(runtime.precision, device.type))
 
 
 # ---- samplers ----------------------------------------------------------------------------------
 
+def build_batches(cfg: Config, data: PreparedData, plan: Plan, seed: int, layout: Layout,
+                  device: torch.device) -> Batches:
+    """The train sampler and the validation batches, both from data.seed (else the run's `seed`)."""
+    # The sampler owns its RNG, so the data order is independent of init and dropout.
+    data_seed = cfg.data.seed if cfg.data.seed is not None else seed
+    return Batches(train=build_train_sampler(cfg, data, cfg.micro_batch_size, plan.seq_len, data_seed, layout),
+                   val=fixed_val_batches(cfg, data, plan.seq_len, data_seed, device))
+
+
 def build_train_sampler(cfg: Config, data: PreparedData, batch_size: int, seq_len: int, seed: int,
-                        layout: Layout) -> TrainSampler:
+                        layout: Layout) -> Sampler:
     """The train split's batches as the config asks: whole instruction examples (prompt tokens
     masked out of the loss), epochs, or random windows; this rank's share of each window."""
     if data.meta.get("loss_mask"):  # instruction data: whole examples, prompt tokens masked out of the loss
@@ -411,7 +381,8 @@ def build_train_sampler(cfg: Config, data: PreparedData, batch_size: int, seq_le
                                cfg.data.shuffle, cfg.data.overfit_batches, layout.rank, layout.world_size)
 
 
-def fixed_val_batches(cfg: Config, data: PreparedData, seq_len: int, data_seed: int, device: torch.device) -> list[Batch]:
+def fixed_val_batches(cfg: Config, data: PreparedData, seq_len: int, data_seed: int,
+                      device: torch.device) -> list[Batch]:
     """The eval_batches validation batches every evaluation of the run uses, on the device."""
     if not cfg.eval_interval:
         return []
@@ -440,73 +411,3 @@ def accept_run(run_dir: Path, config_dict: dict, tokenizer: Tokenizer, fresh_sta
     write_atomically(run_dir / files.TOKENIZER, tokenizer_text)
     if on_accept is not None:
         on_accept(run_dir)
-
-
-# ---- the loop's parts --------------------------------------------------------------------------
-
-def build_loop_parts(run: Run, checkpoint: Checkpoint | None) -> None:
-    """The sinks (and the `start` record), then the watch, saver, evaluator, stages and progress."""
-    cfg, layout, state = run.cfg, run.layout, run.state
-    run.metrics = (MetricsWriter(run.run_dir, cfg.tensorboard, cfg.wandb.value, cfg.wandb_project, run.config_dict,
-                               run.warn) if layout.is_main else NullMetricsWriter())
-    run.flops_per_token = model_tensors(cfg.model, run.model.model.vocab_size).flops_per_token(run.seq_len)
-    # Appending (never truncating) keeps earlier records (a resumed run continues the same file).
-    run.metrics.write({"kind": Kind.START, "time": time.time(), "steps": run.total_steps,
-                       "tokens_per_step": run.tokens_per_step,
-                       "resumed_from": str(run.resume_from) if run.resume_from else None, "step": state.step,
-                       "seed": run.runtime.seed, "check": {row.item: row.status.value for row in run.check.rows},
-                       "unigram_entropy": run.data.unigram_entropy, "vocab_size": run.vocab_size,
-                       "parameters": run.check.facts.parameters.record(),
-                       "device": str(run.device), "device_memory_mb": device_memory_mb(run.device),
-                       "world_size": layout.world_size, "local_world_size": local_world_size(),
-                       "flops_per_token": run.flops_per_token, "precision": run.runtime.precision.name.value})
-    run.result = TrainResult(run_dir=run.run_dir, steps=state.step, tokens=state.tokens,
-                             unigram_entropy=run.data.unigram_entropy)
-    run.faults.slow_backward(run.model.model, lambda: run.state.step)
-    run.watch = build_watch(run, checkpoint)
-    run.saver = build_saver(run)
-    # The tasks score the plain model, as the val loss does; the window is the longest the run trains on.
-    scorer = Scorer(run.model.model, max(stage.seq_len for stage in run.stage_plan), cfg.eval.batch_size,
-                    run.autocast) if run.eval_tasks else None
-    run.evaluator = Evaluator(cfg.eval_interval, run.model.model, run.val_batches, run.device, run.autocast, run.sink,
-                              run.metrics, run.result, run.saver, run.eval_tasks, scorer, run.watch)
-    run.stages = SeqLenStages(run.stage_plan, run.train_batches, run.sink, run.metrics, run.accum * layout.world_size)
-    estimate = run_estimate(run)
-    eta = StepClock(run.total_steps, estimate.step_seconds if estimate else None)
-    meter = CoreMeter() if layout.is_main else None  # how busy the cores are, for the slowdown warning's words
-    slowdown = (SlowdownWatch(run.warn, run.metrics, run.runtime.threads, meter,
-                              sibling_cores=(local_world_size() - 1) * run.runtime.threads) if layout.is_main else None)
-    run.progress = Progress(cfg.log_interval, StepTimer(cfg.timing_interval, run.device), run.sink,
-                            run.metrics, run.result, run.flops_per_token, run.scaler, run.train_batches, run.stages,
-                            eta, slowdown)
-
-
-def build_watch(run: Run, checkpoint: Checkpoint | None) -> Monitor | NullMonitor:
-    """The health monitor's side of the loop (NullMonitor with monitor.enabled=false), resumed with
-    the checkpoint's monitor state (windows, counts, active alarms)."""
-    cfg = run.cfg
-    if not cfg.monitor.enabled:
-        return NullMonitor()
-    fp16_unscaled = run.runtime.precision.name is Precision.fp16 and run.scaler is None
-    facts = run_facts(cfg, run.check.rows, peak_lr=run.peak_lr, total_steps=run.total_steps,
-                      schedule_steps=run.schedule_steps,
-                      schedule_floor=lr_at(run.schedule_steps, run.peak_lr, run.schedule_steps, cfg.schedule),
-                      baseline=run.data.unigram_entropy, vocab_size=run.vocab_size, fp16_without_scaler=fp16_unscaled)
-    watch = Monitor(cfg.monitor, run.model.model, run.run_dir, run.sink, run.metrics, run.total_steps,
-                        fp16_unscaled, run.flops_per_token, write_events=run.layout.is_main,
-                        world_size=run.layout.world_size, facts=facts, peak_flops=run.runtime.matmul_flops)
-    watch.restart_interval(run.state.tokens)
-    if checkpoint is not None:
-        watch.restore(checkpoint.trainer.get("monitor"))
-    return watch
-
-
-def build_saver(run: Run) -> Checkpointer:
-    layout, watch = run.layout, run.watch
-    saved = SavedObjects(run.optim.model_state, run.optim.optimizer_state, run.scaler, run.train_batches,
-                         extra_state=lambda: {"run_seed": run.runtime.seed, **watch.checkpoint_state()})
-    ranks = RankAgreement(writer=layout.is_main, agree=lambda value: broadcast_from_main(value, layout),
-                          vote=lambda values: all_reduce_sum(values, layout))
-    return Checkpointer(run.cfg.checkpoint, run.run_dir, saved, run.config_dict, run.metrics, run.warn, ranks,
-                            shard_layout=(layout.rank, layout.world_size) if run.optim.sharded_files else None,
-                            resumed_at=run.state.step if run.resume_from else None)

@@ -7,6 +7,7 @@ writes a `seq_len` record; every stage but the first (which the banner shows) is
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from llmtrain.config.derived import SeqLenStage, stage_at
@@ -15,10 +16,12 @@ from llmtrain.metrics.dashboard import Dashboard
 
 
 class SeqLenStages:
-    def __init__(self, stages: list[SeqLenStage], sampler: Any, sink: Dashboard, metrics: Any,
+    def __init__(self, *, stages: Sequence[SeqLenStage], sampler: Any, dashboard: Dashboard, metrics: Any,
                  processes_per_step: int) -> None:
-        # processes_per_step: accumulation steps x world size, the micro-batches of one optimizer step
-        self.stages, self.sampler, self.sink, self.metrics = stages, sampler, sink, metrics
+        # sampler: the train sampler, reshaped (RandomWindowSampler.reshape: validation allows a
+        # schedule with random windows only). processes_per_step: accumulation steps x world size,
+        # the micro-batches of one optimizer step.
+        self.stages, self.sampler, self.dashboard, self.metrics = list(stages), sampler, dashboard, metrics
         self.processes_per_step = processes_per_step
         self.current = stages[0]
 
@@ -37,7 +40,7 @@ class SeqLenStages:
         if step == stage.start_step:
             stage_tokens = stage.micro_batch_size * stage.seq_len * self.processes_per_step
             if step:  # the first stage is in the banner
-                self.sink.print(f"sequence length {stage.seq_len}, micro-batch {stage.micro_batch_size} from "
+                self.dashboard.print(f"sequence length {stage.seq_len}, micro-batch {stage.micro_batch_size} from "
                                 f"step {step + 1} on ({stage_tokens:,} tokens/step)")
             self.metrics.write({"kind": Kind.SEQ_LEN, "step": step, "seq_len": stage.seq_len,
                                 "micro_batch_size": stage.micro_batch_size, "tokens_per_step": stage_tokens})

@@ -90,11 +90,18 @@ class SlowdownWatch:
                      if self.threads > 1 else "freeing the cores helps (this run already has 1 thread)")
             message += f"other processes are using the CPU cores ({self.busy:.1f} of {cores} busy): {helps}"
         elif self.busy is not None and cores:
-            message += (f"the CPU cores are not busy elsewhere ({self.busy:.1f} of {cores}), so the slowdown is in this "
-                        "run or its device (data loading, memory swapping, a throttled or shared GPU)")
+            message += (f"the CPU cores are not busy elsewhere ({self.busy:.1f} of {cores}), so the slowdown is in "
+                        "this run or its device (data loading, memory swapping, a throttled or shared GPU)")
         else:
             message += "other work on this machine or its device (a shared GPU, thermal throttling) may be the cause"
         self.warn(message)
         self.metrics.write({"kind": Kind.SLOWDOWN, "step": step, "since_step": since, "tokens_per_s": now,
                             "reference_tokens_per_s": self.reference, "reference_step": self.reference_step,
                             "busy_cores_elsewhere": self.busy, "cores": cores, "threads": self.threads})
+
+
+class NullSlowdownWatch:
+    """The slowdown warning of a rank that does not speak (every rank but 0): nothing to do."""
+
+    def interval(self, step: int, tokens_per_s: float, clean: bool, stage: object = None) -> None:
+        pass

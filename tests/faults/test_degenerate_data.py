@@ -21,9 +21,10 @@ import numpy as np
 import pytest
 
 from llmtrain.config.schema import DataConfig, DataSource, TokenizerKind
+from llmtrain.core.findings import Status
 from llmtrain.data import quality
 from llmtrain.data.prepare import prepare_data
-from llmtrain.preflight.check import Status, run_check
+from llmtrain.preflight.check import run_check
 
 from ..conftest import TINY_CORPUS, run_cli, tiny_config
 

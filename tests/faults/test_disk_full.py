@@ -26,7 +26,7 @@ import pytest
 import torch
 from rich.console import Console
 
-from llmtrain.checkpoint.format import describe_write_error
+from llmtrain.checkpoint.disk import describe_write_error
 from llmtrain.checkpoint.read import list_checkpoints, verify
 from llmtrain.config.schema import SaveErrorPolicy
 from llmtrain.core.atomic import write_file
@@ -178,7 +178,7 @@ def test_a_failed_final_save_is_retried_after_the_loop_without_a_closed_sink_cra
 ) -> None:
     """The retry after the loop used to run once metrics.jsonl was closed: ValueError: I/O
     operation on closed file."""
-    import llmtrain.checkpoint.format as checkpoint_module
+    import llmtrain.checkpoint.write as checkpoint_module
 
     failures = {"left": 1}
 

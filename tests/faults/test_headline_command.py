@@ -21,8 +21,9 @@ from llmtrain.config.derived import (
     sane_lr_range,
 )
 from llmtrain.config.schema import OptimizerName
+from llmtrain.core.findings import Status
 from llmtrain.model import GPT, param_count
-from llmtrain.preflight.check import Status, run_check
+from llmtrain.preflight.check import run_check
 
 from ..conftest import run_cli
 

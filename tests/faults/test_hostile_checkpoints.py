@@ -17,13 +17,13 @@ import pytest
 import torch
 
 from llmtrain.checkpoint.read import load_checkpoint, read_weights_file
-from llmtrain.checkpoint.resume import resume_checkpoint, set_damaged_aside
 from llmtrain.checkpoint.shards import hash_files, read_full, read_metadata, write_shards
 from llmtrain.config.hydra import config_from_dict
 from llmtrain.core.errors import CheckpointError
 from llmtrain.engine.optim import build_optimizer
 from llmtrain.model import GPT
 from llmtrain.runs.artifacts import newest_weights
+from llmtrain.training.resume import resume_checkpoint, set_damaged_aside
 
 from ..conftest import run_cli
 from ..test_cli_run import TINY

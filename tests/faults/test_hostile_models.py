@@ -20,8 +20,8 @@ import torch
 
 from llmtrain.config.schema import ModelConfig
 from llmtrain.data.tokenizers import ByteTokenizer, Utf8Guard
+from llmtrain.generation import generate
 from llmtrain.model import GPT
-from llmtrain.runs.sample import generate
 
 from ..conftest import TINY_CORPUS, run_cli
 from ..test_cli_run import TINY

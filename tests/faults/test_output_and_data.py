@@ -22,13 +22,14 @@ from rich.console import Console
 
 from llmtrain.config.schema import DataConfig, DataSource, TokenizerKind
 from llmtrain.core.console import default_console
+from llmtrain.core.findings import Status
 from llmtrain.data import corpus
 from llmtrain.data.prepare import prepare_data
 from llmtrain.metrics.dashboard import Dashboard
-from llmtrain.preflight.check import Status, run_check
+from llmtrain.preflight.check import run_check
 from llmtrain.runs.records import Records
 from llmtrain.runs.report import build_report
-from llmtrain.runs.report.learning import overfitting
+from llmtrain.runs.report.overfitting import overfitting
 from llmtrain.training.banner import threads_text
 from llmtrain.training.loop import train
 

@@ -8,7 +8,7 @@ Seven questions, each answered with a verdict (ok / warn / fail / n/a) and the n
                   large in nats and in share: a flat curve is flat)
     overfitting   the validation-train gap over time, and where validation turns up if it does
     inference     the final weights reloaded: eval mode twice identical, equal to train mode with
-                  dropout off, a few sampled tokens
+                  dropout off (engine/modes.py's probe), a few sampled tokens
     memory        peak memory against what the device has
     step time     data / forward / backward / optimizer / other on the timed steps, the
                   bottleneck, tokens/s and MFU
@@ -20,11 +20,13 @@ the loss plot draws the unigram baseline and marks the steps where alarms fired.
 section (information, no verdict) lists the evaluation tasks' results: `llmtrain eval`'s eval.json
 in the run dir, and the eval.tasks evaluated during training (eval_tasks.png: one panel per task).
 
-One module per group of questions, each a function from the run's records to a `Verdict`
-(verdict.py): learning.py (learning, smoothness, overfitting), inference.py, resources.py (memory,
-step time), alarms.py; the figures in plots.py, the Evaluation section in evaluation.py, the
-written forms in render.py. This module reads the run and puts the report together
-(`build_report`, `write_report`).
+The shape is the pre-flight check's: `QUESTIONS` below is the registry (the check's ITEMS), one
+module per question, each a function from the run's records to a `Verdict`, a Finding
+(core/findings.py) with the plots under it (verdict.py): learning.py, smoothness.py,
+overfitting.py, inference.py, memory.py, step_time.py, alarms.py; health.py holds the health
+section's verdict, evaluation.py the Evaluation section, plots.py the figures (one function each),
+render.py the written forms through the findings renderers. This module reads the run and puts the
+report together (`build_report`, `write_report`).
 
 Everything comes from the run dir, so a run that was interrupted or crashed gets its report too:
 the logs through runs/records.py (the run as it finally went: a resume's redone steps replace the
@@ -41,6 +43,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -54,14 +57,34 @@ from llmtrain.preflight.parameters import ParameterCounts
 from llmtrain.runs.compare import recorded_overrides, summarize
 from llmtrain.runs.leftout import Reasons
 from llmtrain.runs.records import Record, Records, read_records
-from llmtrain.runs.report.alarms import alarms, health_quantities
-from llmtrain.runs.report.evaluation import draw_eval_tasks, eval_task_points, evaluation
-from llmtrain.runs.report.inference import inference
-from llmtrain.runs.report.learning import learning, overfitting, smoothness
-from llmtrain.runs.report.plots import draw_plots
+
+# The question modules by name (not their functions: a package attribute that is a function would
+# hide the submodule of that name from `import llmtrain.runs.report.memory`).
+from llmtrain.runs.report import (
+    alarms,
+    inference,
+    learning,
+    memory,
+    overfitting,
+    smoothness,
+    step_time,
+)
+from llmtrain.runs.report.evaluation import eval_task_points, evaluation
+from llmtrain.runs.report.health import HEALTH_PLOTS, health_quantities
+from llmtrain.runs.report.plots import draw_eval_tasks, draw_plots
 from llmtrain.runs.report.render import to_html, to_markdown
-from llmtrain.runs.report.resources import memory, step_time
-from llmtrain.runs.report.verdict import NA, Report, Verdict
+from llmtrain.runs.report.verdict import Report, RunEvidence, Verdict
+
+# The questions, in the order the report asks them: each a function of the run (the check's ITEMS).
+QUESTIONS: list[Callable[[RunEvidence], Verdict]] = [
+    lambda run: learning.learning(run.records, run.baseline),
+    lambda run: smoothness.smoothness(run.records, run.spike_z),
+    lambda run: overfitting.overfitting(run.records),
+    lambda run: inference.inference(run.run_dir, run.cfg) if run.inference else inference.skipped(),
+    lambda run: memory.memory(run.records),
+    lambda run: step_time.step_time(run.records),
+    lambda run: alarms.alarms(run.records),
+]
 
 # ---------------------------------------------------------------------------------------------
 # reading the run
@@ -119,17 +142,14 @@ def build_report(run_dir: Path, inference_check: bool = True) -> Report:
                         "(its banner prints it, e.g. outputs/<date>/<time>).")
     records = read_records(run_dir)
     cfg = _load_config(run_dir)
-    spike_z = cfg.monitor.spike_z if cfg is not None else 6.0
     baseline = unigram_baseline(records, cfg)
     summary = summarize(run_dir, records)
-    smooth = smoothness(records, spike_z)
-    verdicts = [learning(records, baseline), smooth, overfitting(records)]
-    verdicts.append(inference(run_dir, cfg) if inference_check
-                    else Verdict("inference", "Does inference behave like training?", NA, "skipped (--no-inference)."))
-    verdicts += [memory(records), step_time(records), alarms(records)]
+    run = RunEvidence(run_dir, records, cfg, baseline, inference_check)
+    verdicts = [ask(run) for ask in QUESTIONS]
     start = records.last(Kind.START) or {}
     reasons = Reasons(cfg, summary.steps, summary.planned_steps)
-    plots, left_out = draw_plots(records, run_dir / "report", smooth.marks, baseline, reasons)
+    marks = [step for verdict in verdicts for step in verdict.marks]  # the spikes
+    plots, left_out = draw_plots(records, run_dir / "report", marks, baseline, reasons)
     facts = [
         ("run dir", str(run_dir)),
         ("status", summary.status),
@@ -138,15 +158,17 @@ def build_report(run_dir: Path, inference_check: bool = True) -> Report:
         ("tokens", tokens_text(records, run_dir, summary.steps)),
         ("final train loss", f"{summary.final_train_loss:.4f}" if summary.final_train_loss is not None else "-"),
         ("final val loss", f"{summary.final_val_loss:.4f}" if summary.final_val_loss is not None else "-"),
-        ("best val loss", f"{summary.best_val_loss:.4f} (step {summary.best_step})" if summary.best_val_loss is not None else "-"),
+        ("best val loss", f"{summary.best_val_loss:.4f} (step {summary.best_step})"
+         if summary.best_val_loss is not None else "-"),
         ("unigram baseline", f"{baseline:.4f} nats/token (the loss of a model that ignores context)"
          if baseline is not None else "- (not recorded, and the run's data is not in the cache)"),
-        ("device", f"{start.get('device', '?')}, {start.get('precision', '?')}, world size {start.get('world_size', 1)}"),
+        ("device", f"{start.get('device', '?')}, {start.get('precision', '?')}, "
+                   f"world size {start.get('world_size', 1)}"),
     ]
     # A plot left out keeps its place in its section, which says why it is not there.
     for verdict in verdicts:
         verdict.plots = [p for p in verdict.plots if p in plots or p in left_out]
-    verdicts.append(health_quantities(records, ["lr.png", "grad_norm.png", "param_norm.png", "activations.png"]))
+    verdicts.append(health_quantities(records, HEALTH_PLOTS))
     task_points = eval_task_points(records)
     if task_points:
         drawn, missing = draw_eval_tasks(task_points, run_dir / "report", reasons)

@@ -1,15 +1,15 @@
-"""The questions about the health monitor: which alarms were raised and what was done
-(`alarms`), and the verdict over the health plots (`health_quantities`)."""
+"""Which alarms were raised, and what was done? The health monitor's alarms with their most likely
+cause, the actions taken, non-finite steps, rollbacks and failed saves (`alarms`); the alarm
+helpers the health section and the loss plot share."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from llmtrain.core.files import (
-    Kind,
-)
+from llmtrain.core.files import Kind
+from llmtrain.core.findings import Finding
 from llmtrain.runs.records import Record, Records
-from llmtrain.runs.report.verdict import NA, OK, WARN, Verdict, logged, steps_text
+from llmtrain.runs.report.verdict import OK, WARN, Verdict, logged
 
 
 def raised_alarms(records: Records) -> list[Record]:
@@ -54,41 +54,9 @@ def _alarm_line(alarm: Record, action: str) -> str:
     return line + (f"; most likely: {cause_text(cause)}" if cause else "")
 
 
-
-def _alarm_summary(raised: list[Record]) -> list[str]:
-    """Per alarm name, in the order first raised: 'grad_norm_high at step 30 (most likely: Learning
-    rate too high)'."""
-    by_name: dict[str, list[Record]] = {}
-    for alarm in raised:
-        by_name.setdefault(str(alarm.get("alarm", "?")), []).append(alarm)
-    parts = []
-    for name, records in by_name.items():
-        cause = next((c for c in map(top_cause, records) if c), None)
-        parts.append(f"{name} at {steps_text([r.get('step') for r in records])}"
-                     + (f" (most likely: {cause_text(cause, evidence=False)})" if cause else ""))
-    return parts
-
-
-def health_quantities(records: Records, plots: list[str]) -> Verdict:
-    """The section over the health plots: its verdict is the monitor's, ok only when no alarm fired
-    and no step was non-finite."""
-    question = "The health quantities over the run"
-    raised, nonfinite = raised_alarms(records), logged(records, Kind.NONFINITE)
-    what = ("learning rate, gradient norm, parameter norm, block activations (the monitor's bands are in "
-            "docs/monitoring.md)")
-    if raised or nonfinite:
-        parts = [f"{len(raised)} alarm(s) fired: " + "; ".join(_alarm_summary(raised))] if raised else []
-        if nonfinite:
-            parts.append(f"{len(nonfinite)} non-finite step(s) at {steps_text([r.get('step') for r in nonfinite])}")
-        # The evidence and the actions are listed once, under the alarms question.
-        return Verdict("curves", question, WARN, "; ".join(parts)
-                       + f" (evidence and actions under the alarms question). The plots: {what}.", plots=plots)
-    if not records.of(Kind.HEALTH):
-        return Verdict("curves", question, NA, f"no health checks recorded (monitor off?); the plots: {what}.", plots=plots)
-    return Verdict("curves", question, OK, f"every health check stayed in its band; the plots: {what}.", plots=plots)
-
-
 def alarms(records: Records) -> Verdict:
+    """The alarms raised (with their most likely cause when the record ranks causes) and the actions
+    taken, non-finite steps, rollbacks and failed saves."""
     question = "Which alarms were raised, and what was done?"
     raised = raised_alarms(records)
     actions = logged(records, Kind.ACTION)
@@ -107,7 +75,7 @@ def alarms(records: Records) -> Verdict:
     for record in save_errors:
         details.append(f"step {record.get('step')}: checkpoint save failed: {record.get('error')}")
     if not (raised or nonfinite or rollbacks or save_errors):
-        return Verdict("alarms", question, OK, "none: every health check stayed in its band.")
+        return Verdict("alarms", Finding(question, OK, "none: every health check stayed in its band."))
     counts: dict[str, int] = {}
     for alarm in raised:
         counts[alarm.get("alarm", "?")] = counts.get(alarm.get("alarm", "?"), 0) + 1
@@ -122,4 +90,5 @@ def alarms(records: Records) -> Verdict:
     if first:
         parts.append(f"most likely cause of {first[0].get('alarm')} (step {first[0].get('step')}): "
                      f"{cause_text(first[1], evidence=False)}")
-    return Verdict("alarms", question, WARN, "; ".join(parts) + " (details below and in events.jsonl).", details)
+    return Verdict("alarms", Finding(question, WARN, "; ".join(parts) + " (details below and in events.jsonl).",
+                                     details=details))

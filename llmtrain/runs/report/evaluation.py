@@ -1,5 +1,6 @@
 """The Evaluation section: the evaluation tasks' results, from `llmtrain eval`'s eval.json and
-the eval.tasks evaluated during training (eval_tasks.png)."""
+the eval.tasks evaluated during training (their figure, eval_tasks.png, is plots.py's). Information,
+not a question: no verdict."""
 
 from __future__ import annotations
 
@@ -11,10 +12,8 @@ from llmtrain.core.files import (
     EVAL_RESULTS,
     Kind,
 )
-from llmtrain.metrics.text import TASK_COUNTS, TASK_HEADLINE, is_number, scored_text, task_metrics_text
-from llmtrain.runs.leftout import Reasons, enough
+from llmtrain.metrics.text import TASK_HEADLINE, is_number, scored_text, task_metrics_text
 from llmtrain.runs.records import Record, Records, number
-from llmtrain.runs.report.plots import remove_stale
 from llmtrain.runs.report.verdict import Evaluation
 
 # ---------------------------------------------------------------------------------------------
@@ -34,48 +33,6 @@ def eval_task_points(records: Records) -> TaskPoints:
     return {task: [steps[s] for s in sorted(steps)] for task, steps in by_task.items()}
 
 
-def main_metrics(record: Record) -> list[str]:
-    """What a task's panel plots: acc and acc_norm (multiple choice), bits per byte, else the loss
-    (perplexity), else a harness task's first own metric."""
-    if "acc" in record:
-        return [key for key in ("acc", "acc_norm") if key in record]
-    for key in ("bits_per_byte", "loss"):
-        if key in record:
-            return [key]
-    skip = {"kind", "step", "task", "seconds", *TASK_COUNTS}
-    other = next((k for k, v in record.items() if k not in skip and "stderr" not in k and is_number(v)), None)
-    return [other] if other else []
-
-
-def draw_eval_tasks(points: TaskPoints, folder: Path, reasons: Reasons) -> tuple[dict[str, Path], dict[str, str]]:
-    """eval_tasks.png: one panel per task, its main metrics against the step; left out (with the
-    reason) when no task was evaluated often enough for a curve."""
-    evaluations = max(len(records) for records in points.values())
-    if not enough(evaluations):
-        left_out = {"eval_tasks.png": reasons.evaluated("eval_tasks.png", evaluations)}
-        remove_stale(folder, left_out)
-        return {}, left_out
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    folder.mkdir(parents=True, exist_ok=True)
-    fig, axes = plt.subplots(len(points), 1, figsize=(8, 2.6 * len(points)), squeeze=False)
-    for ax, (task, records) in zip(axes[:, 0], points.items()):
-        keys = main_metrics(records[-1])
-        for key in keys:
-            steps = [int(r["step"]) for r in records if key in r]
-            ax.plot(steps, [number(r[key]) for r in records if key in r], "o-", ms=3, label=key.replace("_", " "))
-        ax.set(xlabel="step", ylabel=" / ".join(k.replace("_", " ") for k in keys), title=task)
-        if len(keys) > 1:
-            ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(folder / "eval_tasks.png", dpi=90)
-    plt.close(fig)
-    return {"eval_tasks.png": folder / "eval_tasks.png"}, {}
-
-
 def evaluation(run_dir: Path, points: TaskPoints, plots: list[str]) -> Evaluation | None:
     """The Evaluation section: eval.json's results (`llmtrain eval`) when the run dir has one, and
     the tasks evaluated during training; None when there is neither."""
@@ -90,7 +47,8 @@ def evaluation(run_dir: Path, points: TaskPoints, plots: list[str]) -> Evaluatio
         # only this run's entries: `llmtrain eval OTHER --out RUN_DIR` may have added another model's
         own = str(run_dir.resolve())
         saved["tasks"] = {t: m for t, m in saved["tasks"].items() if m.get("model") in (None, own)}
-        section.rows = [(task, str(m.get("kind", "?")), _metrics_cell(m), scored_text(m)) for task, m in saved["tasks"].items()]
+        section.rows = [(task, str(m.get("kind", "?")), _metrics_cell(m), scored_text(m))
+                        for task, m in saved["tasks"].items()]
         when = saved.get("updated") or saved.get("created")
         section.saved = (f"{EVAL_RESULTS} (`llmtrain eval`): {len(section.rows)} task(s)"
                          + (f" of {saved['model']}" if saved.get("model") else "")

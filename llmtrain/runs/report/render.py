@@ -1,5 +1,7 @@
 """A report written out: Markdown (report.md), self-contained HTML (report.html), and the
-terminal (the whole table, or the short lines: report.console)."""
+terminal (the whole table, or the short lines: report.console). The verdicts go through the findings
+renderers (core/findings.py), in the report's words (ok, warn, fail, n/a); the page around them, the
+facts, the plots and the Evaluation section are the report's own."""
 
 from __future__ import annotations
 
@@ -8,20 +10,35 @@ import html
 from typing import Any
 
 from rich.markup import escape
-from rich.table import Table
 
 from llmtrain.config.schema import REPORT_FULL_AFTER_S
-from llmtrain.runs.report.verdict import FAIL, NA, OK, WARN, Evaluation, Report
+from llmtrain.core.findings import (
+    WORDS,
+    Column,
+    html_section,
+    html_table,
+    markdown_cell,
+    markdown_section,
+    markdown_table,
+    render_lines,
+    render_table,
+)
+from llmtrain.runs.report.verdict import FAIL, NA, OK, WARN, Evaluation, Report, Verdict
+
+# The summary table of the questions; the health section (key "curves") has a verdict but no row.
+COLUMNS = [Column("question", "item"), Column("verdict", "status"), Column("finding", "seen", {"overflow": "fold"})]
+
+
+def _questions(report: Report) -> list[Verdict]:
+    return [v for v in report.verdicts if v.key != "curves"]
 
 
 def to_markdown(report: Report) -> str:
     lines = [f"# {report.title}", "", "| | |", "|---|---|"]
-    lines += [f"| {k} | {v.replace('|', '/')} |" for k, v in report.facts]  # a | would end the cell
-    lines += ["", "## Verdicts", "", "| question | verdict | finding |", "|---|---|---|"]
-    lines += [f"| {v.question} | **{v.status}** | {v.finding} |" for v in report.verdicts if v.key != "curves"]
+    lines += [f"| {k} | {markdown_cell(v)} |" for k, v in report.facts]
+    lines += ["", "## Verdicts", "", *markdown_table([v.answer for v in _questions(report)], COLUMNS, words=WORDS)]
     for verdict in report.verdicts:
-        lines += ["", f"## {verdict.question}", "", f"**{verdict.status}**: {verdict.finding}", ""]
-        lines += [f"- {d}" for d in verdict.details]
+        lines += markdown_section(verdict.answer, words=WORDS)
         lines += ["", *_plots_markdown(report, verdict.plots)]
     if report.evaluation is not None:
         lines += _evaluation_markdown(report, report.evaluation)
@@ -45,18 +62,14 @@ def _evaluation_markdown(report: Report, section: Evaluation) -> list[str]:
         lines += ["", section.saved]
     if section.rows:
         lines += ["", "| task | kind | metrics | scored |", "|---|---|---|---|"]
-        lines += [f"| {' | '.join(cell.replace('|', '/') for cell in row)} |" for row in section.rows]
+        lines += [f"| {' | '.join(markdown_cell(cell) for cell in row)} |" for row in section.rows]
     if section.training:
         lines += ["", section.training]
     return lines + ["", *_plots_markdown(report, section.plots)]
 
 
 def to_html(report: Report) -> str:
-    colours = {OK: "#1a7f37", WARN: "#b35900", FAIL: "#c62828", NA: "#666"}
     esc = html.escape
-
-    def badge(status: str) -> str:
-        return f'<span class="badge" style="background:{colours.get(status, "#666")}">{esc(status)}</span>'
 
     def image(name: str) -> str:
         if name not in report.plots:  # left out: the line that says why
@@ -64,6 +77,8 @@ def to_html(report: Report) -> str:
         data = base64.b64encode(report.plots[name].read_bytes()).decode()
         return f'<img alt="{esc(name)}" src="data:image/png;base64,{data}">'
 
+    questions = _questions(report)
+    summary = html_table([v.answer for v in questions], COLUMNS, words=WORDS, anchors=[v.key for v in questions])
     parts = [
         "<!doctype html><html><head><meta charset='utf-8'>",
         f"<title>{esc(report.title)}</title>",
@@ -74,16 +89,11 @@ def to_html(report: Report) -> str:
         "</style></head><body>",
         f"<h1>{esc(report.title)}</h1><table>",
         *[f"<tr><th>{esc(k)}</th><td>{esc(v)}</td></tr>" for k, v in report.facts],
-        "</table><h2>Verdicts</h2><table><tr><th>question</th><th>verdict</th><th>finding</th></tr>",
-        *[f"<tr><td><a href='#{v.key}'>{esc(v.question)}</a></td><td>{badge(v.status)}</td><td>{esc(v.finding)}</td></tr>"
-          for v in report.verdicts if v.key != "curves"],
-        "</table>",
+        "</table><h2>Verdicts</h2>" + summary[0],
+        *summary[1:],
     ]
     for verdict in report.verdicts:
-        parts.append(f"<h2 id='{verdict.key}'>{esc(verdict.question)} {badge(verdict.status)}</h2>")
-        parts.append(f"<p>{esc(verdict.finding)}</p>")
-        if verdict.details:
-            parts.append("<ul>" + "".join(f"<li>{esc(d)}</li>" for d in verdict.details) + "</ul>")
+        parts += html_section(verdict.answer, words=WORDS, anchor=verdict.key)
         parts += [image(p) for p in verdict.plots]
     section = report.evaluation
     if section is not None:
@@ -99,7 +109,6 @@ def to_html(report: Report) -> str:
         parts += [image(p) for p in section.plots]
     parts.append("</body></html>")
     return "\n".join(parts) + "\n"
-
 
 
 def console_mode(report: Report, setting: str) -> str:
@@ -123,8 +132,7 @@ def render_short(report: Report, console: Any) -> None:
     """One line per verdict that is not ok (warn, fail), then where the report is; a single line when
     every question is ok. An n/a is not a finding (a question this run cannot answer yet: too short
     to judge, no step timed) and is only counted, by name, in the first line."""
-    style = {WARN: "bold yellow", FAIL: "bold red"}
-    questions = [v for v in report.verdicts if v.key != "curves"]
+    questions = _questions(report)
     bad = [v for v in questions if v.status in (WARN, FAIL)]
     unjudged = [v.key.replace("_", " ") for v in questions if v.status == NA]
     where = f"report: {escape(str(report.html))}" if report.html is not None else ""
@@ -132,29 +140,21 @@ def render_short(report: Report, console: Any) -> None:
         console.print(f"post-run review: all {len(questions)} questions ok" + (f"; {where}" if where else ""),
                       highlight=False, soft_wrap=True)  # soft: a path broken by the console is no path to copy
     else:
-        counts = [f"{sum(v.status == s for v in questions)} {s}" for s in (FAIL, WARN, OK) if any(v.status == s for v in questions)]
+        counts = [f"{sum(v.status == s for v in questions)} {s.word}" for s in (FAIL, WARN, OK)
+                  if any(v.status == s for v in questions)]
         if unjudged:
             counts.append(f"{len(unjudged)} n/a ({', '.join(unjudged)})")
         console.print(f"post-run review: {', '.join(counts)}" + (f"; {where}" if where else ""), highlight=False,
                       soft_wrap=True)
-    for verdict in bad:
-        console.print(f"  [{style[verdict.status]}]{verdict.status}[/] {escape(verdict.question)} "
-                      f"{escape(verdict.finding)}", highlight=False, soft_wrap=True)
+    render_lines(console, [v.answer for v in bad], words=WORDS, highlight=False, soft_wrap=True)
     if report.evaluation is not None:
         console.print(f"evaluation: {escape(report.evaluation.summary)}", highlight=False, soft_wrap=True)
 
 
 def render_summary(report: Report, console: Any) -> None:
     """The verdicts as a short table in the terminal."""
-    style = {OK: "bold green", WARN: "bold yellow", FAIL: "bold red", NA: "dim"}
-    table = Table(title=f"post-run review: {report.run_dir}", title_justify="left", show_lines=False)
-    table.add_column("question")
-    table.add_column("verdict")
-    table.add_column("finding", overflow="fold")
-    for verdict in report.verdicts:
-        if verdict.key != "curves":
-            table.add_row(verdict.question, f"[{style[verdict.status]}]{verdict.status}[/]", escape(verdict.finding))
-    console.print(table)
+    render_table(console, [v.answer for v in _questions(report)], COLUMNS, f"post-run review: {report.run_dir}",
+                 words=WORDS, title_justify="left")
     if report.evaluation is not None:
         console.print(f"evaluation: {escape(report.evaluation.summary)}", highlight=False)
     if report.html is not None:

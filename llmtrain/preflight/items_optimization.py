@@ -1,0 +1,130 @@
+"""The pre-flight items about the optimization: warmup, the schedule's length, clipping, the effective
+batch and the learning rate.
+
+Each item is a function of (config, facts) giving a `Finding` (or None where it does not apply);
+preflight/check.py lists them in the order the table shows."""
+
+from __future__ import annotations
+
+from llmtrain.config.derived import (
+    accumulation_steps,
+    default_lr,
+    effective_lr,
+    lr_defaulted,
+    resolved_warmup_steps,
+    sane_lr_range,
+    schedule_steps,
+    seq_len_of,
+    total_steps,
+    world_size_of,
+)
+from llmtrain.config.schema import (
+    Config,
+    OptimizerName,
+)
+from llmtrain.core.findings import Finding, Status
+from llmtrain.engine.schedule import final_lr, held_lr_text
+from llmtrain.preflight.facts import Facts
+
+
+def check_warmup(cfg: Config, facts: Facts) -> Finding:
+    # Warmup is a share of the LR schedule, which schedule.total_steps may make other than the run.
+    total = schedule_steps(cfg)
+    own = cfg.schedule.total_steps is not None
+    warmup = resolved_warmup_steps(cfg.schedule, total)
+    share = warmup / max(1, total)
+    of = f"the schedule's {total}" if own else f"{total}"
+    seen = f"{warmup} of {of} steps ({share:.1%})"
+    why = "Early gradients of a random model are large and unreliable; a full LR on them can push weights to extremes."
+    suggestion = f"schedule.warmup_steps={max(1, round(0.05 * total))} (5% of the {'schedule' if own else 'run'})"
+    if warmup == 0:
+        return Finding("warmup", Status.WARN, "none", why, suggestion)
+    if 0.01 <= share <= 0.10:
+        return Finding("warmup", Status.PASS, seen, why)
+    if share < 0.01 and warmup >= 500:  # long runs: a few hundred steps settle the early updates
+        return Finding("warmup", Status.PASS, f"{seen}, >= 500 steps", why)
+    if share < 0.01:
+        return Finding("warmup", Status.WARN, seen + " - short", why, suggestion)
+    return Finding("warmup", Status.WARN, seen + " - long: the run spends it below its LR",
+                   "Beyond ~10% warmup wastes steps at a low LR.", suggestion)
+
+
+def check_schedule_length(cfg: Config, facts: Facts) -> Finding | None:
+    """A WARN when the LR schedule (schedule.total_steps) ends before the run and the rest of the run
+    sits at a lower LR; no row otherwise, so the table of a run its schedule covers is unchanged."""
+    run_steps, steps = total_steps(cfg), schedule_steps(cfg)
+    peak = effective_lr(cfg)
+    held = final_lr(peak, steps, cfg.schedule)
+    if steps >= run_steps or held >= peak:  # covers the run, or holds the peak (constant): nothing lost
+        return None
+    seen = (f"ends at step {steps:,} of {run_steps:,}: the last {run_steps - steps:,} steps at "
+            f"{held_lr_text(held, peak)}")
+    why = ("Past its end the schedule holds its final LR: the rest of the run costs full compute at the floor (at LR 0 "
+           "it trains nothing); usually a schedule left from a shorter run.")
+    return Finding("schedule length", Status.WARN, seen, why, "schedule.total_steps=null")
+
+
+def check_clipping(cfg: Config, facts: Facts) -> Finding:
+    o = cfg.optim
+    why = ("Clipping caps the update when one batch's gradient explodes; common values are 1.0-5.0 (PASS: 0.5-10).")
+    if o.clip_grad_value is not None:
+        return Finding("gradient clipping", Status.WARN, f"by value {o.clip_grad_value:g}",
+                       "Per-element clipping changes the gradient's direction; clipping the norm keeps it.",
+                       "optim.clip_grad_value=null optim.clip_grad_norm=1.0")
+    if o.clip_grad_norm is None:
+        return Finding("gradient clipping", Status.WARN, "off", why, "optim.clip_grad_norm=1.0")
+    seen = f"norm {o.clip_grad_norm:g}"
+    if o.clip_grad_norm < 0.5:
+        return Finding("gradient clipping", Status.WARN, seen + " - tight: clips almost every step and slows learning",
+                       why, "optim.clip_grad_norm=1.0")
+    if o.clip_grad_norm > 10:
+        return Finding("gradient clipping", Status.WARN, seen + " - loose: barely ever clips", why,
+                       "optim.clip_grad_norm=1.0")
+    return Finding("gradient clipping", Status.PASS, seen, why)
+
+
+def check_effective_batch(cfg: Config, facts: Facts) -> Finding:
+    accum = accumulation_steps(cfg)
+    seq = seq_len_of(cfg)
+    tokens = cfg.global_batch_size * seq
+    world = world_size_of(cfg)
+    seen = (f"{cfg.global_batch_size} seq x {seq} = {tokens:,} tokens/step "
+            f"(micro {cfg.micro_batch_size} x accumulation {accum} x {world} process{'es' if world > 1 else ''})")
+    why = "The batch the optimizer sees sets the gradient noise and the right LR; accumulation must not change it."
+    if facts.train_tokens is not None and tokens > facts.train_tokens:
+        return Finding("effective batch", Status.WARN, seen + f" > the {facts.train_tokens:,} train tokens",
+                       "Each step sees the whole training set more than once.",
+                       "a smaller global_batch_size, or more data")
+    if accum > 64:
+        micro = facts.fitting_micro_batch or max(d for d in range(1, cfg.global_batch_size // 8 + 1)
+                                                 if cfg.global_batch_size % d == 0)
+        return Finding("effective batch", Status.WARN, seen, "Over 64 micro-batches per step: the micro-batch is "
+                       "probably too small to use the device.", f"micro_batch_size={micro}")
+    return Finding("effective batch", Status.PASS, seen, why)
+
+
+def suggested_lr(cfg: Config) -> tuple[float, float]:
+    """(low, high) sane peak LRs for the optimizer and, for Adam-like ones, the model width."""
+    return sane_lr_range(cfg.optim.name, cfg.model.n_embd)
+
+
+def check_learning_rate(cfg: Config, facts: Facts) -> Finding:
+    lr = effective_lr(cfg)
+    low, high = suggested_lr(cfg)
+    name = cfg.optim.name.value + (", the default" if lr_defaulted(cfg) else "")
+    scaled = f", {cfg.schedule.lr_scaling.value}-scaled from {cfg.optim.lr:g}" if lr != cfg.optim.lr else ""
+    seen = f"{lr:g} ({name}{scaled})"
+    why = "Too high diverges (NaN after warmup); too low stalls. The sane range depends on the optimizer and the width."
+    adam_like = cfg.optim.name in (OptimizerName.adamw, OptimizerName.adam)
+    # The fix is what optim.lr=null would give (the same function sets the default), undoing lr_scaling.
+    fix = f"optim.lr={round_lr(default_lr(cfg.optim.name, cfg.model.n_embd) * cfg.optim.lr / lr)}"
+    if (adam_like and lr >= 0.05) or (not adam_like and lr >= 10 * high):
+        return Finding("learning rate", Status.FAIL, seen + " - diverges", why, fix)
+    if lr > high or lr < low:
+        width = f" for a {cfg.model.n_embd}-wide model" if adam_like else ""
+        return Finding("learning rate", Status.WARN, f"{seen} outside {low:.1g}-{high:.1g}{width}", why, fix)
+    return Finding("learning rate", Status.PASS, seen, why)
+
+
+def round_lr(lr: float) -> str:
+    return f"{float(f'{lr:.1g}'):g}"
