@@ -146,7 +146,8 @@ def bench_generation(run: TrainedRun, n: int, reps: int, temperature: float, con
             if rep:
                 seconds[path].append(time.perf_counter() - start)
         if rep:
-            console.print(f"temperature {temperature:g} rep {rep}/{reps}: bare {n / seconds['bare'][-1]:,.0f} tokens/s, "
+            console.print(f"temperature {temperature:g} rep {rep}/{reps}: "
+                          f"bare {n / seconds['bare'][-1]:,.0f} tokens/s, "
                           f"llmtrain {n / seconds['llmtrain'][-1]:,.0f} tokens/s")
     med = {path: statistics.median(s) for path, s in seconds.items()}
     return {"temperature": temperature, "tokens": n, "seconds": seconds,
@@ -202,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     if "wall_s" in results:
         w = {name: statistics.median(times) for name, times in results["wall_s"].items()}
         verdict = ("met" if w["sample"] < 6 else "NOT met") if args.tokens == 1000 else "for 1000 tokens"
-        console.print(f"`llmtrain sample --max-new-tokens {args.tokens}`: [bold]{w['sample']:.2f} s[/] wall (target < 6 s "
+        console.print(f"`llmtrain sample --max-new-tokens {args.tokens}`: "
+                      f"[bold]{w['sample']:.2f} s[/] wall (target < 6 s "
                       f"{verdict}); of it start-up and loading (1 token) {w['sample_1_token']:.2f} s, "
                       f"`import torch` alone {w['import_torch']:.2f} s")
     if args.json:

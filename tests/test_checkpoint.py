@@ -122,7 +122,8 @@ def train_reference(tmp_path: Path, overrides: dict) -> dict[str, torch.Tensor]:
 
 
 def test_keep_last_and_keep_best(tmp_path: Path) -> None:
-    overrides = {"max_steps": 10, "checkpoint.every_steps": 2, "checkpoint.keep_last": 2, "eval_interval": 2, "eval_batches": 2}
+    overrides = {"max_steps": 10, "checkpoint.every_steps": 2, "checkpoint.keep_last": 2, "eval_interval": 2,
+                 "eval_batches": 2}
     result = train(tiny_config(tmp_path / "run", **overrides))
     best_step = min(result.val_losses, key=result.val_losses.get)
     kept = {p.name for p in list_checkpoints(tmp_path / "run")}
@@ -173,7 +174,9 @@ def test_config_changes_on_resume_are_shown_or_refused(tmp_path: Path) -> None:
     config_before = (tmp_path / "run" / "config.yaml").read_text()
     with pytest.raises(ConfigError, match=r"model\.n_embd: 32 -> 64"):
         train(tiny_config(tmp_path / "run", max_steps=8, **{"model.n_embd": 64}))
-    assert (tmp_path / "run" / "config.yaml").read_text() == config_before, "a refused resume must not rewrite the run dir"
+    assert (tmp_path / "run" / "config.yaml").read_text() == config_before, (
+        "a refused resume must not rewrite the run dir"
+    )
 
 
 def test_resume_never_refuses_to_overwrite_and_a_path_resumes_elsewhere(tmp_path: Path) -> None:
@@ -209,7 +212,8 @@ def test_skip_drops_the_update_and_logs_it(tmp_path: Path, monkeypatch: pytest.M
 
 def test_consecutive_skips_escalate_to_rollback(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LLMTRAIN_TEST_NAN_AT_STEPS", "5,6,7")
-    result = train(tiny_config(tmp_path / "run", max_steps=10, **{"checkpoint.every_steps": 4, "checkpoint.rollback_lr_factor": 0.5}))
+    result = train(tiny_config(tmp_path / "run", max_steps=10,
+                               **{"checkpoint.every_steps": 4, "checkpoint.rollback_lr_factor": 0.5}))
     events = records(tmp_path / "run", "nonfinite")
     assert [(e["step"], e["action"]) for e in events] == [(5, "skip"), (6, "skip"), (7, "rollback")]
     rollback = records(tmp_path / "run", "rollback")[0]
@@ -259,7 +263,8 @@ def test_sample_and_export_work_on_an_interrupted_run(tmp_path: Path, monkeypatc
     assert not (tmp_path / "run" / "model.pt").exists()
     text = sample_text(tmp_path / "run", prompt="A", max_new_tokens=20, seed=1)
     out = export_run(tmp_path / "run")
-    assert (out / "model.safetensors").is_file() and json.loads((out / "model_config.json").read_text())["context"] == 32
+    assert ((out / "model.safetensors").is_file()
+            and json.loads((out / "model_config.json").read_text())["context"] == 32)
     assert sample_text(out, prompt="A", max_new_tokens=20, seed=1) == text, "the export samples like the run"
     exported = load_run(out).model.state_dict()
     saved = load_checkpoint(tmp_path / "run" / "checkpoints" / "step_00000003").model

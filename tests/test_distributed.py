@@ -19,7 +19,9 @@ RUN = [
     "model.n_head=2", "model.block_size=32", "model.dropout=0.0", "micro_batch_size=2", "global_batch_size=8",
     "max_steps=6", "schedule.warmup_steps=1", "eval_interval=3", "log_interval=1", "checkpoint.every_steps=1",
     "monitor.interval=2", "monitor.activation_interval=2",  # the health checks (collectives under fsdp) run too
-    "threads=1",  # not auto: the free cores it measures, so the thread count and the sums, would follow the machine's load
+    # not auto: the free cores it measures, so the thread count and the sums, would follow
+    # the machine's load
+    "threads=1",
 ]
 DDP = ["parallel=ddp", "parallel.nproc=2"]
 
@@ -161,7 +163,10 @@ def test_a_non_finite_step_is_skipped_on_every_rank_as_in_one_process(tmp_path: 
 
 
 def test_a_rollback_under_fsdp_reads_its_sharded_checkpoint_as_one_process_would(tmp_path: Path) -> None:
-    nan, rollback = {"LLMTRAIN_TEST_NAN_AT_STEPS": "5"}, ["checkpoint.on_nonfinite=rollback", "checkpoint.every_steps=2"]
+    nan, rollback = (
+        {"LLMTRAIN_TEST_NAN_AT_STEPS": "5"},
+        ["checkpoint.on_nonfinite=rollback", "checkpoint.every_steps=2"],
+    )
     single = llmtrain(tmp_path, *rollback, f"hydra.run.dir={tmp_path / 'single'}", env=nan)
     ranks = llmtrain(tmp_path, *FSDP, *rollback, f"hydra.run.dir={tmp_path / 'ranks'}", env=nan)
     assert single.returncode == 0 and ranks.returncode == 0, ranks.stderr

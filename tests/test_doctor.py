@@ -189,7 +189,7 @@ def test_grad_check_catches_a_per_micro_batch_mean(tmp_path: Path, monkeypatch: 
     (number of micro-batches) times too large, which the single-sequence split shows."""
     import llmtrain.doctor.bench as bench_module  # where the experiments look it up
 
-    def mean_per_micro_batch(model, batches, device, autocast, scaler=None, label_smoothing=0.0, **_):
+    def mean_per_micro_batch(model, batches, device, precision, timer, label_smoothing=0.0, **_):
         total = torch.zeros(())
         for x, y in batches:
             loss = F.cross_entropy(model(x.to(device)).flatten(0, 1), y.to(device).flatten())
@@ -197,7 +197,7 @@ def test_grad_check_catches_a_per_micro_batch_mean(tmp_path: Path, monkeypatch: 
             total += loss.detach()
         return total
 
-    monkeypatch.setattr(bench_module, "accumulate_gradients", mean_per_micro_batch)
+    monkeypatch.setattr(bench_module, "accumulate_window", mean_per_micro_batch)
     console, _ = quiet_console()
     result = run_grad_check(tiny_config(tmp_path / "run"), tmp_path / "doctor", console)
     accumulation = [c for c in result.checks if c.name.startswith("accumulated")]
@@ -205,7 +205,7 @@ def test_grad_check_catches_a_per_micro_batch_mean(tmp_path: Path, monkeypatch: 
     assert accumulation[-1].details["gradients"]["norm_ratio"] == pytest.approx(8.0, rel=1e-3)
 
 
-def _mean_over_micro_batches(model, batches, device, autocast, scaler=None, label_smoothing=0.0, **_):
+def _mean_over_micro_batches(model, batches, device, precision, timer, label_smoothing=0.0, **_):
     """The classic accumulation bug: each micro-batch's MEAN loss divided by the number of micro-batches.
     Right only when every micro-batch holds as many real tokens as the others."""
     total = torch.zeros(())
@@ -231,7 +231,7 @@ def test_grad_check_catches_mean_over_micro_batches_on_masked_data(tmp_path: Pat
     instruct = {"data.source": DataSource.instruct, "data.path": str(pairs)}
     assert run_grad_check(tiny_config(tmp_path / "a", **instruct), tmp_path / "a", quiet_console()[0]).passed
 
-    monkeypatch.setattr(bench_module, "accumulate_gradients", _mean_over_micro_batches)
+    monkeypatch.setattr(bench_module, "accumulate_window", _mean_over_micro_batches)
     plain = run_grad_check(tiny_config(tmp_path / "b"), tmp_path / "b", quiet_console()[0])
     assert plain.passed, "on equal token counts the bug gives the right gradient"
     masked = run_grad_check(tiny_config(tmp_path / "c", **instruct), tmp_path / "c", quiet_console()[0])

@@ -131,8 +131,8 @@ def test_the_report_plots_the_tasks_and_lists_eval_json(runs: dict) -> None:
     assert "eval.json (`llmtrain eval`): 2 task(s)" in section and "written 2025-01-02T03:04:05+00:00" in section
     assert ("| perplexity:held.txt | perplexity | loss 1.2340, ppl 3.44, bits/byte 1.7800 | 1,500 tokens, 1,500 bytes, "
             "1 document |") in section
-    assert "| multiple_choice:mc.jsonl | multiple_choice | acc 0.5000 ± 0.2236, acc_norm 0.2500 ± 0.1936 | 6 examples |" \
-        in section
+    assert ("| multiple_choice:mc.jsonl | multiple_choice | acc 0.5000 ± 0.2236, acc_norm 0.2500 ± 0.1936 "
+            "| 6 examples |") in section
     step10 = [r for r in eval_task_records(run_dir) if r["step"] == STEPS]
     assert f"{runs['tasks'][0]} at step {STEPS}: loss {step10[0]['loss']:.4f}" in section
     assert "*eval_tasks.png: left out: only 2 evaluations of the tasks (at every evaluation: every eval_interval=5 " \
@@ -141,7 +141,8 @@ def test_the_report_plots_the_tasks_and_lists_eval_json(runs: dict) -> None:
     assert "<h2 id='evaluation'>Evaluation</h2>" in page and "acc 0.5000 ± 0.2236" in page
     console = Console(file=io.StringIO(), width=300)
     render_summary(report, console)
-    assert "evaluation: eval.json: perplexity:held.txt loss 1.2340, ppl 3.44, bits/byte 1.7800;" in console.file.getvalue()
+    assert ("evaluation: eval.json: perplexity:held.txt loss 1.2340, ppl 3.44, bits/byte 1.7800;"
+            in console.file.getvalue())
 
 
 class DrawingTask:

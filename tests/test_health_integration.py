@@ -58,8 +58,9 @@ def test_lr_far_too_high_raises_grad_norm_high_and_reduce_lr_acts(tmp_path: Path
 
 def test_no_warmup_at_a_high_lr_is_caught_early(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    train(tiny_config(run, **WATCH, allow_check_failures=True, **{"optim.lr": 1.0, "schedule.warmup_steps": 0, "optim.clip_grad_norm": None,
-                                       "monitor.grad_norm_high": 10.0}))
+    train(tiny_config(run, **WATCH, allow_check_failures=True,
+                      **{"optim.lr": 1.0, "schedule.warmup_steps": 0, "optim.clip_grad_norm": None,
+                         "monitor.grad_norm_high": 10.0}))
     raised = alarms(run)
     assert min(raised.get("param_norm_jump", 99), raised.get("grad_norm_high", 99)) <= 6, raised
 
@@ -174,7 +175,9 @@ def test_rollback_action_then_stop_when_it_recurs(tmp_path: Path, monkeypatch: p
     assert [a for a, _ in actions] == ["rollback", "stop (checkpoint.max_rollbacks reached)"]
 
 
-def test_a_resumed_run_that_still_shows_the_pattern_stops_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_resumed_run_that_still_shows_the_pattern_stops_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     real = train_module.lr_at
     monkeypatch.setattr(train_module, "lr_at", lambda step, *a: 0.0 if step >= 10 else real(step, *a))
     run = tmp_path / "run"

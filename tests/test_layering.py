@@ -1,8 +1,8 @@
 """The architecture, held by tests: packages import only the layers below them, in the order
 docs/architecture.md writes down, and every file that page names exists; no import cycle inside
-llmtrain/ (lazy imports included), the config package never imports torch, the CLI's entry module imports only the standard library (so
-`llmtrain --help` answers instantly), no function is over 120 lines, no module over 600, and the
-step loop `fit` is under 100 (docs/architecture.md)."""
+llmtrain/ (lazy imports included), the config package never imports torch, the CLI's entry module
+imports only the standard library (so `llmtrain --help` answers instantly), no function is over
+120 lines, no module over 600, and the step loop `fit` is under 100 (docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -136,7 +136,8 @@ def test_the_files_the_architecture_page_names_exist() -> None:
     """A path in docs/architecture.md (`training/setup.py`, `tests/test_train.py`) is a file here:
     the page and the code say the same."""
     named = set(re.findall(r"(?<![\w./-])((?:[a-z_]+/)+[a-z_0-9]+\.py)\b", ARCHITECTURE.read_text()))
-    missing = sorted(path for path in named if not any((base / path).exists() for base in (PACKAGE, ROOT, ROOT / "tests")))
+    missing = sorted(path for path in named
+                     if not any((base / path).exists() for base in (PACKAGE, ROOT, ROOT / "tests")))
     assert missing == []
 
 
@@ -147,7 +148,8 @@ def _run_python(code: str) -> str:
 
 def test_config_imports_no_torch() -> None:
     modules = sorted(name for name in MODULES if name == "llmtrain.config" or name.startswith("llmtrain.config."))
-    code = f"import sys; import {', '.join(modules)}; print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'hydra', 'numpy')))"
+    code = (f"import sys; import {', '.join(modules)}; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'hydra', 'numpy')))")
     # hydra is imported only inside the functions that register and convert (the CLI calls them)
     assert _run_python(code) == "[]"
 
@@ -161,7 +163,8 @@ def test_the_cli_entry_module_imports_only_the_standard_library() -> None:
     assert imported <= set(sys.stdlib_module_names), imported - set(sys.stdlib_module_names)
     # and at run time: importing it (what `llmtrain --help` does first) loads nothing heavy
     loaded = _run_python("import sys; import llmtrain.cli; "
-                         "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'numpy', 'hydra', 'omegaconf', 'rich'}))")
+                         "print(sorted({m.split('.')[0] for m in sys.modules} "
+                         "& {'torch', 'numpy', 'hydra', 'omegaconf', 'rich'}))")
     assert loaded == "[]"
 
 

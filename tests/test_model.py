@@ -138,7 +138,8 @@ def test_train_loop_under_mixed_precision(tmp_path: Path, precision: Precision) 
         assert scales == [None] * 4
 
 
-@pytest.mark.parametrize("overrides", [{}, {"tie_weights": False}, {"position": PositionEncoding.rope, "norm": NormKind.rmsnorm,
+@pytest.mark.parametrize("overrides", [{}, {"tie_weights": False},
+                                       {"position": PositionEncoding.rope, "norm": NormKind.rmsnorm,
                                         "mlp": MlpKind.swiglu, "n_kv_head": 1, "bias": False}])
 def test_model_tensors_are_the_built_models(overrides: dict) -> None:
     """The shapes and counts known without building equal the built model's, for 3 layers."""

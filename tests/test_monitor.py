@@ -39,7 +39,8 @@ def noisy(n: int, seed: int = 0, **kw: object) -> list[Sample]:
         act = i % 10 == 0
         out.append(sample(
             i + 1, loss=3.0 - 0.001 * i + rng.gauss(0, 0.05), grad_norm=abs(rng.gauss(1.0, 0.3)) + 0.1,
-            block_grad_norms=[abs(rng.gauss(0.5, 0.1)) + 0.05 for _ in range(3)], param_norm=100 + 0.01 * i + rng.gauss(0, 0.05),
+            block_grad_norms=[abs(rng.gauss(0.5, 0.1)) + 0.05 for _ in range(3)],
+            param_norm=100 + 0.01 * i + rng.gauss(0, 0.05),
             rss_mb=500 + rng.gauss(0, 3), activation_mean=[rng.gauss(0, 0.05) for _ in range(3)] if act else None,
             activation_var=[1 + rng.gauss(0, 0.1) for _ in range(3)] if act else None, **kw,
         ))

@@ -43,7 +43,8 @@ def logged_step(run_dir: Path) -> int:
 
 
 def start_and_wait_for_step(run_dir: Path, step: int, tmp_path: Path) -> subprocess.Popen:
-    proc = subprocess.Popen(command(run_dir), cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(command(run_dir), cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
     deadline = time.monotonic() + 120
     while logged_step(run_dir) < step:
         assert proc.poll() is None, f"the run ended before step {step}: {proc.stderr.read()}"
@@ -99,7 +100,8 @@ def test_sigterm_saves_prints_the_resume_command_and_exits_75(tmp_path: Path, re
     assert argv[:2] == ["llmtrain", "train"] and f"hydra.run.dir={run_dir}" in argv
     latest = (run_dir / "checkpoints" / "latest").read_text()
     assert int(latest.removeprefix("step_")) >= 5
-    resumed = subprocess.run([sys.executable, "-m", "llmtrain", *argv[1:]], cwd=tmp_path, capture_output=True, text=True)
+    resumed = subprocess.run([sys.executable, "-m", "llmtrain", *argv[1:]], cwd=tmp_path, capture_output=True,
+                             text=True)
     assert resumed.returncode == 0, resumed.stderr
     assert_same(weights(run_dir), reference)
 

@@ -113,7 +113,8 @@ def test_subnormals_are_flushed_on_every_thread_before_any_compute() -> None:
     import sys
 
     def nonzero(*overrides: str) -> int:
-        proc = subprocess.run([sys.executable, "-c", FLUSH_PROBE, *overrides], capture_output=True, text=True, timeout=60)
+        proc = subprocess.run([sys.executable, "-c", FLUSH_PROBE, *overrides], capture_output=True, text=True,
+                              timeout=60)
         assert proc.returncode == 0, proc.stderr
         return int(proc.stdout.strip())
 

@@ -35,6 +35,7 @@ class CountingModel(torch.nn.Module):
 def test_generation_ends_after_end_of_text_and_only_then() -> None:
     model = CountingModel()
     assert generate(model, [2], 10, temperature=0, stop_id=6) == [3, 4, 5, 6]
-    assert generate(model, [2], 10, temperature=1.0, generator=torch.Generator().manual_seed(0), stop_id=6) == [3, 4, 5, 6]
+    assert generate(model, [2], 10, temperature=1.0, generator=torch.Generator().manual_seed(0),
+                    stop_id=6) == [3, 4, 5, 6]
     assert generate(model, [2], 5, temperature=0, stop_id=None) == [3, 4, 5, 6, 7]
     assert generate(model, [2], 3, temperature=0, stop_id=6) == [3, 4, 5]  # the budget ends first

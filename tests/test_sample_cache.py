@@ -145,7 +145,9 @@ def test_seeded_sampling_within_the_window_equals_recomputing_it() -> None:
 
 
 @pytest.mark.parametrize("shape", ["gpt2", "llama"])
-def test_past_the_window_the_cache_refills_from_the_last_half_window(shape: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_past_the_window_the_cache_refills_from_the_last_half_window(
+    shape: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     model = make_model(shape, block_size=16)
     reads: list[tuple[int, int]] = []  # (cached tokens, new tokens) of every forward
     forward = GPT.forward
@@ -267,7 +269,9 @@ def test_a_damaged_optimizer_does_not_stop_sampling_its_weights(tmp_path: Path) 
     assert same(load_run(run).model.state_dict(), saved[4])
 
 
-def test_a_damaged_checkpoint_is_still_refused_when_sampling(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_damaged_checkpoint_is_still_refused_when_sampling(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     run, saved = interrupted_run(tmp_path)
     flip_a_byte(run / "checkpoints" / "step_00000004" / "model.pt")
     assert same(load_run(run).model.state_dict(), saved[2]), "the older good checkpoint's weights"

@@ -192,7 +192,11 @@ class BusyMeter(CoreMeter):
 def watch(threads: int = 2, busy: float = 1.8) -> tuple[SlowdownWatch, list[str], list[dict]]:
     warnings: list[str] = []
     records: list[dict] = []
-    return SlowdownWatch(warnings.append, SimpleNamespace(write=records.append), threads, BusyMeter(busy)), warnings, records
+    return (
+        SlowdownWatch(warnings.append, SimpleNamespace(write=records.append), threads, BusyMeter(busy)),
+        warnings,
+        records,
+    )
 
 
 def feed(slowdown: SlowdownWatch, rates: list[float], start: int = 10, clean: bool = True, stage: object = None) -> int:

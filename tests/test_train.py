@@ -34,7 +34,8 @@ def test_golden_losses(tmp_path: Path) -> None:
     losses = [result.train_losses[step] for step in sorted(result.train_losses)]
     assert len(losses) == 10
     if os.environ.get("LLMTRAIN_UPDATE_GOLDEN") == "1":
-        GOLDEN.write_text(json.dumps({"losses": losses, "note": "tests/conftest.py tiny_config, fp32, 1 thread"}, indent=2))
+        GOLDEN.write_text(json.dumps({"losses": losses, "note": "tests/conftest.py tiny_config, fp32, 1 thread"},
+                                     indent=2))
     golden = json.loads(GOLDEN.read_text())["losses"]
     assert losses == pytest.approx(golden, rel=1e-5)
     assert losses[-1] < losses[0] - 0.3, "the tiny model must learn something in 10 steps"

@@ -89,7 +89,8 @@ def test_on_a_terminal_the_log_gets_the_step_lines_not_the_bar(tmp_path: Path, j
     sink.banner("llmtrain: a run", [("steps", "3"), ("check", "all pass")])
     sink.start()
     for step in (1, 2, 3):
-        sink.log_train({"step": step, "loss": 2.0, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 1000.0}, "0:01 elapsed")
+        sink.log_train({"step": step, "loss": 2.0, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 1000.0},
+                       "0:01 elapsed")
     sink.log_eval({"step": 3, "val_loss": 1.5, "val_ppl": 4.48})
     sink.stop()
     sink.print("[bold]done[/]: step 3")

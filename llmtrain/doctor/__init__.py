@@ -17,7 +17,7 @@ The seed's debugging habits, each one command on the user's own (composed, valid
 helpers, the gradient helpers and the `Check` table. This file holds `EXPERIMENTS` and `run_doctor`.
 
 Everything reuses the train loop's building blocks (training/setup.py's runtime, data, train
-sampler and model builders, `accumulate_gradients`, `evaluate`, `build_optimizer`, `clip_gradients`,
+sampler and model builders, `accumulate_window`, `evaluate`, `build_optimizer`, `clip_gradients`,
 the autocast factory, engine/modes.py's train/eval-mode probe), so what is checked is the code
 `llmtrain train` runs, set up as it sets up. Every experiment takes an optional model factory
 (`build_model(model_cfg, vocab_size) -> nn.Module`, default `GPT`): the tests hand in deliberately

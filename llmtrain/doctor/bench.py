@@ -4,11 +4,9 @@ helpers and the `Check` table used by several experiments."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,8 +26,9 @@ from llmtrain.core.files import json_safe
 from llmtrain.core.findings import Column, Finding, Status, badge, render_table
 from llmtrain.data.cache import PreparedData
 from llmtrain.distributed.layout import Layout
-from llmtrain.engine.precision import resolve_precision
-from llmtrain.engine.step import Batch, accumulate_gradients
+from llmtrain.engine.precision import NumericPrecision, resolve_precision
+from llmtrain.engine.step import Batch, accumulate_window
+from llmtrain.engine.timing import StepTimer
 from llmtrain.model import GPT
 from llmtrain.training.setup import ModelFactory, build_data, build_runtime, build_train_sampler, new_model
 
@@ -91,7 +90,7 @@ def make_bench(cfg: Config, console: Console, build_model: ModelFactory | None =
     return Bench(cfg, runtime.device, data, vocab_size, seq_len_of(cfg), runtime.seed, build_model or GPT)
 
 
-def fastest_threads(bench: Bench, model: nn.Module, batch: Batch, autocast: Callable[[], Any],
+def fastest_threads(bench: Bench, model: nn.Module, batch: Batch, precision: NumericPrecision,
                     console: Console) -> int:
     """On CPU, with threads=auto: keep the thread count auto picked from the free cores or drop to 1,
     whichever runs this experiment's forward/backward faster (timed, gradients discarded): the cores
@@ -104,10 +103,10 @@ def fastest_threads(bench: Bench, model: nn.Module, batch: Batch, autocast: Call
     timings = {}
     for threads in (current, 1):
         torch.set_num_threads(threads)
-        backward(model, [batch], bench.device, autocast)  # warm-up
+        backward(model, [batch], bench.device, precision)  # warm-up
         begin = time.perf_counter()
         for _ in range(2):
-            backward(model, [batch], bench.device, autocast)
+            backward(model, [batch], bench.device, precision)
         timings[threads] = (time.perf_counter() - begin) / 2
     model.zero_grad(set_to_none=True)
     best = min(timings, key=timings.get)
@@ -174,13 +173,18 @@ def _names(names: list[str], limit: int = 6) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
+FP32 = NumericPrecision()  # no autocast, no loss scaling: the reference the doctor compares against
+
+
 def backward(
-    model: nn.Module, batches: list[Batch], device: torch.device, autocast: Callable[[], Any] = contextlib.nullcontext,
-    label_smoothing: float = 0.0, scaler: torch.amp.GradScaler | None = None,
+    model: nn.Module, batches: list[Batch], device: torch.device, precision: NumericPrecision = FP32,
+    label_smoothing: float = 0.0,
 ) -> float:
-    """The train loop's forward/backward of one accumulation window on zeroed gradients; the mean loss."""
+    """The train loop's forward/backward of one accumulation window (`accumulate_window`) on zeroed
+    gradients, untimed; the mean loss."""
     model.zero_grad(set_to_none=True)
-    return float(accumulate_gradients(model, batches, device, autocast, scaler, label_smoothing).item())
+    window = accumulate_window(model, batches, device, precision, StepTimer(0, device), label_smoothing=label_smoothing)
+    return float(window.item())
 
 
 def gradients(model: nn.Module, scale: float = 1.0) -> dict[str, torch.Tensor]:

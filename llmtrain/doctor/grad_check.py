@@ -31,7 +31,7 @@ from llmtrain.doctor.bench import (
     result_record,
     write_json,
 )
-from llmtrain.engine.precision import autocast_factory, native_bf16
+from llmtrain.engine.precision import autocast_factory, native_bf16, with_scaler
 
 # ---------------------------------------------------------------------------------------------
 # grad-check
@@ -128,8 +128,9 @@ def check_autocast(bench: Bench) -> Check:
     scaler = None
     if name is Precision.fp16:
         scaler = torch.amp.GradScaler(bench.device.type, init_scale=precision.init_scale)
-    backward(model, [batch], bench.device, autocast_factory(precision, bench.device.type), scaler=scaler)
-    mixed = gradients(model, scale=scaler.get_scale() if scaler is not None else 1.0)
+    mixed_precision = with_scaler(autocast_factory(precision, bench.device.type), scaler)
+    backward(model, [batch], bench.device, mixed_precision)
+    mixed = gradients(model, scale=mixed_precision.loss_scale() or 1.0)
     diff = compare_gradients(mixed, reference)
     norm_diff = abs(diff.norm_ratio - 1.0)
     return Check(Finding(
@@ -145,7 +146,7 @@ def check_autocast(bench: Bench) -> Check:
 
 
 def check_accumulation(bench: Bench) -> list[Check]:
-    """Micro-batches accumulated the train loop's way (`accumulate_gradients`: loss sum / tokens in
+    """Micro-batches accumulated the train loop's way (`accumulate_window`: loss sum / tokens in
     the window) against an independent reference: one forward of the whole batch with a plain
     token-mean cross-entropy. First the config's own split, then (when the micro-batch holds several
     sequences) one sequence per micro-batch, the split most sensitive to a wrong normalization."""

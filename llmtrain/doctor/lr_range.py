@@ -21,14 +21,14 @@ from llmtrain.doctor.bench import (
     _precision_name,
     _pyplot,
     _verdict,
+    backward,
     fastest_threads,
     make_bench,
     prepare_out_dir,
     write_json,
 )
 from llmtrain.engine.optim import build_optimizer, clip_gradients
-from llmtrain.engine.precision import autocast_factory, build_grad_scaler
-from llmtrain.engine.step import accumulate_gradients
+from llmtrain.engine.precision import build_precision
 
 # ---------------------------------------------------------------------------------------------
 # lr-range
@@ -104,10 +104,9 @@ def _sweep(
     cfg, device = bench.cfg, bench.device
     model = bench.model()
     optimizer = build_optimizer(model, cfg.optim, device.type)
-    autocast = autocast_factory(cfg.precision, device.type)
-    scaler = build_grad_scaler(cfg.precision, device.type)
+    precision = build_precision(cfg.precision, device.type)
     params = [p for p in model.parameters() if p.requires_grad]
-    fastest_threads(bench, model, bench.batch(cfg.micro_batch_size), autocast, console)
+    fastest_threads(bench, model, bench.batch(cfg.micro_batch_size), precision, console)
     sampler = bench.sampler(cfg.micro_batch_size)
     lrs, losses, smoothed = [], [], []
     average, best, diverged = 0.0, math.inf, None
@@ -117,15 +116,11 @@ def _sweep(
         for group in optimizer.param_groups:
             group["lr"] = lr
         window = [sampler.next_batch() for _ in range(accum)]
-        loss = float(accumulate_gradients(model, window, device, autocast, scaler, cfg.optim.label_smoothing).item())
-        if scaler is not None:
-            scaler.unscale_(optimizer)
+        loss = backward(model, window, device, precision, cfg.optim.label_smoothing)
+        precision.unscale(optimizer)
         clip_gradients(params, cfg.optim)
-        if scaler is not None:
-            scaler.step(optimizer)
-            scaler.update()
-        elif math.isfinite(loss):
-            optimizer.step()
+        if precision.loss_scaling or math.isfinite(loss):  # the scaler skips an overflowed step itself
+            precision.step(optimizer)
         optimizer.zero_grad(set_to_none=True)
         lrs.append(lr)
         losses.append(loss)

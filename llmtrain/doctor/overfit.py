@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,7 +34,7 @@ from llmtrain.doctor.bench import (
 )
 from llmtrain.engine.modes import eval_mode, probe_modes
 from llmtrain.engine.optim import build_optimizer, grad_norm
-from llmtrain.engine.precision import autocast_factory, build_grad_scaler
+from llmtrain.engine.precision import NumericPrecision, build_precision
 
 # ---------------------------------------------------------------------------------------------
 # overfit
@@ -78,8 +77,7 @@ def run_overfit(
     # Nothing that fights memorization: no weight decay, no warmup, no decay, no clipping, no smoothing.
     optimizer = build_optimizer(model, OptimConfig(name=OptimizerName.adam, lr=lr, weight_decay=0.0),
                                 bench.device.type)
-    autocast = autocast_factory(cfg.precision, bench.device.type)
-    scaler = build_grad_scaler(cfg.precision, bench.device.type)
+    precision = build_precision(cfg.precision, bench.device.type)
     initial = {name: p.detach().clone() for name, p in model.named_parameters()}
     console.print(
         f"[bold]doctor overfit[/]: {cfg.model.name} ({_param_count(model):,} parameters, dropout 0) memorizes one "
@@ -88,8 +86,8 @@ def run_overfit(
     )
     console.print(f"pass: loss < {target_loss:g} nats/token (from ~ln(vocab) = {math.log(bench.vocab_size):.2f}) "
                   "and neither a future-token leak nor unshifted targets made it easy")
-    fastest_threads(bench, model, batch, autocast, console)
-    losses, norms, reached = memorize(model, optimizer, batch, bench.device, autocast, scaler, max_steps, target_loss,
+    fastest_threads(bench, model, batch, precision, console)
+    losses, norms, reached = memorize(model, optimizer, batch, bench.device, precision, max_steps, target_loss,
                                       console)
 
     # Two bugs make memorizing too EASY, so they are looked for even when the loss got there.
@@ -111,7 +109,7 @@ def run_overfit(
 
 def memorize(
     model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, device: torch.device,
-    autocast: Callable[[], Any], scaler: torch.amp.GradScaler | None, max_steps: int, target_loss: float,
+    precision: NumericPrecision, max_steps: int, target_loss: float,
     console: Console,
 ) -> tuple[list[float], list[float], int | None]:
     """Train on the one batch until the loss is below `target_loss` (that step's number is returned)
@@ -120,19 +118,14 @@ def memorize(
     losses, norms = [], []
     every = max(1, max_steps // 16)
     for step in range(1, max_steps + 1):
-        loss = backward(model, [batch], device, autocast, scaler=scaler)
-        if scaler is not None:
-            scaler.unscale_(optimizer)
+        loss = backward(model, [batch], device, precision)
+        precision.unscale(optimizer)
         losses.append(loss)
         norms.append(float(grad_norm(params)))
         if not math.isfinite(loss):
             console.print(f"  step {step:4d}  loss {loss}: not finite, stopping")
             break
-        if scaler is not None:
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            optimizer.step()
+        precision.step(optimizer)
         if step == 1 or step % every == 0 or loss < target_loss:
             console.print(f"  step {step:4d}  loss {loss:8.4f}  grad norm {norms[-1]:9.4g}")
         if loss < target_loss:

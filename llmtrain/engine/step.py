@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from llmtrain.config.schema import OptimConfig
 from llmtrain.data.sampler import IGNORE_INDEX
 from llmtrain.engine.optim import clip_gradients
-from llmtrain.engine.precision import NumericPrecision, with_scaler
+from llmtrain.engine.precision import NumericPrecision
 from llmtrain.engine.timing import StepTimer
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -86,22 +86,6 @@ def accumulate_window(
         timer.lap("backward")
         window_loss += loss.detach()
     return window_loss
-
-
-def accumulate_gradients(
-    model: torch.nn.Module,
-    batches: list[Batch],
-    device: torch.device,
-    autocast: Callable[[], ContextManager],
-    scaler: torch.amp.GradScaler | None = None,
-    label_smoothing: float = 0.0,
-    n_tokens: int | None = None,
-    world_size: int = 1,
-) -> torch.Tensor:
-    """`accumulate_window` with the precision given as an autocast factory and an optional loss
-    scaler, untimed: the form the doctor's checks call."""
-    return accumulate_window(model, batches, device, with_scaler(autocast, scaler), StepTimer(0, device),
-                             label_smoothing=label_smoothing, n_tokens=n_tokens, world_size=world_size)
 
 
 @torch.no_grad()

@@ -216,7 +216,9 @@ def _harness_quiet(offline: bool) -> Iterator[None]:
         if not os.environ.get("LMEVAL_LOG_LEVEL"):
             stack.enter_context(_logger_level("lm_eval", logging.WARNING))
             stack.enter_context(_datasets_bars_off())
-            stack.enter_context(_patched(lm_eval.api.task, "tqdm", functools.partial(lm_eval.api.task.tqdm, disable=True)))
+            stack.enter_context(
+                _patched(lm_eval.api.task, "tqdm", functools.partial(lm_eval.api.task.tqdm, disable=True))
+            )
         stack.enter_context(_patched(lm_eval.evaluator, "add_env_info", _env_info))
         stack.enter_context(_patched(lm_eval.evaluator, "get_git_commit_hash", lambda: None))
         yield
@@ -439,7 +441,8 @@ class _Adapter:
                 with encodable(self._where(request)):
                     prompt = self.tokenizer.encode(context) if context else [self.eos_id]
                 self._check_prompt(len(prompt), request)
-                out.append(self._generate(prompt, _stops(kwargs.get("until")), int(kwargs.get("max_gen_toks", DEFAULT_MAX_GEN_TOKS)),
+                out.append(self._generate(prompt, _stops(kwargs.get("until")),
+                                          int(kwargs.get("max_gen_toks", DEFAULT_MAX_GEN_TOKS)),
                                           temperature, top_k, generator))
                 self.scored += 1
                 if self.progress is not None:

@@ -3,10 +3,11 @@
 On a check step (every `monitor.interval` steps) the loop asks `Monitor` to take its numbers:
 per-block gradient and parameter norms, the applied vs scheduled LR, memory, the share of time
 spent waiting for data, and (every `activation_interval` steps, denser on a short run: health/
-cadence.py) block-output activation stats from hooks installed for that step only. All of it becomes floats in one host sync; `Detectors`
-judges them; new alarms are printed once with their explanation, written to `events.jsonl`, and
-returned so the loop can act on them. After the optimizer step, the update-to-parameter ratio
-completes the step's `health` record in `metrics.jsonl`.
+cadence.py) block-output activation stats from hooks installed for that step only. All of it
+becomes floats in one host sync; `Detectors` judges them; new alarms are printed once with their
+explanation, written to `events.jsonl`, and returned so the loop can act on them. After the
+optimizer step, the update-to-parameter ratio completes the step's `health` record in
+`metrics.jsonl`.
 """
 
 from __future__ import annotations
@@ -139,7 +140,8 @@ class Monitor:
             "lr_applied": lr_applied,
             "lr_schedule": lr_schedule, "rss_mb": sample.rss_mb, "tokens_per_s": tokens_per_s,
             "data_wait_share": self.data_seconds / max(now - self.interval_start, 1e-9),
-            "mfu": tokens_per_s * self.flops_per_token / (self.peak_flops * self.world_size), "peak_flops_per_s": self.peak_flops,
+            "mfu": tokens_per_s * self.flops_per_token / (self.peak_flops * self.world_size),
+            "peak_flops_per_s": self.peak_flops,
             **cuda_memory_mb(device),
         }
         if act_mean is not None:
@@ -178,8 +180,10 @@ class Monitor:
         raised again. No state (an older checkpoint, or none): as it is."""
         if monitor_state:
             device = self.params[0].device
-            self.interval_losses = deque((torch.tensor([v], device=device) for v in monitor_state.get("interval_losses", [])),
-                                         maxlen=INTERVAL_LOSSES_KEPT)
+            self.interval_losses = deque(
+                (torch.tensor([v], device=device) for v in monitor_state.get("interval_losses", [])),
+                maxlen=INTERVAL_LOSSES_KEPT,
+            )
             pending = monitor_state.get("pending_update")
             self.pending_update = (float(pending[0]), float(pending[1])) if pending else None
             self.monitor.load_state_dict(monitor_state)
@@ -216,7 +220,8 @@ class Monitor:
         self.record, self.before = None, None
 
     def action_taken(self, alarm: Alarm, detail: str) -> None:
-        record = {"kind": Kind.ACTION, "alarm": alarm.name, "step": alarm.step, "action": alarm.action, "detail": detail}
+        record = {"kind": Kind.ACTION, "alarm": alarm.name, "step": alarm.step, "action": alarm.action,
+                  "detail": detail}
         self.events.write(record)
         self.metrics.write(record)
 

@@ -121,7 +121,9 @@ def test_a_checkpoint_that_does_not_fit_is_named_with_sizes_and_model_pt_is_stil
     text = output.getvalue()
     assert result.steps == 4
     assert SIZES.search(text), text
-    assert "inline_container" not in text and "enforce fail" not in text, "torch's wrapper, not the OSError, was reported"
+    assert "inline_container" not in text and "enforce fail" not in text, (
+        "torch's wrapper, not the OSError, was reported"
+    )
     assert "No space left on device writing " in text and "model.pt" in text  # the errno text and the file
     assert list_checkpoints(run) == [] and not no_temporaries(run)
     errors = [r for r in jsonl(run / "metrics.jsonl") if r["kind"] == "checkpoint_error"]
@@ -164,7 +166,8 @@ def test_on_save_error_stop_stops_with_the_save_failed_code_and_the_newest_check
     monkeypatch.setattr(builtins, "open", fill_disk(run, after_checkpoint(run, 2)))
     with pytest.raises(SaveFailed) as stopped:
         train(tiny_config(run, max_steps=6, **{"checkpoint.every_steps": 2,
-                                                "checkpoint.on_save_error": SaveErrorPolicy.stop}), console=captured()[0])
+                                                "checkpoint.on_save_error": SaveErrorPolicy.stop}),
+              console=captured()[0])
     monkeypatch.undo()
     message = str(stopped.value)
     assert "on_save_error=stop" in message and "no space left on" in message
@@ -215,7 +218,8 @@ def test_a_model_pt_that_does_not_fit_leaves_the_previous_one_whole(
     run = tmp_path / "run"
     train(tiny_config(run, max_steps=3), console=captured()[0])
     before = sha256(run / "model.pt")
-    monkeypatch.setattr(builtins, "open", fill_disk(run, lambda path: path.parent == run and path.name.startswith("model.pt")))
+    monkeypatch.setattr(builtins, "open",
+                        fill_disk(run, lambda path: path.parent == run and path.name.startswith("model.pt")))
     with pytest.raises(SaveFailed, match="holds these weights"):
         train(tiny_config(run, max_steps=4), console=captured()[0])
     monkeypatch.undo()

@@ -453,7 +453,9 @@ def test_a_data_path_that_is_not_a_file_is_never_opened(tmp_path: Path, make: Ca
     refused(proc, piece)
 
 
-def test_a_jsonl_line_longer_than_any_document_is_refused_unread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_jsonl_line_longer_than_any_document_is_refused_unread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A binary file named .jsonl has no line breaks: it was read whole into memory as one line."""
     from llmtrain.data import corpus
 

@@ -222,7 +222,9 @@ def _default_ctrl_c() -> None:
 @pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="reads the signal mask from /proc (Linux)")
 @pytest.mark.parametrize("delay", [0.0, 0.01, 0.05, 0.2, 1.0], ids=lambda d: f"{d}s")
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
-def test_a_signal_at_any_moment_of_start_up_ends_as_documented(tmp_path: Path, sig: signal.Signals, delay: float) -> None:
+def test_a_signal_at_any_moment_of_start_up_ends_as_documented(
+    tmp_path: Path, sig: signal.Signals, delay: float
+) -> None:
     """The signal comes `delay` after main() installed its handler: while the dispatcher imports,
     while torch or Hydra import, while the config is composed and checked, or (on a fast machine)
     in the train loop. Where it lands depends on the machine; the outcome is one of the documented
@@ -255,7 +257,9 @@ def test_a_signal_at_any_moment_of_start_up_ends_as_documented(tmp_path: Path, s
         verify(run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip())
         return
     # Before the first step: SIGTERM stops (75), Ctrl-C aborts (130); nothing to save, no run dir left.
-    expected = (EXIT_INTERRUPTED, "llmtrain: stopped:") if sig == signal.SIGTERM else (EXIT_ABORTED, "llmtrain: aborted:")
+    expected = (
+        (EXIT_INTERRUPTED, "llmtrain: stopped:") if sig == signal.SIGTERM else (EXIT_ABORTED, "llmtrain: aborted:")
+    )
     assert (proc.returncode, said[0][:len(expected[1])]) == expected, err
     assert not run_dir.exists(), f"a run stopped before its start left {sorted(run_dir.rglob('*'))}"
 
@@ -351,5 +355,7 @@ def test_sigterm_at_any_moment_of_prepare_stops_with_75(tmp_path: Path, delay: f
         assert "prepared text data" in out and not stopped, err
         return
     assert proc.returncode == EXIT_INTERRUPTED, f"exit {proc.returncode}\n{out}\n{err}"
-    assert stopped == ["llmtrain: stopped: SIGTERM before `llmtrain prepare` finished; the same command starts it again"]
+    assert stopped == [
+        "llmtrain: stopped: SIGTERM before `llmtrain prepare` finished; the same command starts it again"
+    ]
     assert not list(cache.rglob("meta.json")), sorted(cache.rglob("*"))
