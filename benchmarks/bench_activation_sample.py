@@ -7,7 +7,7 @@ tokens: forward + backward + the statistics' sync, with the monitor's Activation
 the step and without, alternating in one process so the machine's drift hits both alike. Reported:
 the median ms per step of each, their difference, and the direct measure, the wall time inside the
 hooks (a mean and a variance of each block's output) per sample. With the samples a run takes
-(health/cadence.py: at least 5 on a run of 5 checks or more), that is the share of the run's time
+(monitor/cadence.py: at least 5 on a run of 5 checks or more), that is the share of the run's time
 spent sampling.
 """
 

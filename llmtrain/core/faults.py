@@ -7,7 +7,7 @@ variables set, every hook does nothing.
     LLMTRAIN_TEST_CRASH_RANK_AT=RANK:STEP that rank fails at that step (a crashed DDP worker)
     LLMTRAIN_TEST_SLOW_BACKWARD=STEP:S    from that step on, every backward is held in C++ for S s
     LLMTRAIN_TEST_STOP_AT_STEP=N          the run behaves as if SIGTERM arrived after step N
-    LLMTRAIN_TEST_LEAK_MB_PER_STEP=MB     the health watch keeps MB alive per step (a leak)
+    LLMTRAIN_TEST_LEAK_MB_PER_STEP=MB     the monitor keeps MB alive per step (a leak)
 
 Steps are 1-based numbers of the step being taken, as everywhere in the loop's records.
 """
@@ -31,7 +31,7 @@ def stop_at_step() -> int | None:
 
 
 def leak_mb_per_step() -> float:
-    """LLMTRAIN_TEST_LEAK_MB_PER_STEP: MB the health watch keeps alive per step (0: none)."""
+    """LLMTRAIN_TEST_LEAK_MB_PER_STEP: MB the monitor keeps alive per step (0: none)."""
     return float(os.environ.get("LLMTRAIN_TEST_LEAK_MB_PER_STEP", "0"))
 
 

@@ -11,10 +11,10 @@ A run dir (`out_dir`, by default Hydra's `outputs/<date>/<time>`):
     report.md, report.html, report/   the post-run review (`llmtrain report`)
     eval.json          `llmtrain eval`'s results per task (and harness-TASK.json, the harness's own)
     train.log, .hydra/ the CLI's log and Hydra's record of the command (written on acceptance
-                       by runs/rundir.py)
+                       by core/rundir.py)
 
-Writers log dicts whose "kind" is one of `Kind` (through sinks.py's JsonlSink); runs/records.py is
-the one reader of both logs. `layout_problems` checks that an existing run dir's names are of their
+Writers log dicts whose "kind" is one of `Kind` (through metrics/writer.py's JsonlSink);
+runs/records.py is the one reader of both logs. `layout_problems` checks that an existing run dir's names are of their
 kind. The data cache (data/prepare.py) keeps its tokenizer under the same name, TOKENIZER; an export
 folder's own names are in runs/artifacts.py, a checkpoint folder's in checkpoint/layout.py. This module
 imports only the standard library, so any layer may name a file through it.

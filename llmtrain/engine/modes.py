@@ -1,6 +1,6 @@
 """The train/eval-mode probe, written once: does a model switch between training and inference as it
 should? Three callers judge what it measures: the pre-flight check (a one-block copy of the config's
-model: preflight/check.py `check_train_mode`), `llmtrain doctor eval-consistency` (the config's model
+model: preflight/items_model.py `check_train_mode`), `llmtrain doctor eval-consistency` (the config's model
 on a real batch: doctor/eval_consistency.py) and the report's inference question (the run's reloaded
 weights: runs/report/inference.py).
 

@@ -492,7 +492,7 @@ def explain(name: str) -> str:
 
 def explain_ranked(name: str, causes: list, action: str = "warn", severity: str = "warning") -> str:
     """An alarm with its causes ranked for this run: the title, then each cause with the evidence
-    that ranked it and its fix, most likely first (`health/diagnosis.py`). When the evidence is
+    that ranked it and its fix, most likely first (`monitor/diagnosis.py`). When the evidence is
     clear, the alarm critical and its action only a warning, how to make such runs stop by themselves."""
     kind = CATALOG[name]
     lines = [f"{kind.title} [{kind.name}: {kind.metric}, healthy: {kind.healthy}]",

@@ -25,7 +25,7 @@ or trends, never a single point:
 
 An alarm is raised once when its pattern appears and re-armed when the pattern clears; each one
 carries the recent values, the band it left, the blocks concerned, and its causes ranked by the
-run's evidence (`health/diagnosis.py`; the catalog's fixed list of `health/catalog.py` without it).
+run's evidence (`monitor/diagnosis.py`; the catalog's fixed list of `monitor/catalog.py` without it).
 What to do about it (warn, reduce_lr, skip_step, rollback, stop) is the configured action of that
 alarm; the loop carries it out.
 """
@@ -146,7 +146,7 @@ def _median_tail(values: list[float], n: int) -> float:
 
 class Detectors:
     """Judges one `Sample` per check. `facts` (the run's configuration and data, see
-    health/diagnosis.py) enables the learning-progress detectors that need the unigram baseline and
+    monitor/diagnosis.py) enables the learning-progress detectors that need the unigram baseline and
     the chance loss, and the ranked causes; without it (synthetic streams) alarms carry no causes."""
 
     def __init__(self, cfg: MonitorConfig, facts: RunFacts | None = None) -> None:

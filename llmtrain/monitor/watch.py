@@ -2,8 +2,8 @@
 
 On a check step (every `monitor.interval` steps) the loop asks `Monitor` to take its numbers:
 per-block gradient and parameter norms, the applied vs scheduled LR, memory, the share of time
-spent waiting for data, and (every `activation_interval` steps, denser on a short run: health/
-cadence.py) block-output activation stats from hooks installed for that step only. All of it
+spent waiting for data, and (every `activation_interval` steps, denser on a short run:
+monitor/cadence.py) block-output activation stats from hooks installed for that step only. All of it
 becomes floats in one host sync; `Detectors` judges them; new alarms are printed once with their
 explanation, written to `events.jsonl`, and returned so the loop can act on them. After the
 optimizer step, the update-to-parameter ratio completes the step's `health` record in

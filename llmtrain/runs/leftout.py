@@ -81,7 +81,7 @@ class Reasons:
                 + self._end(count, denser("monitor.interval", every, self.steps)))
 
     def activations(self, name: str, sampled: list[int]) -> str:
-        """activations.png: the samples come at the cadence of health/cadence.py; `sampled` are the
+        """activations.png: the samples come at the cadence of monitor/cadence.py; `sampled` are the
         steps that were sampled."""
         off = self._monitor_off(name, "activation samples")
         if off:

@@ -1,7 +1,7 @@
-"""The one reader of a run's logs, metrics.jsonl and events.jsonl (runs/files.py names both and
+"""The one reader of a run's logs, metrics.jsonl and events.jsonl (core/files.py names both and
 every record kind): `report` and `compare` read a run through `read_records`.
 
-Both files are what `sinks.JsonlSink` appends, one JSON object per line. Reading tolerates what a
+Both files are what `metrics/writer.py's JsonlSink` appends, one JSON object per line. Reading tolerates what a
 crash leaves behind: a line cut off mid-write (or anything else that is not a JSON object with a
 "kind") is skipped, and so are bytes that are not UTF-8.
 
