@@ -161,6 +161,21 @@ def test_overfitting_is_found_where_validation_turns_up() -> None:
     assert tracking.status == OK
 
 
+def test_a_widening_gap_warns_though_validation_never_turns_up() -> None:
+    """Validation flat while the train loss keeps falling (a corpus too small for the run): the gap
+    grows, which is overfitting before validation rises; a run whose validation falls with training
+    (the gap steady, or shrinking) is not."""
+    train = [{"step": s, "loss": 2.2 - 0.0012 * s} for s in range(10, 410, 10)]
+    flat = [{"step": s, "val_loss": v} for s, v in [(100, 2.60), (200, 2.54), (300, 2.53), (400, 2.53)]]
+    verdict = overfitting(records(train=train, eval=flat))
+    assert verdict.status == WARN and verdict.finding.startswith("the gap is widening: from step 200 to 400")
+    assert "the train loss fell 0.2400 while validation moved -0.0100" in verdict.finding
+    following = [{"step": s, "val_loss": 2.3 - 0.0011 * s} for s in (100, 200, 300, 400)]
+    assert overfitting(records(train=train, eval=following)).status == OK
+    noisy = [{"step": s, "loss": 2.2 + 0.01 * (-1) ** (s // 10)} for s in range(10, 410, 10)]  # not learning
+    assert overfitting(records(train=noisy, eval=flat)).status == OK
+
+
 def test_alarms_and_actions_are_listed() -> None:
     alarm = {"kind": "alarm", "alarm": "grad_norm_high", "step": 30, "severity": "warning", "metric": "grad_norm",
              "band": "<= 100", "action": "reduce_lr"}
@@ -178,6 +193,19 @@ def test_the_bottleneck_is_compute_and_ok_when_forward_or_backward_dominate() ->
     verdict = step_time(records(timing=timing, train=[{"step": 10 * i, "tokens_per_s": 20_000.0} for i in range(1, 6)]))
     assert verdict.status == OK and "bottleneck: backward (compute, as it should be)" in verdict.finding
     assert verdict.finding.startswith("data 0%, forward 35%, backward 60%, optimizer 3%, other 2% of 200.0 ms/step")
+
+
+def test_an_mfu_above_100_percent_is_not_claimed() -> None:
+    """The start-up matmul was timed while the machine was busy: the run then computes faster than
+    that reference, and the report says so instead of printing an impossible MFU."""
+    timing = [{"step": s, "total_s": 0.2, "data_s": 0.0, "forward_s": 0.07, "backward_s": 0.12, "optimizer_s": 0.006,
+               "other_s": 0.004} for s in (6, 11, 16)]
+    train = [{"step": 10 * i, "tokens_per_s": 20_000.0} for i in range(1, 6)]
+    busy = step_time(records(timing=timing, train=train, health=[{"step": s, "mfu": 1.12} for s in (5, 10, 15)]))
+    assert "MFU not shown: the run computed 1.1x the matmul rate measured at start-up" in busy.finding
+    assert "112%" not in busy.finding + " ".join(busy.details)
+    quiet = step_time(records(timing=timing, train=train, health=[{"step": s, "mfu": 0.49} for s in (5, 10, 15)]))
+    assert "MFU 49% of this device's measured matmul rate" in quiet.finding
 
 
 def test_the_bottleneck_is_named_with_advice_when_it_is_not_compute() -> None:

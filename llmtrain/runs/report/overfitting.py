@@ -44,10 +44,42 @@ def overfitting(records: Records) -> Verdict:
                                "more data or fewer epochs, dropout (model.dropout), weight decay (optim.weight_decay), "
                                "a smaller model."],
         ))
+    if widening := _widening_gap(val, gaps):
+        return Verdict("overfitting", Finding(question, WARN, widening, details=details + [
+            "Options: stop at the best step (checkpoint.keep_best keeps its checkpoint), more data or fewer "
+            "passes over it, dropout (model.dropout), weight decay (optim.weight_decay), a smaller model."]))
     return Verdict("overfitting", Finding(
         question, OK,
         f"validation tracks training: {_gap_text(gaps)}; best validation loss {best:.4f} at step {best_step}.",
         details=details))
+
+
+# What validation must keep of the train loss's fall over the second half of the evaluations: less
+# than a quarter is memorizing (a model that learns what carries over loses about as much on both).
+CARRIED_OVER = 0.25
+MIN_TRAIN_FALL = 0.05  # nats: smaller falls are within the noise of a few logged train losses
+
+
+def _widening_gap(val: list[tuple[int, float]], gaps: list[tuple[int, float]]) -> str | None:
+    """Validation flat (or nearly) while the train loss keeps falling, over the second half of the
+    evaluations (at least 3 of them), and validation ending above training: the gap grows and the
+    training data is being memorized. What was seen, or None."""
+    if len(val) < 3:
+        return None
+    mid = len(val) // 2
+    (mid_step, mid_val), (last_step, last_val) = val[mid - 1], val[-1]
+    mid_gap, last_gap = gaps[mid - 1][1], gaps[-1][1]
+    train_fell = (mid_val - mid_gap) - (last_val - last_gap)  # the train loss near each step, as the gaps use it
+    val_fell = mid_val - last_val
+    # Validation must end above training too: early on, the mean of the last train losses lags a fast fall
+    # and sits above validation, and that lag closing is no gap opening.
+    if (train_fell < MIN_TRAIN_FALL or val_fell >= CARRIED_OVER * train_fell or last_gap <= mid_gap
+            or last_gap < max(0.02, 0.02 * abs(last_val))):
+        return None
+    return (f"the gap is widening: from step {mid_step} to {last_step} the train loss fell {train_fell:.4f} while "
+            f"validation moved {last_val - mid_val:+.4f} (from {mid_val:.4f} to {last_val:.4f}), so the gap grew "
+            f"from {mid_gap:+.4f} to {last_gap:+.4f}: the model memorizes its training data more than it learns "
+            "what carries over.")
 
 
 def _gap_text(gaps: list[tuple[int, float]]) -> str:

@@ -14,6 +14,16 @@ from llmtrain.runs.report.verdict import NA, OK, WARN, Verdict
 PHASE_NAMES = ("data", "forward", "backward", "optimizer", "other")
 
 
+def _mfu_text(mfu: float) -> str:
+    """The MFU against the matmul rate measured at start-up, or why it is not shown: above 100% the
+    measurement read low (other work held the cores while it was timed), and the figure would claim
+    more than the device can do."""
+    if mfu > 1.0:
+        return (f"MFU not shown: the run computed {mfu:.1f}x the matmul rate measured at start-up, so that "
+                "measurement read low (the machine was busy while it was timed)")
+    return (f"MFU {mfu:.1%}" if mfu < 0.1 else f"MFU {mfu:.0%}") + " of this device's measured matmul rate"
+
+
 def step_time(records: Records) -> Verdict:
     """The phases of the timed steps (data, forward, backward, optimizer, other), the bottleneck,
     tokens/s and MFU, and log intervals far slower than the rest."""
@@ -26,9 +36,7 @@ def step_time(records: Records) -> Verdict:
     if speeds:
         throughput.append(f"median {statistics.median(speeds):,.0f} tokens/s over {len(speeds)} log intervals")
     if mfus:
-        mfu = statistics.median(mfus)
-        throughput.append(f"MFU {mfu:.1%}" if mfu < 0.1 else f"MFU {mfu:.0%}")
-        throughput[-1] += " of this device's measured matmul rate"
+        throughput.append(_mfu_text(statistics.median(mfus)))
     if not timings:
         return Verdict("step_time", Finding(
             question, NA, "no step was timed (a run shorter than timing_interval + 1 steps, or timing_interval=0)"
