@@ -40,9 +40,24 @@ def top(alarm: str, facts: RunFacts, **signals: object) -> str:
     ("loss_spike", {"shuffled": False}, {"step": 80}, "data_unshuffled"),
     ("update_ratio_high", {"weight_decay": 10.0}, {"step": 30, "update_ratio": 0.2}, "weight_decay_too_high"),
     ("lr_zero", {"schedule_steps": 100, "total_steps": 300}, {"step": 130}, "schedule_ended"),
+    # every update cut to 1/4000 by the clip: the blocks' gradients look starved, the pre-clip norm does not
+    ("grad_norm_low", {"clip": 1e-4}, {"step": 40, "grad_norm_floor": 0.4, "grad_norm_peak": 0.9}, "clip_too_tight"),
+    ("update_ratio_low", {"clip": 1e-3}, {"step": 40, "grad_norm_floor": 0.3, "update_ratio": 1e-6}, "clip_too_tight"),
 ])
 def test_the_true_cause_ranks_first(alarm: str, change: dict, signals: dict, expected: str) -> None:
     assert top(alarm, dataclasses.replace(HEALTHY, **change), **signals) == expected
+
+
+def test_clipping_is_blamed_only_where_the_pre_clip_norms_are_far_above_it() -> None:
+    """The norms clipping left alone, or cut by a little, do not make it the cause."""
+    starved = {"step": 40, "grad_norm_floor": 0.4, "grad_norm_peak": 0.9}
+    assert "clip_too_tight" not in [c.cause for c in diagnose("grad_norm_low", HEALTHY, Signals(**starved))]
+    slight = diagnose("grad_norm_low", dataclasses.replace(HEALTHY, clip=0.2), Signals(**starved))
+    assert next(c for c in slight if c.cause == "clip_too_tight").score < 0.5
+    off = diagnose("grad_norm_low", dataclasses.replace(HEALTHY, clip=None), Signals(**starved))
+    assert "clip_too_tight" not in [c.cause for c in off]
+    tight = diagnose("grad_norm_low", dataclasses.replace(HEALTHY, clip=1e-4), Signals(**starved))[0]
+    assert "4000x the clip threshold 0.0001" in tight.evidence and tight.fix == "optim.clip_grad_norm=1.0"
 
 
 def test_it_never_advises_against_its_evidence() -> None:

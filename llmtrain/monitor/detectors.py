@@ -449,7 +449,8 @@ class Detectors:
 
     def _signals(self, s: Sample, alarm: Alarm) -> Signals:
         grads = list(self.history["grad_norm"])
-        return Signals(step=s.step, grad_norm_peak=max(grads[-self.cfg.spike_window:] + [s.grad_norm]),
+        recent = grads[-self.cfg.spike_window:] + [s.grad_norm]
+        return Signals(step=s.step, grad_norm_peak=max(recent), grad_norm_floor=min(recent),
                        update_ratio=self.update_ratio, blocks=alarm.blocks, n_blocks=len(s.block_grad_norms),
                        rising="loss_rising" in self.active, lr_applied=s.lr_applied, lr_schedule=s.lr_schedule)
 

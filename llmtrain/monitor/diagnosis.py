@@ -80,6 +80,7 @@ class Signals:
 
     step: int = 0
     grad_norm_peak: float = math.nan  # the largest gradient norm of the recent window
+    grad_norm_floor: float = math.nan  # the smallest (pre-clip, as the peak) of the same window
     update_ratio: float | None = None  # the latest ||dW|| / ||W||
     blocks: list[int] = field(default_factory=list)  # the blocks the alarm concerns
     n_blocks: int = 0
@@ -178,6 +179,21 @@ def no_clipping(f: RunFacts, s: Signals) -> Score:
     big = math.isfinite(s.grad_norm_peak) and s.grad_norm_peak > 1.0
     peak = f"; gradient norm up to {_g(s.grad_norm_peak)}" if math.isfinite(s.grad_norm_peak) else ""
     return (0.8 if big else 0.35), f"gradient clipping is off{peak}"
+
+
+# A pre-clip norm this many times the threshold on every recent check: each update is cut to a
+# tenth or less of its size, whatever the LR says.
+CLIP_TIGHT_RATIO = 10.0
+
+
+def clip_too_tight(f: RunFacts, s: Signals) -> Score:
+    """Clipping scales every update down by the pre-clip norm over the threshold: measured, not assumed."""
+    if f.clip is None or not math.isfinite(s.grad_norm_floor) or s.grad_norm_floor <= f.clip:
+        return None
+    ratio = s.grad_norm_floor / f.clip
+    evidence = (f"every recent pre-clip gradient norm is at least {_g(s.grad_norm_floor)}, {_times(ratio)} the clip "
+                f"threshold {_g(f.clip)}: each update is cut to 1/{ratio:.0f} or less of its size")
+    return (0.9 if ratio >= CLIP_TIGHT_RATIO else 0.3), evidence
 
 
 def init_too_large(f: RunFacts, s: Signals) -> Score:
@@ -305,6 +321,8 @@ CAUSES: dict[str, CauseKind] = {
                            _check_fix("warmup", "schedule.warmup_fraction=0.05")),
     "no_clipping": CauseKind("Gradient clipping off", no_clipping,
                              _check_fix("gradient clipping", "optim.clip_grad_norm=1.0")),
+    "clip_too_tight": CauseKind("Gradient clipping too tight", clip_too_tight,
+                                _check_fix("gradient clipping", "optim.clip_grad_norm=1.0")),
     "init_too_large": CauseKind("Initialization too large", init_too_large, _init_fix(too_large=True)),
     "init_too_small": CauseKind("Initialization too small", init_too_small, _init_fix(too_large=False)),
     "residual_unscaled": CauseKind("Residual branches not scaled down", residual_unscaled,
@@ -348,7 +366,7 @@ DIFFERENTIAL: dict[str, tuple[str, ...]] = {
                        "data_unshuffled", "bad_batch"),
     "grad_norm_surge": ("lr_too_high", "no_warmup", "no_clipping", "init_too_large", "data_unshuffled",
                         "bad_batch"),
-    "grad_norm_low": ("lr_too_low", "schedule_ended", "init_too_small", "post_ln", "broken_residual",
+    "grad_norm_low": ("clip_too_tight", "lr_too_low", "schedule_ended", "init_too_small", "post_ln", "broken_residual",
                       "head_zero_init", "weight_decay_too_high", "fp16_no_scaler", "loss_bug"),
     "grad_norm_low_early_layers": ("post_ln", "residual_unscaled", "init_too_small", "too_deep", "broken_residual"),
     "param_norm_jump": ("lr_too_high", "no_warmup", "no_clipping", "init_too_large", "bad_batch", "lr_overwritten"),
@@ -369,10 +387,10 @@ DIFFERENTIAL: dict[str, tuple[str, ...]] = {
                           "loss_bug"),
     "loss_rising": ("lr_too_high", "no_warmup", "no_clipping", "data_unshuffled", "weight_decay_too_high",
                     "init_too_large", "bad_batch"),
-    "loss_not_decreasing": ("lr_too_low", "schedule_ended", "init_too_small", "lr_too_high", "post_ln",
-                            "weight_decay_too_high", "init_too_large", "residual_unscaled", "loss_bug"),
+    "loss_not_decreasing": ("clip_too_tight", "lr_too_low", "schedule_ended", "init_too_small", "lr_too_high",
+                            "post_ln", "weight_decay_too_high", "init_too_large", "residual_unscaled", "loss_bug"),
     "update_ratio_high": ("lr_too_high", "no_warmup", "weight_decay_too_high", "init_too_small", "no_clipping"),
-    "update_ratio_low": ("lr_too_low", "schedule_ended", "weight_decay_too_high", "init_too_large"),
+    "update_ratio_low": ("clip_too_tight", "lr_too_low", "schedule_ended", "weight_decay_too_high", "init_too_large"),
     "schedule_ended": ("schedule_ended",),
     "loss_oscillating": ("data_unshuffled", "bad_batch"),
     # AdamW's decay and step both scale with the LR: a low LR cannot make the decay dominate, an LR
