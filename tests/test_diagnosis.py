@@ -43,6 +43,9 @@ def top(alarm: str, facts: RunFacts, **signals: object) -> str:
     # every update cut to 1/4000 by the clip: the blocks' gradients look starved, the pre-clip norm does not
     ("grad_norm_low", {"clip": 1e-4}, {"step": 40, "grad_norm_floor": 0.4, "grad_norm_peak": 0.9}, "clip_too_tight"),
     ("update_ratio_low", {"clip": 1e-3}, {"step": 40, "grad_norm_floor": 0.3, "update_ratio": 1e-6}, "clip_too_tight"),
+    # Adam's epsilon 1.0 against gradient elements of ~5e-4 (norm 0.5 over 0.86M parameters): decay dominates
+    ("weight_decay_dominant", {"eps": 1.0, "n_params": 858_880}, {"step": 60, "grad_norm_peak": 0.5},
+     "eps_too_large"),
 ])
 def test_the_true_cause_ranks_first(alarm: str, change: dict, signals: dict, expected: str) -> None:
     assert top(alarm, dataclasses.replace(HEALTHY, **change), **signals) == expected
@@ -58,6 +61,18 @@ def test_clipping_is_blamed_only_where_the_pre_clip_norms_are_far_above_it() -> 
     assert "clip_too_tight" not in [c.cause for c in off]
     tight = diagnose("grad_norm_low", dataclasses.replace(HEALTHY, clip=1e-4), Signals(**starved))[0]
     assert "4000x the clip threshold 0.0001" in tight.evidence and tight.fix == "optim.clip_grad_norm=1.0"
+
+
+def test_epsilon_is_blamed_only_when_it_rivals_a_gradient_element() -> None:
+    """The default 1e-8 is far below any gradient element of a real model; 1.0 is far above."""
+    signals = Signals(step=60, grad_norm_peak=0.5)
+    default = dataclasses.replace(HEALTHY, n_params=858_880)
+    assert "eps_too_large" not in [c.cause for c in diagnose("update_ratio_low", default, signals)]
+    sgd = dataclasses.replace(default, eps=1.0, optimizer="sgd")
+    assert "eps_too_large" not in [c.cause for c in diagnose("update_ratio_low", sgd, signals)]
+    large = diagnose("update_ratio_low", dataclasses.replace(default, eps=1.0), signals)[0]
+    assert large.cause == "eps_too_large" and large.fix == "optim.eps=1e-8"
+    assert "Adam epsilon 1 is 1854x a gradient element's typical size (0.00054" in large.evidence
 
 
 def test_it_never_advises_against_its_evidence() -> None:

@@ -26,6 +26,7 @@ from typing import Any
 from llmtrain.config.derived import init_gain, resolved_warmup_steps, sane_lr_range
 from llmtrain.config.schema import Config, NormPosition, ResidualInit
 from llmtrain.core.findings import Finding
+from llmtrain.model_tensors import model_tensors
 
 # Update-to-weight ratio ||dW|| / ||W|| per step, as evidence (the alarm bands are monitor keys):
 # measured on gpt_tiny at the default LR 3e-3 it falls from ~1.5e-2 early to ~1.5e-3 by step 300;
@@ -58,6 +59,8 @@ class RunFacts:
     clip: float | None = 1.0
     shuffled: bool = True
     weight_decay: float = 0.0
+    eps: float = 1e-8  # Adam's epsilon (adam, adamw)
+    n_params: int = 0  # the model's parameters: a gradient element's typical size is the norm over its root
     fp16_without_scaler: bool = False
     baseline: float = math.nan  # the unigram entropy of the training data (nats/token)
     chance: float = math.nan  # ln(vocabulary): the loss of a uniform guess
@@ -196,6 +199,23 @@ def clip_too_tight(f: RunFacts, s: Signals) -> Score:
     return (0.9 if ratio >= CLIP_TIGHT_RATIO else 0.3), evidence
 
 
+def eps_too_large(f: RunFacts, s: Signals) -> Score:
+    """Adam divides each update by sqrt(v) + eps, where sqrt(v) is about a gradient element's size:
+    an epsilon as large as that element shrinks every update, whatever the LR says. The element's
+    size is estimated from the largest recent (clipped) gradient norm spread over the parameters."""
+    if f.optimizer not in ("adam", "adamw") or f.n_params <= 0 or not math.isfinite(s.grad_norm_peak):
+        return None
+    norm = s.grad_norm_peak if f.clip is None else min(s.grad_norm_peak, f.clip)
+    element = norm / math.sqrt(f.n_params)
+    ratio = f.eps / element if element > 0 else math.inf
+    if ratio < 1:
+        return None
+    evidence = (f"Adam epsilon {f.eps:g} is {_times(ratio)} a gradient element's typical size ({_g(element)}: the "
+                f"norm {_g(norm)} over {f.n_params:,} parameters), so every update shrinks about "
+                f"{1 + ratio:.0f}-fold")
+    return (0.9 if ratio >= 10 else 0.5), evidence
+
+
 def init_too_large(f: RunFacts, s: Signals) -> Score:
     if not math.isfinite(f.init_gain) or f.init_gain < 0.005:
         return None
@@ -323,6 +343,8 @@ CAUSES: dict[str, CauseKind] = {
                              _check_fix("gradient clipping", "optim.clip_grad_norm=1.0")),
     "clip_too_tight": CauseKind("Gradient clipping too tight", clip_too_tight,
                                 _check_fix("gradient clipping", "optim.clip_grad_norm=1.0")),
+    "eps_too_large": CauseKind("Adam epsilon too large for the gradient scale", eps_too_large,
+                               lambda f: "optim.eps=1e-8"),
     "init_too_large": CauseKind("Initialization too large", init_too_large, _init_fix(too_large=True)),
     "init_too_small": CauseKind("Initialization too small", init_too_small, _init_fix(too_large=False)),
     "residual_unscaled": CauseKind("Residual branches not scaled down", residual_unscaled,
@@ -387,15 +409,18 @@ DIFFERENTIAL: dict[str, tuple[str, ...]] = {
                           "loss_bug"),
     "loss_rising": ("lr_too_high", "no_warmup", "no_clipping", "data_unshuffled", "weight_decay_too_high",
                     "init_too_large", "bad_batch"),
-    "loss_not_decreasing": ("clip_too_tight", "lr_too_low", "schedule_ended", "init_too_small", "lr_too_high",
-                            "post_ln", "weight_decay_too_high", "init_too_large", "residual_unscaled", "loss_bug"),
+    "loss_not_decreasing": ("clip_too_tight", "eps_too_large", "lr_too_low", "schedule_ended", "init_too_small",
+                            "lr_too_high", "post_ln", "weight_decay_too_high", "init_too_large", "residual_unscaled",
+                            "loss_bug"),
     "update_ratio_high": ("lr_too_high", "no_warmup", "weight_decay_too_high", "init_too_small", "no_clipping"),
-    "update_ratio_low": ("clip_too_tight", "lr_too_low", "schedule_ended", "weight_decay_too_high", "init_too_large"),
+    "update_ratio_low": ("clip_too_tight", "eps_too_large", "lr_too_low", "schedule_ended",
+                         "weight_decay_too_high", "init_too_large"),
     "schedule_ended": ("schedule_ended",),
     "loss_oscillating": ("data_unshuffled", "bad_batch"),
     # AdamW's decay and step both scale with the LR: a low LR cannot make the decay dominate, an LR
     # so high that the weights blew up can (the decay grows with the weights, the step does not).
-    "weight_decay_dominant": ("weight_decay_too_high", "lr_too_high"),
+    # An epsilon that shrinks every update leaves the decay (which it does not touch) dominant too.
+    "weight_decay_dominant": ("weight_decay_too_high", "eps_too_large", "lr_too_high"),
 }
 
 
@@ -429,5 +454,6 @@ def run_facts(cfg: Config, check_rows: list[Finding], *, peak_lr: float, total_s
         init_scheme=m.init,
         residual_scaled=m.residual_init is ResidualInit.scaled, post_ln=m.norm_position is NormPosition.post,
         bias=m.bias, clip=o.clip_grad_norm, shuffled=cfg.data.shuffle or cfg.data.sampling.value == "epoch",
-        weight_decay=o.weight_decay, fp16_without_scaler=fp16_without_scaler, baseline=baseline,
+        weight_decay=o.weight_decay, eps=o.eps, n_params=model_tensors(m, vocab_size).n_params,
+        fp16_without_scaler=fp16_without_scaler, baseline=baseline,
         chance=math.log(vocab_size) if vocab_size > 1 else math.nan, fixes=fixes)
