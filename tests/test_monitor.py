@@ -280,6 +280,22 @@ def test_the_schedule_ending_before_the_run() -> None:
     assert alarm.step == 110 and alarm.causes[0].cause == "schedule_ended"
 
 
+def test_a_fresh_models_signals_growing_to_unit_scale_is_not_an_alarm() -> None:
+    """nanoGPT's shakespeare-char recipe: the first block's output variance grows 0.0024 -> 0.029 over
+    its first 100 steps, as a fresh model's small signals do while it learns; the same growth above
+    unit scale (a stream heading for a blow-up) still alarms."""
+    fresh = [0.0024, 0.0034, 0.0062, 0.0128, 0.0286, 0.0488, 0.075]
+
+    def stream(scale: float) -> list[Sample]:
+        samples = [s for s in checks_every(100, interval=1) if s.activation_var is not None][:len(fresh)]
+        for s, var in zip(samples, fresh):
+            s.activation_var = [var * scale, 1.0, 1.0]
+        return samples
+
+    assert "activation_variance_growing" not in run_with(stream(1.0))
+    assert "activation_variance_growing" in run_with(stream(100.0))
+
+
 def test_activation_variance_far_above_its_level() -> None:
     stream = checks_every(100, interval=1)
     for s in stream:

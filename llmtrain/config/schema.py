@@ -374,6 +374,8 @@ class MonitorConfig:
     activation_mean_share: float = _f(0.25, "... and beyond this share of the block output's standard deviation.")
     activation_var_max: float = _f(1000.0, "Alarm when a block's output variance stays above this.")
     activation_var_factor: float = _f(10.0, "Alarm when a block's output variance grows or shrinks by this factor.")
+    activation_var_floor: float = _f(
+        1.0, "... growing only once it is above this: a fresh model's small signals growing to unit scale is learning.")
     activation_window: int = _f(5, "Activation samples in the variance trend window.")
     activation_patience: int = _f(2, "Consecutive activation samples with a drifting mean before an alarm.")
     memory_leak_mb: float = _f(256.0, "Alarm when memory rises by more than this (MB) over a trend window.")

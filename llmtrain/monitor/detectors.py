@@ -343,10 +343,12 @@ class Detectors:
         if len(self.act_var) < cfg.activation_window:
             return
         # A trend that keeps going: the factor over the window, and still the root of it over
-        # its second half (growth from a small init that levels off is learning, not a fault).
+        # its second half (growth from a small init that levels off is learning, not a fault). Growth
+        # counts only above unit scale: a fresh model's tiny signals (variance 1e-3 from an init std of
+        # 0.02) grow tenfold while they learn, in every healthy run.
         first, mid, last = self.act_var[0], self.act_var[len(self.act_var) // 2], self.act_var[-1]
         keep = cfg.activation_var_factor ** 0.5
-        growing = [i for i in range(len(last)) if first[i] > 0 and mid[i] > 0
+        growing = [i for i in range(len(last)) if first[i] > 0 and mid[i] > 0 and last[i] > cfg.activation_var_floor
                    and last[i] / first[i] > cfg.activation_var_factor and last[i] / mid[i] > keep]
         shrinking = [i for i in range(len(last)) if last[i] > 0
                      and first[i] / last[i] > cfg.activation_var_factor and mid[i] / last[i] > keep]
