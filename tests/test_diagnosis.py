@@ -46,6 +46,10 @@ def top(alarm: str, facts: RunFacts, **signals: object) -> str:
     # Adam's epsilon 1.0 against gradient elements of ~5e-4 (norm 0.5 over 0.86M parameters): decay dominates
     ("weight_decay_dominant", {"eps": 1.0, "n_params": 858_880}, {"step": 60, "grad_norm_peak": 0.5},
      "eps_too_large"),
+    ("loss_not_decreasing", {"label_smoothing": 0.5}, {"step": 100}, "over_regularized"),
+    ("loss_not_decreasing", {"dropout": 0.5}, {"step": 100}, "over_regularized"),
+    ("loss_not_decreasing", {"optimizer": "sgd", "momentum": 0.0, "lr": 0.3, "lr_low": 0.03, "lr_high": 3.0},
+     {"step": 100}, "sgd_without_momentum"),
 ])
 def test_the_true_cause_ranks_first(alarm: str, change: dict, signals: dict, expected: str) -> None:
     assert top(alarm, dataclasses.replace(HEALTHY, **change), **signals) == expected
@@ -73,6 +77,15 @@ def test_epsilon_is_blamed_only_when_it_rivals_a_gradient_element() -> None:
     large = diagnose("update_ratio_low", dataclasses.replace(default, eps=1.0), signals)[0]
     assert large.cause == "eps_too_large" and large.fix == "optim.eps=1e-8"
     assert "Adam epsilon 1 is 1854x a gradient element's typical size (0.00054" in large.evidence
+
+
+def test_regularization_and_momentum_are_blamed_only_outside_their_usual_values() -> None:
+    usual = dataclasses.replace(HEALTHY, label_smoothing=0.1, dropout=0.2, optimizer="sgd", momentum=0.9)
+    causes = [c.cause for c in diagnose("loss_not_decreasing", usual, Signals(step=100))]
+    assert "over_regularized" not in causes and "sgd_without_momentum" not in causes
+    both = diagnose("loss_not_decreasing", dataclasses.replace(HEALTHY, label_smoothing=0.4, dropout=0.5),
+                    Signals(step=100))[0]
+    assert both.cause == "over_regularized" and both.fix == "optim.label_smoothing=0.0 model.dropout=0.1"
 
 
 def test_it_never_advises_against_its_evidence() -> None:

@@ -60,6 +60,9 @@ class RunFacts:
     shuffled: bool = True
     weight_decay: float = 0.0
     eps: float = 1e-8  # Adam's epsilon (adam, adamw)
+    momentum: float = 0.9  # SGD's
+    label_smoothing: float = 0.0
+    dropout: float = 0.0
     n_params: int = 0  # the model's parameters: a gradient element's typical size is the norm over its root
     fp16_without_scaler: bool = False
     baseline: float = math.nan  # the unigram entropy of the training data (nats/token)
@@ -216,6 +219,37 @@ def eps_too_large(f: RunFacts, s: Signals) -> Score:
     return (0.9 if ratio >= 10 else 0.5), evidence
 
 
+def sgd_without_momentum(f: RunFacts, s: Signals) -> Score:
+    if f.optimizer != "sgd" or f.momentum > 0:
+        return None
+    return 0.5, "SGD with momentum 0: each step follows one batch's noisy gradient (momentum 0.9 averages ~10)"
+
+
+# Above these a small language model underfits: the usual values are 0-0.1 for both.
+LABEL_SMOOTHING_HIGH = 0.2
+DROPOUT_HIGH = 0.3
+
+
+def over_regularized(f: RunFacts, s: Signals) -> Score:
+    """Label smoothing spreads a share of every target over the whole vocabulary, so the loss cannot
+    go below what that spread costs; dropout that high removes much of each layer's signal."""
+    found = []
+    if f.label_smoothing > LABEL_SMOOTHING_HIGH:
+        found.append(f"label smoothing {f.label_smoothing:g} (usual 0-0.1): that share of every target is spread "
+                     "over the whole vocabulary, so even a perfect model keeps a high loss")
+    if f.dropout > DROPOUT_HIGH:
+        found.append(f"dropout {f.dropout:g} (usual 0-0.2 for pre-training) drops that share of every layer's output")
+    if not found:
+        return None
+    return (0.6 + 0.1 * (len(found) - 1)), "; ".join(found)
+
+
+def _regularization_fix(f: RunFacts) -> str | None:
+    fixes = (["optim.label_smoothing=0.0"] if f.label_smoothing > LABEL_SMOOTHING_HIGH else []) + (
+        ["model.dropout=0.1"] if f.dropout > DROPOUT_HIGH else [])
+    return " ".join(fixes) or None
+
+
 def init_too_large(f: RunFacts, s: Signals) -> Score:
     if not math.isfinite(f.init_gain) or f.init_gain < 0.005:
         return None
@@ -345,6 +379,9 @@ CAUSES: dict[str, CauseKind] = {
                                 _check_fix("gradient clipping", "optim.clip_grad_norm=1.0")),
     "eps_too_large": CauseKind("Adam epsilon too large for the gradient scale", eps_too_large,
                                lambda f: "optim.eps=1e-8"),
+    "sgd_without_momentum": CauseKind("SGD without momentum", sgd_without_momentum, lambda f: "optim.momentum=0.9"),
+    "over_regularized": CauseKind("Label smoothing or dropout so high the model underfits", over_regularized,
+                                  _regularization_fix),
     "init_too_large": CauseKind("Initialization too large", init_too_large, _init_fix(too_large=True)),
     "init_too_small": CauseKind("Initialization too small", init_too_small, _init_fix(too_large=False)),
     "residual_unscaled": CauseKind("Residual branches not scaled down", residual_unscaled,
@@ -409,9 +446,9 @@ DIFFERENTIAL: dict[str, tuple[str, ...]] = {
                           "loss_bug"),
     "loss_rising": ("lr_too_high", "no_warmup", "no_clipping", "data_unshuffled", "weight_decay_too_high",
                     "init_too_large", "bad_batch"),
-    "loss_not_decreasing": ("clip_too_tight", "eps_too_large", "lr_too_low", "schedule_ended", "init_too_small",
-                            "lr_too_high", "post_ln", "weight_decay_too_high", "init_too_large", "residual_unscaled",
-                            "loss_bug"),
+    "loss_not_decreasing": ("clip_too_tight", "eps_too_large", "over_regularized", "sgd_without_momentum", "lr_too_low",
+                            "schedule_ended", "init_too_small", "lr_too_high", "post_ln", "weight_decay_too_high",
+                            "init_too_large", "residual_unscaled", "loss_bug"),
     "update_ratio_high": ("lr_too_high", "no_warmup", "weight_decay_too_high", "init_too_small", "no_clipping"),
     "update_ratio_low": ("clip_too_tight", "eps_too_large", "lr_too_low", "schedule_ended",
                          "weight_decay_too_high", "init_too_large"),
@@ -454,6 +491,7 @@ def run_facts(cfg: Config, check_rows: list[Finding], *, peak_lr: float, total_s
         init_scheme=m.init,
         residual_scaled=m.residual_init is ResidualInit.scaled, post_ln=m.norm_position is NormPosition.post,
         bias=m.bias, clip=o.clip_grad_norm, shuffled=cfg.data.shuffle or cfg.data.sampling.value == "epoch",
-        weight_decay=o.weight_decay, eps=o.eps, n_params=model_tensors(m, vocab_size).n_params,
+        weight_decay=o.weight_decay, eps=o.eps, n_params=model_tensors(m, vocab_size).n_params, momentum=o.momentum,
+        label_smoothing=o.label_smoothing, dropout=m.dropout,
         fp16_without_scaler=fp16_without_scaler, baseline=baseline,
         chance=math.log(vocab_size) if vocab_size > 1 else math.nan, fixes=fixes)
