@@ -50,6 +50,7 @@ def top(alarm: str, facts: RunFacts, **signals: object) -> str:
     ("loss_not_decreasing", {"dropout": 0.5}, {"step": 100}, "over_regularized"),
     ("loss_not_decreasing", {"optimizer": "sgd", "momentum": 0.0, "lr": 0.3, "lr_low": 0.03, "lr_high": 3.0},
      {"step": 100}, "sgd_without_momentum"),
+    ("loss_spike", {"beta2": 0.5}, {"step": 80}, "beta2_too_low"),
 ])
 def test_the_true_cause_ranks_first(alarm: str, change: dict, signals: dict, expected: str) -> None:
     assert top(alarm, dataclasses.replace(HEALTHY, **change), **signals) == expected
@@ -86,6 +87,13 @@ def test_regularization_and_momentum_are_blamed_only_outside_their_usual_values(
     both = diagnose("loss_not_decreasing", dataclasses.replace(HEALTHY, label_smoothing=0.4, dropout=0.5),
                     Signals(step=100))[0]
     assert both.cause == "over_regularized" and both.fix == "optim.label_smoothing=0.0 model.dropout=0.1"
+
+
+def test_beta2_is_blamed_only_below_the_usual_range_and_only_for_adam() -> None:
+    for facts in (dataclasses.replace(HEALTHY, beta2=0.95), dataclasses.replace(HEALTHY, beta2=0.5, optimizer="sgd")):
+        assert "beta2_too_low" not in [c.cause for c in diagnose("loss_spike", facts, Signals(step=80))]
+    low = diagnose("loss_spike", dataclasses.replace(HEALTHY, beta2=0.8), Signals(step=80))[0]
+    assert low.cause == "beta2_too_low" and "over only ~5 steps" in low.evidence and low.fix == "optim.beta2=0.95"
 
 
 def test_it_never_advises_against_its_evidence() -> None:

@@ -61,6 +61,7 @@ class RunFacts:
     weight_decay: float = 0.0
     eps: float = 1e-8  # Adam's epsilon (adam, adamw)
     momentum: float = 0.9  # SGD's
+    beta2: float = 0.95  # Adam's second-moment decay
     label_smoothing: float = 0.0
     dropout: float = 0.0
     n_params: int = 0  # the model's parameters: a gradient element's typical size is the norm over its root
@@ -217,6 +218,21 @@ def eps_too_large(f: RunFacts, s: Signals) -> Score:
                 f"norm {_g(norm)} over {f.n_params:,} parameters), so every update shrinks about "
                 f"{1 + ratio:.0f}-fold")
     return (0.9 if ratio >= 10 else 0.5), evidence
+
+
+# Below this Adam's second moment averages fewer than ~10 steps' squared gradients (1 / (1 - beta2)).
+BETA2_LOW = 0.9
+
+
+def beta2_too_low(f: RunFacts, s: Signals) -> Score:
+    """A short second-moment average follows each batch's gradient size: after a few batches of small
+    gradients the denominator is small, and the next ordinary gradient makes an outsized update."""
+    if f.optimizer not in ("adam", "adamw") or f.beta2 >= BETA2_LOW:
+        return None
+    steps = 1 / max(1e-9, 1 - f.beta2)
+    return (0.8 if f.beta2 < 0.5 else 0.6), (f"Adam beta2 {f.beta2:g} averages the squared gradients over only "
+                                               f"~{steps:.0f} steps (usual 0.95-0.999: 20-1000), so a batch after "
+                                               "small ones takes an outsized step")
 
 
 def sgd_without_momentum(f: RunFacts, s: Signals) -> Score:
@@ -380,6 +396,7 @@ CAUSES: dict[str, CauseKind] = {
     "eps_too_large": CauseKind("Adam epsilon too large for the gradient scale", eps_too_large,
                                lambda f: "optim.eps=1e-8"),
     "sgd_without_momentum": CauseKind("SGD without momentum", sgd_without_momentum, lambda f: "optim.momentum=0.9"),
+    "beta2_too_low": CauseKind("Adam beta2 too low", beta2_too_low, lambda f: "optim.beta2=0.95"),
     "over_regularized": CauseKind("Label smoothing or dropout so high the model underfits", over_regularized,
                                   _regularization_fix),
     "init_too_large": CauseKind("Initialization too large", init_too_large, _init_fix(too_large=True)),
@@ -423,8 +440,8 @@ CAUSES: dict[str, CauseKind] = {
 DIFFERENTIAL: dict[str, tuple[str, ...]] = {
     "grad_norm_high": ("lr_too_high", "no_warmup", "no_clipping", "init_too_large", "fp16_no_scaler",
                        "data_unshuffled", "bad_batch"),
-    "grad_norm_surge": ("lr_too_high", "no_warmup", "no_clipping", "init_too_large", "data_unshuffled",
-                        "bad_batch"),
+    "grad_norm_surge": ("lr_too_high", "no_warmup", "no_clipping", "beta2_too_low", "init_too_large",
+                        "data_unshuffled", "bad_batch"),
     "grad_norm_low": ("clip_too_tight", "lr_too_low", "schedule_ended", "init_too_small", "post_ln", "broken_residual",
                       "head_zero_init", "weight_decay_too_high", "fp16_no_scaler", "loss_bug"),
     "grad_norm_low_early_layers": ("post_ln", "residual_unscaled", "init_too_small", "too_deep", "broken_residual"),
@@ -440,7 +457,8 @@ DIFFERENTIAL: dict[str, tuple[str, ...]] = {
                                     "post_ln", "norm_layers"),
     "activation_variance_shrinking": ("init_too_small", "weight_decay_too_high", "lr_too_low", "norm_layers"),
     "memory_leak": ("memory_kept", "growing_containers", "allocator_cache"),
-    "loss_spike": ("data_unshuffled", "lr_too_high", "no_warmup", "no_clipping", "fp16_no_scaler", "bad_batch"),
+    "loss_spike": ("data_unshuffled", "lr_too_high", "no_warmup", "no_clipping", "beta2_too_low", "fp16_no_scaler",
+                   "bad_batch"),
     "fp16_no_scaler": ("fp16_no_scaler",),
     "loss_above_chance": ("init_too_large", "lr_too_high", "no_warmup", "no_clipping", "fp16_no_scaler",
                           "loss_bug"),
@@ -453,7 +471,7 @@ DIFFERENTIAL: dict[str, tuple[str, ...]] = {
     "update_ratio_low": ("clip_too_tight", "eps_too_large", "lr_too_low", "schedule_ended",
                          "weight_decay_too_high", "init_too_large"),
     "schedule_ended": ("schedule_ended",),
-    "loss_oscillating": ("data_unshuffled", "bad_batch"),
+    "loss_oscillating": ("data_unshuffled", "beta2_too_low", "bad_batch"),
     # AdamW's decay and step both scale with the LR: a low LR cannot make the decay dominate, an LR
     # so high that the weights blew up can (the decay grows with the weights, the step does not).
     # An epsilon that shrinks every update leaves the decay (which it does not touch) dominant too.
@@ -492,6 +510,6 @@ def run_facts(cfg: Config, check_rows: list[Finding], *, peak_lr: float, total_s
         residual_scaled=m.residual_init is ResidualInit.scaled, post_ln=m.norm_position is NormPosition.post,
         bias=m.bias, clip=o.clip_grad_norm, shuffled=cfg.data.shuffle or cfg.data.sampling.value == "epoch",
         weight_decay=o.weight_decay, eps=o.eps, n_params=model_tensors(m, vocab_size).n_params, momentum=o.momentum,
-        label_smoothing=o.label_smoothing, dropout=m.dropout,
+        label_smoothing=o.label_smoothing, dropout=m.dropout, beta2=o.beta2,
         fp16_without_scaler=fp16_without_scaler, baseline=baseline,
         chance=math.log(vocab_size) if vocab_size > 1 else math.nan, fixes=fixes)
