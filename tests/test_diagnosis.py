@@ -73,6 +73,8 @@ def test_epsilon_is_blamed_only_when_it_rivals_a_gradient_element() -> None:
     signals = Signals(step=60, grad_norm_peak=0.5)
     default = dataclasses.replace(HEALTHY, n_params=858_880)
     assert "eps_too_large" not in [c.cause for c in diagnose("update_ratio_low", default, signals)]
+    silent = diagnose("update_ratio_low", dataclasses.replace(default, eps=1.0), Signals(step=60, grad_norm_peak=0.0))
+    assert "eps_too_large" not in [c.cause for c in silent], "no gradient at all: epsilon shrinks nothing"
     sgd = dataclasses.replace(default, eps=1.0, optimizer="sgd")
     assert "eps_too_large" not in [c.cause for c in diagnose("update_ratio_low", sgd, signals)]
     large = diagnose("update_ratio_low", dataclasses.replace(default, eps=1.0), signals)[0]

@@ -211,7 +211,9 @@ def eps_too_large(f: RunFacts, s: Signals) -> Score:
         return None
     norm = s.grad_norm_peak if f.clip is None else min(s.grad_norm_peak, f.clip)
     element = norm / math.sqrt(f.n_params)
-    ratio = f.eps / element if element > 0 else math.inf
+    if element <= 0:  # no gradient at all: epsilon shrinks nothing, another cause is at work
+        return None
+    ratio = f.eps / element
     if ratio < 1:
         return None
     evidence = (f"Adam epsilon {f.eps:g} is {_times(ratio)} a gradient element's typical size ({_g(element)}: the "

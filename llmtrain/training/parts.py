@@ -76,7 +76,6 @@ class TrainModule:
 
     model: torch.nn.Module
     train_model: torch.nn.Module
-    sharded: bool
     optimizer: torch.optim.Optimizer
     model_state: Any  # anything with state_dict()/load_state_dict(): the model, or its sharded view
     optimizer_state: Any  # the optimizer, or its sharded or consolidated (ZeRO-1) view

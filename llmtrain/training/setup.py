@@ -341,7 +341,7 @@ def build_train_module(cfg: Config, model: Model, runtime: Runtime, layout: Layo
     optimizer_state = (ShardedOptimizerState(model.model, optimizer) if sharded
                        else ConsolidatedOptimizerState(optimizer, layout)
                        if hasattr(optimizer, "consolidate_state_dict") else optimizer)
-    return TrainModule(model=model.model, train_model=model.train_model, sharded=sharded, optimizer=optimizer,
+    return TrainModule(model=model.model, train_model=model.train_model, optimizer=optimizer,
                        model_state=model_state, optimizer_state=optimizer_state,
                        sharded_files=sharded and cfg.checkpoint.format is not CheckpointFormat.full,
                        params=[p for p in model.model.parameters() if p.requires_grad],

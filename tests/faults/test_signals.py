@@ -211,6 +211,17 @@ def catches_sigterm(pid: int) -> bool:
             return bool(int(line.split()[1], 16) >> (signal.SIGTERM - 1) & 1)
     return False
 
+def signal_after_main_started(proc: subprocess.Popen, sig: signal.Signals, delay: float) -> None:
+    """Send `sig` to `proc` `delay` seconds after its main() installed its SIGTERM handler."""
+    deadline = time.monotonic() + 120
+    while not catches_sigterm(proc.pid):
+        assert proc.poll() is None, f"it ended (exit {proc.returncode}) before main() ran:\n{proc.communicate()}"
+        assert time.monotonic() < deadline, "main() did not start within 120 s"
+        time.sleep(0.001)
+    time.sleep(delay)
+    proc.send_signal(sig)
+
+
 
 def _default_ctrl_c() -> None:
     """In the child: a Ctrl-C that this test's own process ignores (started in the background) would
@@ -235,13 +246,7 @@ def test_a_signal_at_any_moment_of_start_up_ends_as_documented(
          f"hydra.run.dir={run_dir}"],
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_default_ctrl_c,
     )
-    deadline = time.monotonic() + 120
-    while not catches_sigterm(proc.pid):
-        assert proc.poll() is None, f"it ended (exit {proc.returncode}) before main() ran:\n{proc.communicate()}"
-        assert time.monotonic() < deadline, "main() did not start within 120 s"
-        time.sleep(0.001)
-    time.sleep(delay)
-    proc.send_signal(sig)
+    signal_after_main_started(proc, sig, delay)
     try:
         out, err = proc.communicate(timeout=300)
     except subprocess.TimeoutExpired:
@@ -341,13 +346,7 @@ def test_sigterm_at_any_moment_of_prepare_stops_with_75(tmp_path: Path, delay: f
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "LLMTRAIN_CACHE": str(cache)},
     )
-    deadline = time.monotonic() + 120
-    while not catches_sigterm(proc.pid):
-        assert proc.poll() is None, f"it ended (exit {proc.returncode}) before main() ran:\n{proc.communicate()}"
-        assert time.monotonic() < deadline, "main() did not start within 120 s"
-        time.sleep(0.001)
-    time.sleep(delay)
-    proc.send_signal(signal.SIGTERM)
+    signal_after_main_started(proc, signal.SIGTERM, delay)
     out, err = proc.communicate(timeout=300)
     assert "Traceback" not in err, err
     stopped = [line for line in err.splitlines() if line.startswith("llmtrain: stopped:")]
