@@ -79,8 +79,7 @@ def test_the_command_of_a_hydra_run_keeps_its_overrides_and_config_dir(tmp_path:
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.hydra_config import HydraConfig
 
-    from llmtrain.config.hydra import register_configs
-    from llmtrain.training.setup import _command_line_of_this_run
+    from llmtrain.config.hydra import command_line_of_this_run, register_configs
 
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "mine.yaml").write_text("name: mine\nn_layer: 1\n")
@@ -92,7 +91,7 @@ def test_the_command_of_a_hydra_run_keeps_its_overrides_and_config_dir(tmp_path:
             node = compose(config_name="config", return_hydra_config=True, overrides=[
                 f"hydra.searchpath=[file://{tmp_path}]", "model=mine", "optim.lr=3e-4", "out_dir=runs/a b"])
         HydraConfig.instance().set_config(node)
-        overrides, config_dir = _command_line_of_this_run()
+        overrides, config_dir = command_line_of_this_run()
     finally:
         HydraConfig.instance().cfg = previous
         GlobalHydra.instance().clear()

@@ -34,6 +34,7 @@ from llmtrain.checkpoint.layout import (
 from llmtrain.checkpoint.shards import SHARDS
 from llmtrain.core.errors import CheckpointError
 from llmtrain.core.files import TRAINER_STATE
+from llmtrain.engine.repairs import check_repairs
 from llmtrain.engine.state import TrainState
 
 # ---------------------------------------------------------------------------------------------
@@ -230,13 +231,17 @@ def _trainer_state(path: Path) -> dict:
     fields = {f.name for f in dataclasses.fields(TrainState)}
     _expect(set(trainer["state"]) <= fields, path, name, f"'state' has keys other than {', '.join(sorted(fields))}")
     _expect(all(value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))
-                for value in trainer["state"].values()), path, name, "'state' holds a value that is not a number")
+                for key, value in trainer["state"].items() if key != "repairs"),
+            path, name, "'state' holds a value that is not a number")
+    wrong_repairs = check_repairs(trainer["state"].get("repairs", {}))
+    _expect(wrong_repairs is None, path, name, wrong_repairs or "")
     _check_state_values(path, trainer["state"])
     return trainer
 
 
 # TrainState's counts (non-negative integers) and the values a run can reach for the others.
-_COUNTS = ("step", "tokens", "rollbacks", "skipped_steps", "consecutive_skips", "alarm_skipped_steps")
+_COUNTS = ("step", "tokens", "rollbacks", "skipped_steps", "consecutive_skips", "alarm_skipped_steps",
+           "repairs_made")
 
 
 def _check_state_values(path: Path, state: dict) -> None:

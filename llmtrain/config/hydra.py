@@ -274,3 +274,17 @@ def _list_items(tp: Any) -> str:
 # An example value for each list key, shown when a list item has the wrong type.
 _LIST_EXAMPLES = {"data.seq_len_schedule": "[[0,128],[1000,256]]",
                   "eval.tasks": "[perplexity:held_out.txt,multiple_choice:hellaswag_val.jsonl]"}
+
+
+def command_line_of_this_run() -> tuple[list[str] | None, str | None]:
+    """The overrides and --config-dir of the `llmtrain train` command that started this run, from
+    Hydra's record of the job; (None, None) for a config built in code (no Hydra job)."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+    except ImportError:
+        return None, None
+    if not HydraConfig.initialized():
+        return None, None
+    hydra = HydraConfig.get()
+    extra = [s.path for s in hydra.runtime.config_sources if "command-line" in s.provider and s.schema == "file"]
+    return list(hydra.overrides.task), extra[0] if extra else None

@@ -151,6 +151,7 @@ ALARM_NAMES = (
     "activation_variance_shrinking", "memory_leak", "loss_spike", "fp16_no_scaler",
     "grad_norm_surge", "update_ratio_high", "update_ratio_low", "loss_above_chance", "loss_rising",
     "loss_not_decreasing", "schedule_ended", "activation_variance_high", "loss_oscillating", "weight_decay_dominant",
+    "overfitting",
 )
 
 
@@ -395,6 +396,12 @@ class MonitorConfig:
         0.5, "Alarm when weight decay (lr x weight_decay) makes more than this share of each update.")
     reduce_lr_factor: float = _f(0.5, "reduce_lr: multiply the LR by this.")
     cooldown_checks: int = _f(10, "reduce_lr: checks before another reduction.")
+    repair: bool = _f(
+        False, "Repair: when an alarm's most likely cause is confirmed by the run's evidence and its fix can be "
+        "applied mid-run (the LR, a restarted warmup, clipping, weight decay, Adam's epsilon and beta2, SGD momentum, "
+        "label smoothing), apply it (after rolling back to the last good checkpoint when the weights were thrown "
+        "off), record it and go on; a fix that needs a restart is printed as the command to rerun.")
+    max_repairs: int = _f(3, "repair: at most this many repairs in a run.")
     actions: dict[str, MonitorAction] = _f(
         {"grad_norm_high": MonitorAction.reduce_lr, "grad_norm_surge": MonitorAction.reduce_lr},
         "Action per alarm (warn, reduce_lr, skip_step, rollback, stop); unlisted: warn.",

@@ -73,6 +73,7 @@ class Kind:
     HEALTH = "health"  # every monitor.interval: the monitor's sample
     ALARM = "alarm"  # the monitor raised an alarm
     ACTION = "action"  # what was done about an alarm
+    REPAIR = "repair"  # monitor.repair: a confirmed cause fixed mid-run, or the command that fixes it on a rerun
     NONFINITE = "nonfinite"  # a non-finite loss/gradient; the update was not applied
     ROLLBACK = "rollback"  # weights and optimizer went back to a checkpoint
     CHECKPOINT = "checkpoint"  # a checkpoint was saved

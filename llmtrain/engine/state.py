@@ -21,6 +21,10 @@ class TrainState:
     skipped_steps: int = 0
     consecutive_skips: int = 0
     alarm_skipped_steps: int = 0  # updates dropped by a health alarm's skip_step action
+    # monitor.repair: the settings changed mid-run, config key -> value (engine/repairs.py), kept by
+    # every checkpoint so that a resume goes on with them
+    repairs: dict[str, float] = field(default_factory=dict)
+    repairs_made: int = 0  # how many (monitor.max_repairs caps them)
 
 
 @dataclass

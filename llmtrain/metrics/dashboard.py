@@ -138,7 +138,8 @@ ALARMS_BY_METRIC = {
     "activation mean": ("activation_mean_drift",),
     "activation variance": ("activation_variance_high", "activation_variance_growing", "activation_variance_shrinking"),
     "memory": ("memory_leak",),
-    "loss": ("loss_spike", "loss_above_chance", "loss_rising", "loss_not_decreasing", "loss_oscillating"),
+    "loss": ("loss_spike", "loss_above_chance", "loss_rising", "loss_not_decreasing", "loss_oscillating",
+             "overfitting"),
 }
 
 

@@ -410,6 +410,23 @@ _KINDS = (
         seed_ref="5.1; 8.3",
     ),
     AlarmKind(
+        name="overfitting",
+        metric="val_loss",
+        title="Validation stalls while the train loss keeps falling: the gap between them widens (overfitting)",
+        healthy="validation falling about as much as training",
+        causes=(
+            "Too little data for the model and the number of steps: it memorizes the training set",
+            "Too many passes over the same data",
+            "Too little regularization for this data size (dropout, weight decay)",
+        ),
+        checks=(
+            "Stop at the best validation step: checkpoint.keep_best=true keeps its checkpoint",
+            "More data (data.path), or fewer steps (max_steps)",
+            "Regularize: model.dropout=0.1, optim.weight_decay=0.1; or a smaller model",
+        ),
+        seed_ref="8.1; 8.3",
+    ),
+    AlarmKind(
         name="weight_decay_dominant",
         metric="update_ratio",
         title="Weight decay makes most of each update: the weights follow the decay, not the gradient",

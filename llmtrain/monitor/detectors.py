@@ -20,6 +20,7 @@ or trends, never a single point:
     loss_not_decreasing                 the loss has not left chance, or is stuck at the unigram baseline
     loss_oscillating                    interval means swinging far beyond their steps' noise (correlated batches)
     weight_decay_dominant               the decay, not the gradient, makes most of each update
+    overfitting                         (at each evaluation) validation stalls while the train loss falls
     update_ratio_high / _low            ||dW|| / ||W|| per step far above / below its healthy range
     schedule_ended                      the LR schedule ended while the run goes on
 
@@ -41,6 +42,13 @@ from typing import Any
 from llmtrain.config.schema import MonitorAction, MonitorConfig
 from llmtrain.core.files import Kind
 from llmtrain.monitor.diagnosis import Cause, RunFacts, Signals, diagnose
+from llmtrain.monitor.overfit import widening_gap
+
+# The run-time overfitting alarm acts on the run, so it asks for more than the report's review: the
+# train loss falling >= 0.1 nats over the second half of >= 4 evaluations while the gap grows >= 0.1
+# (healthy runs of the calibration corpus: a gap that moves by a few hundredths either way).
+OVERFIT_MIN_FALL = 0.1
+OVERFIT_MIN_EVALS = 4
 
 
 @dataclass
@@ -167,6 +175,8 @@ class Detectors:
         self.best_check = 0  # the check at which it was reached
         self.update_ratio: float | None = None  # the latest one seen
         self.skipped: set[str] = set()  # this check's detectors whose guard kept them from judging
+        self.val: list[tuple[int, float]] = []  # (step, validation loss) of every evaluation
+        self.gaps: list[tuple[int, float]] = []  # (step, validation - the train loss the checks saw then)
 
     # ---- state for checkpoints -----------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -176,7 +186,7 @@ class Detectors:
             "counts": self.counts, "active": sorted(self.active), "checks": self.checks,
             "cooldown_until": self.cooldown_until, "best_check": self.best_check,
             "best_loss": self.best_loss if math.isfinite(self.best_loss) else None,  # strict JSON: no Infinity
-            "update_ratio": self.update_ratio,
+            "update_ratio": self.update_ratio, "val": self.val, "gaps": self.gaps,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -196,6 +206,8 @@ class Detectors:
         self.best_loss = float(best) if best is not None else math.inf
         self.best_check = int(state.get("best_check", 0))
         self.update_ratio = state.get("update_ratio")
+        self.val = [(int(a), float(b)) for a, b in state.get("val", [])]
+        self.gaps = [(int(a), float(b)) for a, b in state.get("gaps", [])]
 
     # ---- detection -----------------------------------------------------------------------------
     def check(self, s: Sample) -> list[Alarm]:
@@ -232,6 +244,30 @@ class Detectors:
         # The most telling first: critical before warning, then the more certain diagnosis.
         new.sort(key=lambda a: (a.severity != "critical", -(a.causes[0].score if a.causes else 0.0)))
         return new
+
+    def validation(self, step: int, val_loss: float) -> list[Alarm]:
+        """Feed one evaluation: the overfitting alarm, raised once while the gap keeps widening. The
+        train loss it is set against is the median of the last 3 checks' interval means."""
+        train = _median_tail(list(self.history["interval_loss"]), 3)
+        if not (math.isfinite(val_loss) and math.isfinite(train)):
+            return []
+        self.val.append((step, val_loss))
+        self.gaps.append((step, val_loss - train))
+        seen = widening_gap(self.val, self.gaps, min_fall=OVERFIT_MIN_FALL, min_points=OVERFIT_MIN_EVALS,
+                            min_growth=OVERFIT_MIN_FALL)
+        if seen is None:
+            self.active.discard("overfitting")
+            return []
+        if "overfitting" in self.active:
+            return []
+        self.active.add("overfitting")
+        alarm = Alarm("overfitting", step, "warning", "validation - train loss", [g for _, g in self.gaps[-6:]],
+                      "a gap that does not grow while validation stalls")
+        alarm.action = self.action_for(alarm.name).value
+        best_step = min(self.val, key=lambda point: point[1])[0]
+        signals = Signals(step=step, overfit=seen.text(), best_val_step=best_step, rising="loss_rising" in self.active)
+        alarm.causes = diagnose(alarm.name, self.facts, signals)
+        return [alarm]
 
     def _persistent(self, found: dict[str, Alarm], name: str, outside: bool, alarm: Alarm,
                     patience: int | None = None, also: bool = True) -> None:

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmtrain.config.derived import init_gain, resolved_warmup_steps, sane_lr_range
+from llmtrain.config.derived import default_lr, init_gain, resolved_warmup_steps, sane_lr_range
 from llmtrain.config.schema import Config, NormPosition, ResidualInit
 from llmtrain.core.findings import Finding
 from llmtrain.model_tensors import model_tensors
@@ -65,6 +65,8 @@ class RunFacts:
     label_smoothing: float = 0.0
     dropout: float = 0.0
     n_params: int = 0  # the model's parameters: a gradient element's typical size is the norm over its root
+    tokens_per_step: int = 0  # the global batch's tokens
+    default_lr: float = 0.0  # optim.lr=null's LR for this optimizer and width
     fp16_without_scaler: bool = False
     baseline: float = math.nan  # the unigram entropy of the training data (nats/token)
     chance: float = math.nan  # ln(vocabulary): the loss of a uniform guess
@@ -94,6 +96,8 @@ class Signals:
     rising: bool = False  # the loss is trending up (a loss_rising episode is active)
     lr_applied: float = math.nan  # the LR in the optimizer at the alarm, and the schedule's for that step
     lr_schedule: float = math.nan
+    overfit: str = ""  # what the overfitting rule saw at the last evaluation ("" when it saw nothing)
+    best_val_step: int = 0  # the step of the best validation loss so far
 
 
 @dataclass(frozen=True)
@@ -262,10 +266,40 @@ def over_regularized(f: RunFacts, s: Signals) -> Score:
     return (0.6 + 0.1 * (len(found) - 1)), "; ".join(found)
 
 
-def _regularization_fix(f: RunFacts) -> str | None:
+def _regularization_fix(f: RunFacts, s: Signals) -> str | None:
     fixes = (["optim.label_smoothing=0.0"] if f.label_smoothing > LABEL_SMOOTHING_HIGH else []) + (
         ["model.dropout=0.1"] if f.dropout > DROPOUT_HIGH else [])
     return " ".join(fixes) or None
+
+
+# The default LR was set at a batch of this many tokens (16 sequences of 256); a smaller batch's
+# gradient is noisier, and the LR it bears falls about with the root of its size (seed 003 §3's sqrt
+# scaling). Below SMALL_BATCH_TOKENS a batch is small enough for that to be a likely cause.
+REFERENCE_BATCH_TOKENS = 4096
+SMALL_BATCH_TOKENS = 1024
+
+
+def lr_for_batch(f: RunFacts) -> float:
+    """The default LR scaled down to this batch by the root of its size (never up)."""
+    return f.default_lr * math.sqrt(min(1.0, f.tokens_per_step / REFERENCE_BATCH_TOKENS))
+
+
+def batch_too_small(f: RunFacts, s: Signals) -> Score:
+    """Gradient noise: with few tokens per step each gradient is one noisy draw, and an LR set for a
+    larger batch follows the noise. Judged against the root-scaled default LR, not the sane range."""
+    if not 0 < f.tokens_per_step < SMALL_BATCH_TOKENS or f.default_lr <= 0 or f.lr <= 0:
+        return None
+    over = f.lr / lr_for_batch(f)
+    if over < 2:
+        return None
+    return 0.55 + 0.3 * min(1.0, math.log10(over)), (
+        f"{f.tokens_per_step:,} tokens per step: a noisy gradient, and the LR {_g(f.lr)} is {_times(over)} what "
+        f"such a batch bears ({_g(lr_for_batch(f))}, the default scaled by the root of the batch against "
+        f"{REFERENCE_BATCH_TOKENS:,} tokens); or raise the batch (global_batch_size, with micro_batch_size for memory)")
+
+
+def overfitting(f: RunFacts, s: Signals) -> Score:
+    return (0.9, f"the gap is widening: {s.overfit}") if s.overfit else None
 
 
 def init_too_large(f: RunFacts, s: Signals) -> Score:
@@ -359,28 +393,28 @@ def _fixed(score: float, evidence: str) -> Callable[[RunFacts, Signals], Score]:
 class CauseKind:
     title: str
     rank: Callable[[RunFacts, Signals], Score]
-    fix: Callable[[RunFacts], str | None]  # None: nothing in the configuration to change
+    fix: Callable[[RunFacts, Signals], str | None]  # config overrides; None: nothing in the configuration to change
 
 
-def _check_fix(item: str, fallback: str | None = None) -> Callable[[RunFacts], str | None]:
+def _check_fix(item: str, fallback: str | None = None) -> Callable[[RunFacts, Signals], str | None]:
     """The pre-flight check's fix for its row `item` (one source for `check` and the alarm); the
     fallback only where the check has no such row."""
-    return lambda f: f.fixes.get(item, fallback)
+    return lambda f, s: f.fixes.get(item, fallback)
 
 
-def _lr_fix(direction: float) -> Callable[[RunFacts], str | None]:
+def _lr_fix(direction: float) -> Callable[[RunFacts, Signals], str | None]:
     """Outside the sane range: the check's fix (the default LR). Inside it (the evidence is the
     update ratio): a step in `direction` from the LR, never back toward the default."""
-    def fix(f: RunFacts) -> str | None:
+    def fix(f: RunFacts, s: Signals) -> str | None:
         outside = f.lr > f.lr_high if direction < 1 else f.lr < f.lr_low
         return f.fixes.get("learning rate") if outside else f"optim.lr={_g(f.lr * direction)}"
     return fix
 
 
-def _init_fix(too_large: bool) -> Callable[[RunFacts], str | None]:
+def _init_fix(too_large: bool) -> Callable[[RunFacts, Signals], str | None]:
     """The check's init fix when the gain is what is wrong (its row may name the residual scaling
     instead, for a deep plain-residual model: that is `residual_unscaled`'s)."""
-    def fix(f: RunFacts) -> str | None:
+    def fix(f: RunFacts, s: Signals) -> str | None:
         wrong = f.init_gain > 2.5 if too_large else f.init_gain < 0.005
         return f.fixes.get("init variance") if wrong else None
     return fix
@@ -396,53 +430,58 @@ CAUSES: dict[str, CauseKind] = {
     "clip_too_tight": CauseKind("Gradient clipping too tight", clip_too_tight,
                                 _check_fix("gradient clipping", "optim.clip_grad_norm=1.0")),
     "eps_too_large": CauseKind("Adam epsilon too large for the gradient scale", eps_too_large,
-                               lambda f: "optim.eps=1e-8"),
-    "sgd_without_momentum": CauseKind("SGD without momentum", sgd_without_momentum, lambda f: "optim.momentum=0.9"),
-    "beta2_too_low": CauseKind("Adam beta2 too low", beta2_too_low, lambda f: "optim.beta2=0.95"),
+                               lambda f, s: "optim.eps=1e-8"),
+    "sgd_without_momentum": CauseKind("SGD without momentum", sgd_without_momentum, lambda f, s: "optim.momentum=0.9"),
+    "beta2_too_low": CauseKind("Adam beta2 too low", beta2_too_low, lambda f, s: "optim.beta2=0.95"),
     "over_regularized": CauseKind("Label smoothing or dropout so high the model underfits", over_regularized,
                                   _regularization_fix),
+    "batch_too_small": CauseKind("Batch too small for the LR (gradient noise)", batch_too_small,
+                                 lambda f, s: f"optim.lr={_g(lr_for_batch(f))}"),
+    "overfitting": CauseKind("Overfitting: the model memorizes its training data", overfitting,
+                             lambda f, s: f"max_steps={s.best_val_step}" if s.best_val_step else None),
     "init_too_large": CauseKind("Initialization too large", init_too_large, _init_fix(too_large=True)),
     "init_too_small": CauseKind("Initialization too small", init_too_small, _init_fix(too_large=False)),
     "residual_unscaled": CauseKind("Residual branches not scaled down", residual_unscaled,
-                                   lambda f: "model.residual_init=scaled" if not f.residual_scaled else None),
+                                   lambda f, s: "model.residual_init=scaled" if not f.residual_scaled else None),
     "post_ln": CauseKind("Post-LN: the gradient must pass through every norm", post_ln,
                          _check_fix("residual / norm", "model.norm_position=pre")),
-    "too_deep": CauseKind("Model too deep for this setup", too_deep, lambda f: "model.n_layer=6"),
+    "too_deep": CauseKind("Model too deep for this setup", too_deep, lambda f, s: "model.n_layer=6"),
     "fp16_no_scaler": CauseKind("fp16 without a loss scaler", fp16_no_scaler,
                                 _check_fix("mixed precision", "precision.loss_scaling=true")),
     "data_unshuffled": CauseKind("Data not shuffled", data_unshuffled, _check_fix("data order", "data.shuffle=true")),
     "weight_decay_too_high": CauseKind("Weight decay too strong", weight_decay_too_high,
-                                       lambda f: "optim.weight_decay=0.1" if f.weight_decay > 0.1 else None),
+                                       lambda f, s: "optim.weight_decay=0.1" if f.weight_decay > 0.1 else None),
     "schedule_ended": CauseKind("The LR schedule ended before the run", schedule_ended,
                                 _check_fix("schedule length", "schedule.total_steps=null")),
     "norm_layers": CauseKind("Normalization missing, misplaced or over the wrong dimension",
                              _fixed(0.2, "not visible in the configuration: compare the norm layers with a "
-                                    "standard implementation"), lambda f: None),
+                                    "standard implementation"), lambda f, s: None),
     "bias_drift": CauseKind("Bias terms drifting", lambda f, s: (0.12, "the model has bias terms") if f.bias else None,
-                            lambda f: "model.bias=false"),
-    "bad_batch": CauseKind("A bad batch", _fixed(0.2, "inspect the batches around the alarm's step"), lambda f: None),
+                            lambda f, s: "model.bias=false"),
+    "bad_batch": CauseKind("A bad batch", _fixed(0.2, "inspect the batches around the alarm's step"),
+                           lambda f, s: None),
     "broken_residual": CauseKind("Residual path broken (vanishing gradient)",
-                                 _fixed(0.2, "check that each block's output contains its input"), lambda f: None),
+                                 _fixed(0.2, "check that each block's output contains its input"), lambda f, s: None),
     "head_zero_init": CauseKind("LM head initialized at zero", _fixed(0.15, "a zero head passes no gradient down"),
-                                lambda f: "model.head_init=plain"),
+                                lambda f, s: "model.head_init=plain"),
     "loss_bug": CauseKind("Loss or labels wrong (scaled, detached, shifted)",
-                          _fixed(0.15, "test the loss on a known input"), lambda f: None),
+                          _fixed(0.15, "test the loss on a known input"), lambda f, s: None),
     "lr_overwritten": CauseKind("LR overwritten (restored state, a callback, scaling applied twice)", lr_overwritten,
-                                lambda f: None),
+                                lambda f, s: None),
     "memory_kept": CauseKind("Tensors kept across steps (e.g. total += loss)",
-                             _fixed(0.5, "memory rises step after step"), lambda f: None),
+                             _fixed(0.5, "memory rises step after step"), lambda f, s: None),
     "growing_containers": CauseKind("Containers or hooks that grow every step",
-                                    _fixed(0.4, "memory rises step after step"), lambda f: None),
+                                    _fixed(0.4, "memory rises step after step"), lambda f, s: None),
     "allocator_cache": CauseKind("Allocator cache growing with varying shapes",
-                                 _fixed(0.3, "compare allocated with reserved memory"), lambda f: None),
+                                 _fixed(0.3, "compare allocated with reserved memory"), lambda f, s: None),
 }
 
 # The causes each alarm can have (its differential), in the order of a fixed prior: with equal
 # scores, the earlier one ranks first.
 DIFFERENTIAL: dict[str, tuple[str, ...]] = {
-    "grad_norm_high": ("lr_too_high", "no_warmup", "no_clipping", "init_too_large", "fp16_no_scaler",
+    "grad_norm_high": ("lr_too_high", "batch_too_small", "no_warmup", "no_clipping", "init_too_large", "fp16_no_scaler",
                        "data_unshuffled", "bad_batch"),
-    "grad_norm_surge": ("lr_too_high", "no_warmup", "no_clipping", "beta2_too_low", "init_too_large",
+    "grad_norm_surge": ("lr_too_high", "batch_too_small", "no_warmup", "no_clipping", "beta2_too_low", "init_too_large",
                         "data_unshuffled", "bad_batch"),
     "grad_norm_low": ("clip_too_tight", "lr_too_low", "schedule_ended", "init_too_small", "post_ln", "broken_residual",
                       "head_zero_init", "weight_decay_too_high", "fp16_no_scaler", "loss_bug"),
@@ -459,21 +498,23 @@ DIFFERENTIAL: dict[str, tuple[str, ...]] = {
                                     "post_ln", "norm_layers"),
     "activation_variance_shrinking": ("init_too_small", "weight_decay_too_high", "lr_too_low", "norm_layers"),
     "memory_leak": ("memory_kept", "growing_containers", "allocator_cache"),
-    "loss_spike": ("data_unshuffled", "lr_too_high", "no_warmup", "no_clipping", "beta2_too_low", "fp16_no_scaler",
-                   "bad_batch"),
+    "loss_spike": ("data_unshuffled", "lr_too_high", "batch_too_small", "no_warmup", "no_clipping", "beta2_too_low",
+                   "fp16_no_scaler", "bad_batch"),
     "fp16_no_scaler": ("fp16_no_scaler",),
     "loss_above_chance": ("init_too_large", "lr_too_high", "no_warmup", "no_clipping", "fp16_no_scaler",
                           "loss_bug"),
-    "loss_rising": ("lr_too_high", "no_warmup", "no_clipping", "data_unshuffled", "weight_decay_too_high",
-                    "init_too_large", "bad_batch"),
+    "loss_rising": ("lr_too_high", "batch_too_small", "no_warmup", "no_clipping", "data_unshuffled",
+                    "weight_decay_too_high", "init_too_large", "bad_batch"),
     "loss_not_decreasing": ("clip_too_tight", "eps_too_large", "over_regularized", "sgd_without_momentum", "lr_too_low",
-                            "schedule_ended", "init_too_small", "lr_too_high", "post_ln", "weight_decay_too_high",
-                            "init_too_large", "residual_unscaled", "loss_bug"),
-    "update_ratio_high": ("lr_too_high", "no_warmup", "weight_decay_too_high", "init_too_small", "no_clipping"),
+                            "batch_too_small", "schedule_ended", "init_too_small", "lr_too_high", "post_ln",
+                            "weight_decay_too_high", "init_too_large", "residual_unscaled", "loss_bug"),
+    "update_ratio_high": ("lr_too_high", "batch_too_small", "no_warmup", "weight_decay_too_high", "init_too_small",
+                          "no_clipping"),
     "update_ratio_low": ("clip_too_tight", "eps_too_large", "lr_too_low", "schedule_ended",
                          "weight_decay_too_high", "init_too_large"),
     "schedule_ended": ("schedule_ended",),
-    "loss_oscillating": ("data_unshuffled", "beta2_too_low", "bad_batch"),
+    "loss_oscillating": ("data_unshuffled", "batch_too_small", "beta2_too_low", "bad_batch"),
+    "overfitting": ("overfitting",),
     # AdamW's decay and step both scale with the LR: a low LR cannot make the decay dominate, an LR
     # so high that the weights blew up can (the decay grows with the weights, the step does not).
     # An epsilon that shrinks every update leaves the decay (which it does not touch) dominant too.
@@ -491,13 +532,14 @@ def diagnose(alarm: str, facts: RunFacts | None, signals: Signals) -> list[Cause
         found = kind.rank(facts, signals)
         if found is not None:
             score, evidence = found
-            ranked.append((-min(score, 1.0), order, Cause(cause_id, kind.title, evidence, kind.fix(facts),
+            ranked.append((-min(score, 1.0), order, Cause(cause_id, kind.title, evidence, kind.fix(facts, signals),
                                                          min(score, 1.0))))
     return [cause for *_, cause in sorted(ranked, key=lambda r: (r[0], r[1]))]
 
 
 def run_facts(cfg: Config, check_rows: list[Finding], *, peak_lr: float, total_steps: int, schedule_steps: int,
-              schedule_floor: float, baseline: float, vocab_size: int, fp16_without_scaler: bool) -> RunFacts:
+              schedule_floor: float, baseline: float, vocab_size: int, fp16_without_scaler: bool,
+              tokens_per_step: int = 0) -> RunFacts:
     """The configuration's side of the evidence, with the pre-flight check's fixes (`check_rows`:
     the rows of the check the run passed; their `item` and `fix`)."""
     m, o = cfg.model, cfg.optim
@@ -512,6 +554,7 @@ def run_facts(cfg: Config, check_rows: list[Finding], *, peak_lr: float, total_s
         residual_scaled=m.residual_init is ResidualInit.scaled, post_ln=m.norm_position is NormPosition.post,
         bias=m.bias, clip=o.clip_grad_norm, shuffled=cfg.data.shuffle or cfg.data.sampling.value == "epoch",
         weight_decay=o.weight_decay, eps=o.eps, n_params=model_tensors(m, vocab_size).n_params, momentum=o.momentum,
-        label_smoothing=o.label_smoothing, dropout=m.dropout, beta2=o.beta2,
+        label_smoothing=o.label_smoothing, dropout=m.dropout, beta2=o.beta2, tokens_per_step=tokens_per_step,
+        default_lr=default_lr(o.name, m.n_embd),
         fp16_without_scaler=fp16_without_scaler, baseline=baseline,
         chance=math.log(vocab_size) if vocab_size > 1 else math.nan, fixes=fixes)

@@ -77,6 +77,7 @@ class Monitor:
         # was applied at the last check step, or there has been none yet).
         self.pending_update: tuple[float, float] | None = None
         self.check_lr = 0.0
+        self.raised_at_eval: list[Alarm] = []  # alarms of an evaluation, acted on at the next check
 
     def is_check(self, step: int) -> bool:
         """`step` is the 1-based number of the step being taken."""
@@ -156,16 +157,35 @@ class Monitor:
             self.before = [p.detach().clone() for p in self.params]
             return []
         alarms = self.monitor.check(sample)
-        for alarm in alarms:
-            self.events.write(alarm.to_record())
-            self.metrics.write(alarm.to_record())
-            self.dashboard.alarm(alarm)
+        self.report(alarms)
+        alarms, self.raised_at_eval = self.raised_at_eval + alarms, []
         if act_mean is not None:
             self.last_activations = {"activation_mean": act_mean, "activation_var": act_var}
         # The dashboard shows the latest activation sample until the next one (every activation_every steps).
         self.dashboard.health({**self.last_activations, **self.record}, sorted(self.monitor.active))
         self.before = [p.detach().clone() for p in self.params]  # for the update-to-parameter ratio
         return alarms
+
+    def report(self, alarms: list[Alarm]) -> None:
+        for alarm in alarms:
+            self.events.write(alarm.to_record())
+            self.metrics.write(alarm.to_record())
+            self.dashboard.alarm(alarm)
+
+    def evaluated(self, step: int, val_loss: float) -> None:
+        """An evaluation's validation loss: the overfitting alarm is judged on it, printed now and
+        acted on with the next check's alarms (where the loop acts on alarms)."""
+        alarms = self.monitor.validation(step, val_loss)
+        self.report(alarms)
+        self.raised_at_eval += alarms
+
+    @property
+    def facts(self) -> RunFacts | None:
+        return self.monitor.facts
+
+    def update_facts(self, facts: RunFacts) -> None:
+        """The run's configuration changed (a repair): later alarms are diagnosed against the new one."""
+        self.monitor.facts = facts
 
     def checkpoint_state(self) -> dict:
         """What a checkpoint keeps of the monitor (windows, counts, active alarms) and of this
@@ -219,6 +239,11 @@ class Monitor:
         self.metrics.write(self.record)
         self.record, self.before = None, None
 
+    def repaired(self, record: dict) -> None:
+        """A repair (training/repair.py): one of the run's events."""
+        self.events.write(record)
+        self.metrics.write(record)
+
     def action_taken(self, alarm: Alarm, detail: str) -> None:
         record = {"kind": Kind.ACTION, "alarm": alarm.name, "step": alarm.step, "action": alarm.action,
                   "detail": detail}
@@ -268,6 +293,14 @@ class NullMonitor:
               tokens: int, loss_scale: float | None) -> list[Alarm]:
         return []
 
+    def evaluated(self, step: int, val_loss: float) -> None:
+        pass
+
+    facts = None
+
+    def update_facts(self, facts: RunFacts) -> None:
+        pass
+
     def checkpoint_state(self) -> dict:
         return {}
 
@@ -287,6 +320,9 @@ class NullMonitor:
         pass
 
     def after_step(self, applied: bool) -> None:
+        pass
+
+    def repaired(self, record: dict) -> None:
         pass
 
     def action_taken(self, alarm: Alarm, detail: str) -> None:

@@ -56,8 +56,19 @@ def check_command_line(overrides: Sequence[str] | None, config_dir: str | None =
     built in code, not from a command line): the bare command, with a word on what to add."""
     if overrides is None:
         return "llmtrain check  (with the overrides that make this config)"
-    kept = [o for o in overrides if not o.lstrip("+~").startswith(("hydra.", "hydra/", "out_dir="))]
-    return shlex.join(["llmtrain", "check", *(["-cd", config_dir] if config_dir else []), *kept])
+    return shlex.join(["llmtrain", "check", *(["-cd", config_dir] if config_dir else []), *_without_run_dir(overrides)])
+
+
+def rerun_command_line(overrides: Sequence[str] | None, config_dir: str | None, changes: dict[str, str]) -> str:
+    """`llmtrain train` with a run's overrides and `changes` (key -> value) replacing or added to
+    them: a new run (its run dir dropped, so it gets a fresh one) with a fix applied."""
+    kept = [o for o in _without_run_dir(overrides or []) if o.lstrip("+~").split("=", 1)[0] not in changes]
+    return shlex.join(["llmtrain", "train", *(["-cd", config_dir] if config_dir else []), *kept,
+                       *(f"{key}={value}" for key, value in changes.items())])
+
+
+def _without_run_dir(overrides: Sequence[str]) -> list[str]:
+    return [o for o in overrides if not o.lstrip("+~").startswith(("hydra.", "hydra/", "out_dir="))]
 
 
 def estimate_summary(facts: Facts) -> str:

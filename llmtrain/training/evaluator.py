@@ -55,6 +55,7 @@ class Evaluator:
         self.metrics.write(record)
         self.dashboard.log_eval(record)
         self.checkpointer.evaluated(step, val_loss)
+        self.monitor.evaluated(step, val_loss)
         self.run_tasks(step)
         self.monitor.paused(time.perf_counter() - started)
         return True

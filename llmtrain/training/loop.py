@@ -49,6 +49,7 @@ from llmtrain.core import files
 from llmtrain.core.errors import Interrupted, RunStopped
 from llmtrain.core.files import Kind
 from llmtrain.distributed.layout import all_reduce_sum, barrier, broadcast_from_main, end_process_group, layout_from_env
+from llmtrain.engine.repairs import lr_factor
 from llmtrain.engine.schedule import lr_at
 from llmtrain.engine.state import TrainResult, TrainState
 from llmtrain.engine.step import Batch, accumulate_window, count_tokens, unscale_and_clip
@@ -97,7 +98,7 @@ def fit(run: Run) -> TrainResult:
                 timer.start(step + 1)  # every timing_interval-th step: where its time goes, for the report
                 fetch_start = time.perf_counter()
                 window, window_tokens = next_window(run, step)
-                lr_schedule, lr = set_lr(run, step, state.lr_scale)
+                lr_schedule, lr = set_lr(run, step, state)
                 monitor.waited_for_data(time.perf_counter() - fetch_start)
                 monitor.before_forward(step + 1)
                 timer.lap("other")
@@ -153,12 +154,12 @@ def fit(run: Run) -> TrainResult:
     return finish(run)
 
 
-def set_lr(run: Run, step: int, lr_scale: float) -> tuple[float, float]:
+def set_lr(run: Run, step: int, state: TrainState) -> tuple[float, float]:
     """The LR of step `step` (0-based) as the schedule has it, and as applied: times the run's LR
-    scale (cut by rollbacks and alarms), set on every parameter group."""
-    plan = run.plan
-    lr_schedule = lr_at(step, plan.effective_lr, plan.schedule_steps, run.context.cfg.schedule)
-    lr = lr_schedule * lr_scale
+    scale (cut by rollbacks and alarms) and what repairs made of it, set on every parameter group."""
+    plan, cfg = run.plan, run.context.cfg
+    lr_schedule = lr_at(step, plan.effective_lr, plan.schedule_steps, cfg.schedule)
+    lr = lr_schedule * state.lr_scale * (lr_factor(state.repairs, step, cfg.optim.lr or 0.0) if state.repairs else 1.0)
     for group in run.module.optimizer.param_groups:
         group["lr"] = lr
     return lr_schedule, lr

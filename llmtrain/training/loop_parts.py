@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import time
 
+from rich.markup import escape
+
 from llmtrain.checkpoint.layout import Checkpoint
 from llmtrain.checkpoint.policy import Checkpointer, RankAgreement, SavedObjects
 from llmtrain.config.schema import Precision
@@ -29,6 +31,7 @@ from llmtrain.training.parts import Batches, Context, TrainModule
 from llmtrain.training.plan import Plan
 from llmtrain.training.progress import Progress
 from llmtrain.training.recovery import Recovery
+from llmtrain.training.repair import Repairer
 from llmtrain.training.run import LoopParts
 from llmtrain.training.stages import SeqLenStages
 from llmtrain.training.throughput import NullSlowdownWatch, SlowdownWatch
@@ -47,7 +50,16 @@ def build_loop_parts(context: Context, plan: Plan, module: TrainModule, batches:
                          unigram_entropy=context.data.unigram_entropy)
     monitor = build_monitor(context, plan, module, metrics, state, checkpoint)
     checkpointer = build_checkpointer(context, module, batches, metrics, monitor, state)
-    recovery = Recovery(cfg=cfg, module=module, monitor=monitor, checkpointer=checkpointer, metrics=metrics, warn=warn)
+    repairer = Repairer(cfg=cfg, optimizer=module.optimizer, monitor=monitor,
+                        say=lambda text: dashboard.print(escape(text)), schedule_steps=plan.schedule_steps,
+                        base_facts=monitor.facts)
+    repairer.refresh_facts(state.repairs)  # a resumed run goes on with its repairs (setup applied them)
+    recovery = Recovery(cfg=cfg, module=module, monitor=monitor, checkpointer=checkpointer, metrics=metrics, warn=warn,
+                        repairer=repairer)
+    if cfg.monitor.repair and cfg.monitor.enabled and state.step == 0:
+        # A repair of a cause that throws the weights off (an LR far too high) starts again from the
+        # last good checkpoint: a fresh run's first is its initial state, before the first step.
+        checkpointer.save(state)
     # The tasks score the plain model, as the val loss does; the window is the longest the run trains on.
     scorer = Scorer(module.model, plan.longest_seq_len, cfg.eval.batch_size, module.precision.autocast)
     evaluator = Evaluator(eval_interval=cfg.eval_interval, model=module.model, batches=batches.val,
@@ -95,7 +107,7 @@ def build_monitor(context: Context, plan: Plan, module: TrainModule, metrics: Me
                       schedule_steps=plan.schedule_steps,
                       schedule_floor=lr_at(plan.schedule_steps, plan.effective_lr, plan.schedule_steps, cfg.schedule),
                       baseline=context.data.unigram_entropy, vocab_size=plan.model_vocab_size,
-                      fp16_without_scaler=fp16_unscaled)
+                      fp16_without_scaler=fp16_unscaled, tokens_per_step=plan.tokens_per_step)
     monitor = Monitor(cfg.monitor, module.model, run_dir=context.run_dir, dashboard=context.dashboard, metrics=metrics,
                       total_steps=plan.total_steps, fp16_without_scaler=fp16_unscaled,
                       flops_per_token=plan.flops_per_token, write_events=context.layout.is_main,

@@ -2,7 +2,8 @@
 rollback to a checkpoint. One `Recovery` per run holds what it needs (the config, the train
 module, the monitor, the checkpointer, the metrics and the console's warnings) and is asked two
 things: `on_nonfinite` (checkpoint.on_nonfinite: skip, roll back or stop) and `on_alarms` (each
-alarm's monitor.actions entry: warn, reduce_lr, skip_step, rollback or stop).
+alarm's repair under monitor.repair=true, else its monitor.actions entry: warn, reduce_lr,
+skip_step, rollback or stop).
 
 One convention: each decision returns an `Outcome`, the decision on the step's update and the
 TrainState to go on from (the same one, or the checkpoint's after a rollback). A stop is raised
@@ -24,11 +25,13 @@ from llmtrain.checkpoint.rng import restore_rng
 from llmtrain.config.schema import Config, MonitorAction, NonFinitePolicy
 from llmtrain.core.errors import HealthStop, NonFiniteStop
 from llmtrain.core.files import Kind
+from llmtrain.engine.repairs import apply_repairs
 from llmtrain.engine.state import TrainState
 from llmtrain.metrics.writer import MetricsWriter, NullMetricsWriter
 from llmtrain.monitor.detectors import Alarm
 from llmtrain.monitor.watch import Monitor, NullMonitor
 from llmtrain.training.parts import TrainModule
+from llmtrain.training.repair import THROWN_OFF, Repairer
 
 
 class Decision(enum.Enum):
@@ -60,9 +63,9 @@ class Recovery:
 
     def __init__(self, *, cfg: Config, module: TrainModule, monitor: Monitor | NullMonitor,
                  checkpointer: Checkpointer, metrics: MetricsWriter | NullMetricsWriter,
-                 warn: Callable[[str], None]) -> None:
+                 warn: Callable[[str], None], repairer: Repairer) -> None:
         self.cfg, self.module, self.monitor, self.checkpointer = cfg, module, monitor, checkpointer
-        self.metrics, self.warn = metrics, warn
+        self.metrics, self.warn, self.repairer = metrics, warn, repairer
 
     def on_nonfinite(self, state: TrainState, loss: torch.Tensor, grad_norm: torch.Tensor) -> Outcome:
         """The update of this step was not applied. Skip it, roll back, or stop, as configured. The
@@ -123,6 +126,9 @@ class Recovery:
         scale), SKIP (this step's update is dropped) or ROLLED_BACK (to the checkpoint's step and
         counters, the monitor included); a stop saves and raises HealthStop."""
         cfg, monitor = self.cfg, self.monitor
+        repaired = self.repair(alarm, state)
+        if repaired is not None:
+            return repaired
         action = MonitorAction(alarm.action)
         if action is MonitorAction.reduce_lr:
             state.lr_scale *= cfg.monitor.reduce_lr_factor
@@ -150,6 +156,25 @@ class Recovery:
                              run_dir=self.checkpointer.run_dir)
         return Outcome(Decision.APPLY, state)
 
+    def repair(self, alarm: Alarm, state: TrainState) -> Outcome | None:
+        """monitor.repair: the alarm's confirmed cause fixed (from the last good checkpoint when its
+        steps may have thrown the weights off), instead of the alarm's configured action; None when
+        there is nothing to repair now (a fix for a new run is printed, and the action goes on)."""
+        remedy = self.repairer.remedy(alarm, state)
+        if remedy is None:
+            return None
+        if remedy.rerun is not None:
+            self.repairer.suggest_rerun(remedy, alarm)
+            return None
+        target = (self.agreed_good_checkpoint() if remedy.cause.cause in THROWN_OFF
+                  and state.rollbacks < self.cfg.checkpoint.max_rollbacks else None)
+        decision = Decision.APPLY
+        if target is not None:
+            restored = self.roll_back(target, state, lr_factor=1.0)
+            self.monitor.restore(restored.monitor)
+            state, decision = restored.state, Decision.ROLLED_BACK
+        return Outcome(decision, self.repairer.apply(remedy, alarm, state, rolled_back_to=target))
+
     def agreed_good_checkpoint(self) -> Path | None:
         """The newest checkpoint that verifies and reads, as rank 0 finds it, on every rank: one rank
         hashes the files, and all ranks roll back to the same step even if a file looks different from
@@ -173,6 +198,10 @@ class Recovery:
         restored.skipped_steps = state.skipped_steps
         restored.alarm_skipped_steps = state.alarm_skipped_steps
         restored.consecutive_skips = 0
+        # Repairs are the run's, not the checkpoint's: they stay, and the optimizer's groups (just
+        # loaded as the checkpoint had them) take them again.
+        restored.repairs, restored.repairs_made = dict(state.repairs), state.repairs_made
+        apply_repairs(restored.repairs, self.cfg, module.optimizer)
         self.metrics.write({"kind": Kind.ROLLBACK, "step": state.step, "to_step": restored.step, "path": str(target),
                             "lr_scale": restored.lr_scale, "rollbacks": restored.rollbacks})
         return Restored(restored, checkpoint.trainer.get("monitor"))

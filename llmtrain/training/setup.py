@@ -46,6 +46,7 @@ from torch.nn.parallel import DistributedDataParallel
 from llmtrain.checkpoint.write import remove_stale_temps
 from llmtrain.config.derived import seq_len_of, seq_len_stages, total_steps
 from llmtrain.config.eval_tasks import VALIDATION, parse_task_specs
+from llmtrain.config.hydra import command_line_of_this_run
 from llmtrain.config.schema import (
     CheckpointFormat,
     CompileMode,
@@ -81,6 +82,7 @@ from llmtrain.distributed.wrapping import (
 )
 from llmtrain.engine.optim import build_optimizer
 from llmtrain.engine.precision import build_precision, resolve_precision
+from llmtrain.engine.repairs import KNOBS, apply_repairs
 from llmtrain.engine.state import TrainState
 from llmtrain.engine.step import Batch
 from llmtrain.evaluation.scoring import random_states_kept
@@ -142,6 +144,7 @@ def build_run(cfg: Config, console: Dashboard | None, layout: Layout,
     state = TrainState()
     if checkpoint is not None:
         state = restore(checkpoint, config_dict, module, batches.train, dashboard)
+        resume_repairs(state, cfg, module, dashboard)
     # Only now, with any resume accepted, is the run dir touched: a refused command leaves it as it was.
     if layout.is_main:
         accept_run(run_dir, config_dict, data.tokenizer(), cfg.resume == "never" and checkpoint is None, warn,
@@ -154,6 +157,16 @@ def build_run(cfg: Config, console: Dashboard | None, layout: Layout,
     run = Run(context=context, plan=plan, module=module, batches=batches, loop=loop, state=state)
     context.faults.slow_backward(module.model, lambda: run.state.step)
     return run
+
+
+def resume_repairs(state: TrainState, cfg: Config, module: TrainModule, dashboard: Dashboard) -> None:
+    """The repairs the run made before it was stopped (monitor.repair), kept by its checkpoint: the
+    resumed run goes on with them, whatever the command line says of those settings."""
+    if not state.repairs:
+        return
+    apply_repairs(state.repairs, cfg, module.optimizer)
+    made = ", ".join(f"{key}={value:g}" for key, value in state.repairs.items() if key in KNOBS)
+    dashboard.print(escape(f"resumed with the {state.repairs_made} repair(s) this run made: {made}"))
 
 
 def console_warning(dashboard: Dashboard) -> Callable[[str], None]:
@@ -231,23 +244,9 @@ def refuse_failed_check(cfg: Config, data: PreparedData, dashboard: Dashboard) -
     (unless allow_check_failures)."""
     check = run_check(cfg, measure_compute=False, data_meta=data.meta)
     if check.failures and not cfg.allow_check_failures:
-        render_refusal(check, dashboard.console, check_command_line(*_command_line_of_this_run()))
+        render_refusal(check, dashboard.console, check_command_line(*command_line_of_this_run()))
         raise CheckFailed(check.refusal(), check)
     return check
-
-
-def _command_line_of_this_run() -> tuple[list[str] | None, str | None]:
-    """The overrides and --config-dir of the `llmtrain train` command that started this run, from
-    Hydra's record of the job; (None, None) for a config built in code (no Hydra job)."""
-    try:
-        from hydra.core.hydra_config import HydraConfig
-    except ImportError:
-        return None, None
-    if not HydraConfig.initialized():
-        return None, None
-    hydra = HydraConfig.get()
-    extra = [s.path for s in hydra.runtime.config_sources if "command-line" in s.provider and s.schema == "file"]
-    return list(hydra.overrides.task), extra[0] if extra else None
 
 
 # ---- evaluation tasks --------------------------------------------------------------------------

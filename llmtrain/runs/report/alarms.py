@@ -1,6 +1,6 @@
 """Which alarms were raised, and what was done? The health monitor's alarms with their most likely
-cause, the actions taken, non-finite steps, rollbacks and failed saves (`alarms`); the alarm
-helpers the health section and the loss plot share."""
+cause, the actions taken, the repairs (monitor.repair), non-finite steps, rollbacks and failed saves
+(`alarms`); the alarm helpers the health section and the loss plot share."""
 
 from __future__ import annotations
 
@@ -67,6 +67,8 @@ def alarms(records: Records) -> Verdict:
         taken = [a for a in actions if a.get("alarm") == alarm.get("alarm") and a.get("step") == alarm.get("step")]
         action = "; ".join(f"{a.get('action')}: {a.get('detail')}" for a in taken) or alarm.get("action") or "warn"
         details.append(_alarm_line(alarm, str(action)))
+    repairs = logged(records, Kind.REPAIR)
+    details += [repair_text(record) for record in repairs]
     for record in nonfinite:
         details.append(f"step {record.get('step')}: non-finite loss/gradient -> {record.get('action')}")
     for record in rollbacks:
@@ -74,12 +76,17 @@ def alarms(records: Records) -> Verdict:
                        f"(LR scale {record.get('lr_scale')})")
     for record in save_errors:
         details.append(f"step {record.get('step')}: checkpoint save failed: {record.get('error')}")
-    if not (raised or nonfinite or rollbacks or save_errors):
+    if not (raised or repairs or nonfinite or rollbacks or save_errors):
         return Verdict("alarms", Finding(question, OK, "none: every health check stayed in its band."))
     counts: dict[str, int] = {}
     for alarm in raised:
         counts[alarm.get("alarm", "?")] = counts.get(alarm.get("alarm", "?"), 0) + 1
     parts = [f"{name} x{n}" if n > 1 else name for name, n in counts.items()]
+    applied = [r for r in repairs if r.get("applied")]
+    if applied:
+        parts.append(f"{len(applied)} repair(s): " + "; ".join(_changes(r) for r in applied))
+    if len(applied) < len(repairs):
+        parts.append(f"{len(repairs) - len(applied)} fix(es) that need a new run (the command is below)")
     if nonfinite:
         parts.append(f"{len(nonfinite)} non-finite step(s)")
     if rollbacks:
@@ -92,3 +99,20 @@ def alarms(records: Records) -> Verdict:
                      f"{cause_text(first[1], evidence=False)}")
     return Verdict("alarms", Finding(question, WARN, "; ".join(parts) + " (details below and in events.jsonl).",
                                      details=details))
+
+
+def _changes(record: Record) -> str:
+    changes = record.get("changes") if isinstance(record.get("changes"), list) else []
+    return ", ".join(f"{c.get('key')} {c.get('from')} -> {c.get('to')}" for c in changes if isinstance(c, dict))
+
+
+def repair_text(record: Record) -> str:
+    """One repair as the details list it: what was changed from what to what, and from which
+    checkpoint; or the command that reruns with a fix the run could not apply."""
+    head = (f"step {record.get('step')}: {record.get('alarm', '?')}, cause "
+            f"{str(record.get('title') or record.get('cause') or '?').lower()}")
+    if not record.get("applied"):
+        return f"{head} -> needs a new run: {record.get('rerun')}"
+    back = (f", after rolling back to step {record.get('rolled_back_to')}"
+            if record.get("rolled_back_to") is not None else "")
+    return f"{head} -> repaired: {_changes(record)}{back}"

@@ -8,6 +8,7 @@ import statistics
 
 from llmtrain.core.files import Kind
 from llmtrain.core.findings import Finding
+from llmtrain.monitor.overfit import widening_gap
 from llmtrain.runs.records import Records
 from llmtrain.runs.report.smoothness import SMOOTHNESS_QUESTION
 from llmtrain.runs.report.verdict import NA, OK, WARN, Verdict
@@ -54,31 +55,15 @@ def overfitting(records: Records) -> Verdict:
         details=details))
 
 
-# What validation must keep of the train loss's fall over the second half of the evaluations: less
-# than a quarter is memorizing (a model that learns what carries over loses about as much on both).
-CARRIED_OVER = 0.25
 MIN_TRAIN_FALL = 0.05  # nats: smaller falls are within the noise of a few logged train losses
 
 
 def _widening_gap(val: list[tuple[int, float]], gaps: list[tuple[int, float]]) -> str | None:
-    """Validation flat (or nearly) while the train loss keeps falling, over the second half of the
-    evaluations (at least 3 of them), and validation ending above training: the gap grows and the
-    training data is being memorized. What was seen, or None."""
-    if len(val) < 3:
+    """The monitor's rule (monitor/overfit.py) on the whole run's evaluations: what was seen, or None."""
+    seen = widening_gap(val, gaps, min_fall=MIN_TRAIN_FALL)
+    if seen is None:
         return None
-    mid = len(val) // 2
-    (mid_step, mid_val), (last_step, last_val) = val[mid - 1], val[-1]
-    mid_gap, last_gap = gaps[mid - 1][1], gaps[-1][1]
-    train_fell = (mid_val - mid_gap) - (last_val - last_gap)  # the train loss near each step, as the gaps use it
-    val_fell = mid_val - last_val
-    # Validation must end above training too: early on, the mean of the last train losses lags a fast fall
-    # and sits above validation, and that lag closing is no gap opening.
-    if (train_fell < MIN_TRAIN_FALL or val_fell >= CARRIED_OVER * train_fell or last_gap <= mid_gap
-            or last_gap < max(0.02, 0.02 * abs(last_val))):
-        return None
-    return (f"the gap is widening: from step {mid_step} to {last_step} the train loss fell {train_fell:.4f} while "
-            f"validation moved {last_val - mid_val:+.4f} (from {mid_val:.4f} to {last_val:.4f}), so the gap grew "
-            f"from {mid_gap:+.4f} to {last_gap:+.4f}: the model memorizes its training data more than it learns "
+    return (f"the gap is widening: {seen.text()}: the model memorizes its training data more than it learns "
             "what carries over.")
 
 
