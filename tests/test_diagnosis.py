@@ -164,3 +164,16 @@ def test_run_facts_reads_the_configuration() -> None:
     _, facts = fixes_of(cfg)
     assert (facts.lr, facts.clip, facts.shuffled, facts.residual_scaled) == (0.01, None, False, False)
     assert facts.chance == pytest.approx(math.log(256)) and facts.lr_over == pytest.approx(0.01 / HIGH)
+
+
+def test_a_batch_too_small_for_the_lr_is_its_own_cause() -> None:
+    """64 tokens a step at the default LR: eight times what such a batch bears (the default scaled by
+    the root of the batch against 4,096 tokens). nanoGPT's 768 tokens at 1e-3 are fine."""
+    tiny = dataclasses.replace(HEALTHY, lr=3e-3, default_lr=3e-3, tokens_per_step=64)
+    causes = diagnose("loss_oscillating", tiny, Signals(step=200))
+    assert causes[0].cause == "batch_too_small", causes
+    assert "64 tokens per step" in causes[0].evidence and causes[0].fix == "optim.lr=0.00038"
+    nanogpt = dataclasses.replace(HEALTHY, lr=1e-3, default_lr=3e-3, tokens_per_step=768)
+    assert "batch_too_small" not in [c.cause for c in diagnose("loss_oscillating", nanogpt, Signals(step=200))]
+    default = dataclasses.replace(HEALTHY, lr=3e-3, default_lr=3e-3, tokens_per_step=4096)
+    assert "batch_too_small" not in [c.cause for c in diagnose("loss_spike", default, Signals(step=200))]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import random
 
@@ -371,3 +372,36 @@ def test_weight_decay_that_makes_the_update() -> None:
     assert alarm.step == 30 and alarm.causes[0].cause == "weight_decay_too_high"
     usual = dataclasses.replace(FACTS, weight_decay=0.1)  # 3e-4 against 0.015: a 2% share
     assert "weight_decay_dominant" not in run_with(checks_every(6, lr_applied=3e-3, update_ratio=0.015), usual)
+
+
+def _train_then_evaluate(monitor: Detectors, train: list[float], val: list[float], every: int = 5) -> list[Alarm]:
+    """Checks every 10 steps with these interval losses; an evaluation after every `every` checks."""
+    raised = []
+    for i, loss in enumerate(train):
+        monitor.check(sample((i + 1) * 10, loss=loss, interval_loss=loss))
+        if (i + 1) % every == 0:
+            raised += monitor.validation((i + 1) * 10, val[(i + 1) // every - 1])
+    return raised
+
+
+def test_overfitting_at_run_time_a_widening_gap_with_validation_flat() -> None:
+    """A 12 kB corpus: the train loss falls 2.0 -> 1.7 while validation stays at 2.5."""
+    train = [2.0 - 0.3 * i / 39 for i in range(40)]
+    val = [2.6, 2.52, 2.51, 2.53, 2.52, 2.54, 2.53, 2.54]
+    raised = _train_then_evaluate(Detectors(MonitorConfig(), FACTS), train, val)
+    assert [a.name for a in raised] == ["overfitting"]
+    cause = raised[0].causes[0]
+    assert cause.cause == "overfitting" and "gap grew" in cause.evidence
+    assert cause.fix == "max_steps=150"  # the best validation loss was at step 150 (after 3 evaluations)
+
+
+def test_no_overfitting_alarm_while_validation_follows_training() -> None:
+    train = [2.0 - 0.3 * i / 39 for i in range(40)]
+    val = [2.1 - 0.3 * i / 7 + 0.02 * (-1) ** i for i in range(8)]  # a constant gap of ~0.1, noisy
+    assert _train_then_evaluate(Detectors(MonitorConfig(), FACTS), train, val) == []
+    # Survives a checkpoint: the evaluations so far are part of the monitor's state.
+    a = Detectors(MonitorConfig(), FACTS)
+    _train_then_evaluate(a, train[:20], val[:4])
+    b = Detectors(MonitorConfig(), FACTS)
+    b.load_state_dict(json.loads(json.dumps(a.state_dict())))
+    assert (b.val, b.gaps) == (a.val, a.gaps)
