@@ -1,27 +1,36 @@
-"""The pathology benchmark: does the health monitor catch a sick run, soon, and name the right cause?
+"""The pathology benchmark: does the health monitor catch a sick run, soon, name the right cause, and
+does its fix cure the run?
 
-    python benchmarks/pathologies.py                      # every case, 2 at a time; ~20 min on 2 cores
-    python benchmarks/pathologies.py --only lr_30x,c_seed1 --json out.json --markdown table.md
-    python benchmarks/pathologies.py --keep runs/         # keep the run dirs (default: a temp dir)
+    python benchmarks/pathologies.py                      # every case, 2 at a time: < 60 min on 2 cores
+    python benchmarks/pathologies.py --half held-out      # one half of the split
+    python benchmarks/pathologies.py --only lr_30x,c_seed1 --steps 60 --no-repair --no-rerun
+    python benchmarks/pathologies.py --keep runs/ --json out.json --markdown table.md
 
-Each case is a small `llmtrain train` run (gpt_tiny, 8 x 128 tokens per step, one thread, 200 steps
-unless the case says otherwise) with a set of overrides and, for a sick case, its TRUE cause: a
-cause id of llmtrain's diagnosis (`llmtrain/monitor/diagnosis.py`). Healthy controls have no cause.
-For each case the runner reads the run's events.jsonl, metrics.jsonl and report.md and scores:
+The cases (benchmarks/pathology_cases.py) are small `llmtrain train` runs, one thread each: healthy
+runs across models, tokenizers, batches, contexts, optimizers and schedules, and sick runs, each with
+its TRUE cause (a cause id of `llmtrain/monitor/diagnosis.py`) and its shape, the healthy run it should
+have been (a reference run of that shape always runs too). For each case the runner reads the run's
+events.jsonl, metrics.jsonl and report.md and scores:
 
     detected     an alarm (or a non-finite event) in events.jsonl
     latency      steps from the first visible symptom to the first alarm (0 when the alarm comes first);
                  the first visible symptom is the first health check at which the run differs visibly
-                 from the healthy reference run (control `c_seed1337`, the same seed and data): the
-                 interval's mean loss apart by > 0.15 nats and 5%, gradient norm apart by > 3x, or
-                 the LR apart by > 2x;
-                 a case that never differs counts from its first check
+                 from its shape's reference (the same seed and data): the interval's mean loss apart
+                 by > 0.15 nats and 5%, gradient norm apart by > 3x, or the LR apart by > 2x; a case
+                 that never differs counts from its first check
     top cause    the first alarm's top-ranked cause (`causes[0].cause`) is the case's true cause
-    report       the report's health verdicts: not all ok for a sick run, all ok for a control
-    false alarms alarms on a healthy control (target: none)
+    report       the report's health verdicts: not all ok for a sick run, all ok for a healthy one
+    false alarms alarms on a healthy run (target: none)
+    repaired     (--repair) a sick run whose top cause is right, run again with monitor.repair=true:
+                 repairable when it applied a repair (a `repair` event with applied true), cured when
+                 its final validation loss is within 10% of its shape's reference's
+    rerun        (--rerun) a sick run whose first alarm has a fix (`causes[0].fix`, config overrides),
+                 run again with them (no repair): cured by the same rule
 
-Targets (issue 17): >= 90% of sick cases detected within 100 steps of the symptom, the true cause
-ranked first in >= 80%, 0 alarms on every control. The figures are recorded in docs/monitoring.md.
+The cases are split, stratified by cause, into a tuning half and a held-out half (SPLIT_SEED); every
+figure is given for both and overall. Tune the monitor on the tuning half: the held-out figures count.
+The budget: at most ~52 min on 2 cores (`budget_seconds`: every sick case also repaired and rerun, from
+a cost model of measured runs that errs high; ~20 s per 200-step run of 8 x 128 tokens).
 """
 
 from __future__ import annotations
@@ -30,63 +39,22 @@ import argparse
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-REFERENCE = "c_seed1337"
-BASE = ("model=gpt_tiny", "global_batch_size=8", "data.seq_len=128", "threads=1", "eval_interval=100",
-        "eval_batches=4", "log_interval=10", "seed=1337")
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ is not a package
+import pathology_cases as pc  # noqa: E402
 
-
-@dataclass(frozen=True)
-class Case:
-    name: str
-    overrides: tuple[str, ...]
-    cause: str | None  # the true cause (a diagnosis cause id); None for a healthy control
-    steps: int = 200
-    what: str = ""
-
-
-CASES: tuple[Case, ...] = (
-    Case("c_seed1337", (), None, what="the default config (the reference run)"),
-    # ---- sick: the learning rate and its schedule ------------------------------------------------
-    Case("lr_10x", ("optim.lr=0.03",), "lr_too_high", what="LR 10x the default (3.3x the sane maximum)"),
-    Case("lr_30x", ("optim.lr=0.09",), "lr_too_high", what="LR 30x the default"),
-    Case("lr_huge", ("optim.lr=1.0",), "lr_too_high", steps=100, what="LR 330x the default: diverges"),
-    Case("no_warmup", ("optim.lr=0.01", "schedule.warmup_steps=0"), "no_warmup",
-         what="no warmup at 3.3x the default LR"),
-    Case("lr_too_low", ("optim.lr=1e-7",), "lr_too_low", what="LR 1e-7: the loss barely moves"),
-    Case("schedule_ended", ("schedule.total_steps=100", "schedule.min_lr_ratio=0"), "schedule_ended",
-         what="a 100-step schedule decaying to 0 in a 200-step run"),
-    Case("no_clip_high_lr", ("optim.lr=0.02", "optim.clip_grad_norm=null"), "no_clipping",
-         what="clipping off at 6.7x the default LR"),
-    Case("weight_decay_high", ("optim.weight_decay=10",), "weight_decay_too_high", what="weight decay 10"),
-    # ---- sick: initialization and architecture ----------------------------------------------------
-    Case("init_too_small", ("model.init_std=1e-6",), "init_too_small", what="init std 1e-6"),
-    Case("init_too_large", ("model.init_std=1.0",), "init_too_large", what="init std 1.0"),
-    Case("residual_unscaled_deep", ("model.n_layer=16", "model.residual_init=plain", "model.init_std=0.05"),
-         "residual_unscaled", what="16 blocks, plain residual init at std 0.05"),
-    Case("post_ln_deep", ("model.n_layer=12", "model.norm_position=post"), "post_ln", what="12-block post-LN"),
-    # ---- sick: precision and data -----------------------------------------------------------------
-    Case("fp16_no_scaler", ("precision=fp16", "precision.loss_scaling=false"), "fp16_no_scaler", steps=30,
-         what="fp16 without a loss scaler (slow on CPU: 30 steps)"),
-    Case("unshuffled", ("data.shuffle=false",), "data_unshuffled", what="windows read in file order"),
-    # ---- healthy controls -------------------------------------------------------------------------
-    Case("c_seed1", ("seed=1",), None, what="another seed"),
-    Case("c_seed2", ("seed=2",), None, what="another seed"),
-    Case("c_modern", ("model=modern_tiny",), None, what="RMSNorm, RoPE, SwiGLU"),
-    Case("c_deep", ("model.n_layer=8",), None, what="8 blocks"),
-    Case("c_char", ("data.tokenizer=char",), None, what="char tokenizer"),
-    Case("c_bpe", ("data.tokenizer=bpe",), None, what="BPE tokenizer"),
-    Case("c_wsd", ("schedule=wsd",), None, what="warmup-stable-decay"),
-    Case("c_linear", ("schedule=linear",), None, what="linear decay"),
-    Case("c_bf16", ("precision=bf16",), None, steps=40, what="bf16 autocast (slow on CPU: 40 steps)"),
-)
+REFERENCE = "c_seed1337"  # the default shape's reference
+CURED_MARGIN = 1.10  # cured: the final validation loss at most this many times the reference's
+REPAIR = ("monitor.repair=true",)
 
 
 @dataclass
@@ -94,6 +62,8 @@ class Score:
     case: str
     cause: str | None
     what: str
+    half: str = ""
+    shape: str = ""
     alarms: list[str] = field(default_factory=list)  # "name@step" in order
     detected: bool = False
     first_step: int | None = None
@@ -101,9 +71,20 @@ class Score:
     latency: int | None = None
     top_cause: str | None = None
     top_evidence: str = ""
+    top_fix: str | None = None
     report_flags: list[str] = field(default_factory=list)  # report verdicts that are not ok
     exit_code: int = 0
     seconds: float = 0.0
+    val_loss: float | None = None  # the final evaluation's
+    reference_val_loss: float | None = None
+    repair_run: bool = False  # run again with monitor.repair=true
+    repairs: list[dict] = field(default_factory=list)  # that run's repair events
+    repaired: bool = False  # ... at least one applied
+    repair_val_loss: float | None = None
+    repair_cured: bool | None = None
+    rerun_overrides: list[str] = field(default_factory=list)  # the first alarm's fix, rerun
+    rerun_val_loss: float | None = None
+    rerun_cured: bool | None = None
 
     @property
     def right_cause(self) -> bool:
@@ -114,16 +95,35 @@ class Score:
         return self.detected and self.latency is not None and self.latency <= 100
 
 
-def run_case(case: Case, root: Path, llmtrain: str, max_steps: int | None = None) -> tuple[Path, int, float]:
-    """Train one case; `max_steps` caps its length (the fast subset), None keeps the case's own."""
-    run_dir = root / case.name
-    steps = case.steps if max_steps is None else min(case.steps, max_steps)
-    command = [llmtrain, "train", *BASE, f"max_steps={steps}", *case.overrides, f"out_dir={run_dir}",
-               "allow_check_failures=true", "resume=never"]
+@dataclass(frozen=True)
+class Job:
+    case: pc.Case
+    kind: str = ""  # "" (the case), "repair" or "rerun"
+    extra: tuple[str, ...] = ()  # overrides over the case's
+
+    @property
+    def label(self) -> str:
+        return f"{self.case.name}.{self.kind}" if self.kind else self.case.name
+
+
+def command(job: Job, run_dir: Path, llmtrain: str, max_steps: int | None = None) -> list[str]:
+    """The `llmtrain train` command line: pc.BASE, the length, the case's overrides, the job's, the run's
+    own; each key once (`pc.merge_overrides`). `max_steps` caps the length (the fast subset)."""
+    steps = job.case.steps if max_steps is None else min(job.case.steps, max_steps)
+    overrides = pc.merge_overrides(pc.BASE, (f"max_steps={steps}",))
+    for extra in (job.case.overrides, job.extra,
+                  (f"out_dir={run_dir}", "allow_check_failures=true", "resume=never")):
+        overrides = pc.merge_overrides(overrides, extra)
+    return [llmtrain, "train", *overrides]
+
+
+def run_job(job: Job, root: Path, llmtrain: str, max_steps: int | None = None) -> tuple[Path, int, float]:
+    run_dir = root / job.label
     env = {**os.environ, "OMP_NUM_THREADS": "1", "NO_COLOR": "1"}
     start = time.perf_counter()
-    with open(root / f"{case.name}.log", "w") as log:
-        code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env, check=False).returncode
+    with open(root / f"{job.label}.log", "w") as log:
+        code = subprocess.run(command(job, run_dir, llmtrain, max_steps), stdout=log, stderr=subprocess.STDOUT,
+                              env=env, check=False).returncode
     return run_dir, code, time.perf_counter() - start
 
 
@@ -145,6 +145,41 @@ def _number(value: object) -> float:
 
 def health_by_step(run_dir: Path) -> dict[int, dict]:
     return {r["step"]: r for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("kind") == "health"}
+
+
+def final_val_loss(run_dir: Path) -> float | None:
+    """The last evaluation's validation loss (None: the run never evaluated)."""
+    evals = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("kind") == "eval" and "val_loss" in r]
+    return _number(evals[-1]["val_loss"]) if evals else None
+
+
+def cured(val_loss: float | None, reference: float | None) -> bool | None:
+    """Within 10% of the reference's final validation loss; None when there is no reference to judge by."""
+    if reference is None or not math.isfinite(reference):
+        return None
+    return val_loss is not None and math.isfinite(val_loss) and val_loss <= CURED_MARGIN * reference
+
+
+_OVERRIDE = re.compile(r"\+{0,2}[A-Za-z_][\w.\-/@]*=\S+")
+
+
+def fix_overrides(fix: str | None) -> tuple[str, ...]:
+    """The `key=value` tokens of a cause's fix, without a sentence's trailing ',' or ';' (the rest, words
+    or a bare key, is left out)."""
+    tokens = (token.rstrip(",;") for token in (fix or "").split())
+    return tuple(token for token in tokens if _OVERRIDE.fullmatch(token))
+
+
+def first_alarm(run_dir: Path) -> dict | None:
+    return next((e for e in read_jsonl(run_dir / "events.jsonl") if e.get("kind") == "alarm"), None)
+
+
+def top_of(alarm: dict | None) -> tuple[str | None, str, str | None]:
+    """(cause, evidence, fix) of an alarm's top-ranked cause."""
+    causes = (alarm or {}).get("causes") or []
+    if not causes:
+        return None, "", None
+    return causes[0].get("cause"), causes[0].get("evidence", ""), causes[0].get("fix")
 
 
 def first_symptom(sick: dict[int, dict], reference: dict[int, dict]) -> int | None:
@@ -180,35 +215,77 @@ def report_flags(run_dir: Path) -> list[str]:
     return flags
 
 
-def score(case: Case, run_dir: Path, code: int, seconds: float, reference: dict[int, dict]) -> Score:
+def follow_ups(case: pc.Case, run_dir: Path, repair: bool, rerun: bool) -> list[Job]:
+    """The sick case's repair run (its top cause is right) and its rerun with the fix (there is one)."""
+    if case.cause is None:
+        return []
+    top, _, fix = top_of(first_alarm(run_dir))
+    jobs = [Job(case, "repair", REPAIR)] if repair and top == case.cause else []
+    if rerun and fix_overrides(fix):
+        jobs.append(Job(case, "rerun", fix_overrides(fix)))
+    return jobs
+
+
+def _rounded(value: float | None) -> float | None:
+    return round(value, 4) if value is not None and math.isfinite(value) else None
+
+
+def score(case: pc.Case, done: dict[str, tuple[Path, int, float]]) -> Score:
+    run_dir, code, seconds = done[case.name]
     events = read_jsonl(run_dir / "events.jsonl")
     alarms = [e for e in events if e.get("kind") == "alarm"]
     nonfinite = [e for e in events if e.get("kind") == "nonfinite"]
-    result = Score(case.name, case.cause, case.what, exit_code=code, seconds=round(seconds, 1))
+    result = Score(case.name, case.cause, case.what, pc.HALVES[case.name], case.shape, exit_code=code,
+                   seconds=round(seconds, 1))
     result.alarms = [f"{a['alarm']}@{a['step']}" for a in alarms] + [f"nonfinite@{e['step']}" for e in nonfinite]
     result.detected = bool(alarms or nonfinite)
     result.report_flags = report_flags(run_dir)
-    if alarms:
-        first = alarms[0]
-        causes = first.get("causes") or []
-        result.first_step = first["step"]
-        if causes:
-            result.top_cause, result.top_evidence = causes[0].get("cause"), causes[0].get("evidence", "")
-    elif nonfinite:
-        result.first_step = nonfinite[0]["step"]
-    if case.cause is not None:
-        sick = health_by_step(run_dir)
-        result.symptom_step = first_symptom(sick, reference) if reference else None
-        start = result.symptom_step or min(sick, default=10)
-        if result.first_step is not None:
-            result.latency = max(0, result.first_step - start)
+    result.top_cause, result.top_evidence, result.top_fix = top_of(alarms[0] if alarms else None)
+    result.first_step = alarms[0]["step"] if alarms else (nonfinite[0]["step"] if nonfinite else None)
+    reference_dir = done[pc.reference_of(case)][0]
+    reference_val = final_val_loss(reference_dir)
+    result.val_loss, result.reference_val_loss = _rounded(final_val_loss(run_dir)), _rounded(reference_val)
+    if case.cause is None:
+        return result
+    sick, reference = health_by_step(run_dir), health_by_step(reference_dir)
+    result.symptom_step = first_symptom(sick, reference) if reference else None
+    start = result.symptom_step or min(sick, default=10)
+    if result.first_step is not None:
+        result.latency = max(0, result.first_step - start)
+    if f"{case.name}.repair" in done:
+        repair_dir = done[f"{case.name}.repair"][0]
+        result.repair_run = True
+        result.repairs = [e for e in read_jsonl(repair_dir / "events.jsonl") if e.get("kind") == "repair"]
+        result.repaired = any(r.get("applied") for r in result.repairs)
+        val = final_val_loss(repair_dir)
+        result.repair_val_loss, result.repair_cured = _rounded(val), cured(val, reference_val)
+    if f"{case.name}.rerun" in done:
+        rerun_dir = done[f"{case.name}.rerun"][0]
+        result.rerun_overrides = list(fix_overrides(result.top_fix))
+        val = final_val_loss(rerun_dir)
+        result.rerun_val_loss, result.rerun_cured = _rounded(val), cured(val, reference_val)
     return result
 
 
-def summarize(scores: list[Score]) -> dict:
+def _pct(part: int, whole: int) -> float | None:
+    return round(100 * part / whole, 1) if whole else None
+
+
+SUMMARY_ROWS = (("sick runs detected (an alarm or a non-finite step)", "detected", "sick"),
+                ("... within 100 steps of the first symptom", "detected_in_time", "sick"),
+                ("true cause ranked first", "right_cause", "sick"),
+                ("healthy runs with any alarm (target: none)", "controls_with_alarms", "controls"),
+                ("repaired runs (a repair applied) cured: val <= 1.10 x reference", "repaired_cured", "repairable"),
+                ("rerun with the alarm's fix, cured", "rerun_cured", "reruns"))
+
+
+def summarize(scores: Iterable[Score]) -> dict:
+    scores = list(scores)
     sick = [s for s in scores if s.cause is not None]
     controls = [s for s in scores if s.cause is None]
-    return {
+    repaired = [s for s in sick if s.repaired]
+    reruns = [s for s in sick if s.rerun_overrides]
+    summary = {
         "sick": len(sick),
         "detected_in_time": sum(s.in_time for s in sick),
         "detected": sum(s.detected for s in sick),
@@ -217,12 +294,30 @@ def summarize(scores: list[Score]) -> dict:
         "controls": len(controls),
         "controls_with_alarms": sum(bool(s.alarms) for s in controls),
         "controls_with_report_flags": sum(bool(s.report_flags) for s in controls),
+        "repair_runs": sum(s.repair_run for s in sick),
+        "repairable": len(repaired),
+        "repaired_cured": sum(s.repair_cured is True for s in repaired),
+        "reruns": len(reruns),
+        "rerun_cured": sum(s.rerun_cured is True for s in reruns),
     }
+    for _, part, whole in SUMMARY_ROWS:
+        summary[f"{part}_pct"] = _pct(summary[part], summary[whole])
+    return summary
 
 
-def markdown(scores: list[Score], summary: dict) -> str:
-    lines = ["| case | what | true cause | first alarm | symptom -> alarm | top cause | report |",
-             "|---|---|---|---|---|---|---|"]
+def _of(part: int, whole: int) -> str:
+    return f"{part} of {whole} ({part / whole:.0%})" if whole else "-"
+
+
+def _cured_cell(run: bool, val: float | None, ok: bool | None) -> str:
+    if not run:
+        return "-"
+    return f"{val if val is not None else 'none'} {'✓' if ok else '✗' if ok is False else '?'}"
+
+
+def markdown(scores: list[Score], summaries: dict[str, dict]) -> str:
+    lines = ["| case | half | what | true cause | first alarm | symptom -> alarm | top cause | report | val (ref) "
+             "| repaired | rerun |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in scores:
         first = s.alarms[0] if s.alarms else "none"
         latency = f"{s.symptom_step or '-'} -> {s.first_step} ({s.latency})" if s.latency is not None else "-"
@@ -230,18 +325,63 @@ def markdown(scores: list[Score], summary: dict) -> str:
         if s.cause is not None:
             top += " ✓" if s.right_cause else " ✗"
         report = ", ".join(s.report_flags) or "all ok"
-        lines.append(f"| {s.case} | {s.what} | {s.cause or 'healthy'} | {first} | {latency} | {top} | {report} |")
-    n = summary["sick"] or 1
-    lines += ["", f"Sick cases detected within 100 steps of the symptom: {summary['detected_in_time']} of "
-              f"{summary['sick']} ({summary['detected_in_time'] / n:.0%}); true cause ranked first: "
-              f"{summary['right_cause']} of {summary['sick']} ({summary['right_cause'] / n:.0%}); healthy controls "
-              f"with an alarm: {summary['controls_with_alarms']} of {summary['controls']}."]
+        val = f"{s.val_loss} ({s.reference_val_loss})"
+        repaired = _cured_cell(s.repair_run, s.repair_val_loss, s.repair_cured if s.repaired else None)
+        if s.repair_run and not s.repaired:
+            repaired = "no repair applied"
+        rerun = _cured_cell(bool(s.rerun_overrides), s.rerun_val_loss, s.rerun_cured)
+        lines.append(f"| {s.case} | {s.half} | {s.what} | {s.cause or 'healthy'} | {first} | {latency} | {top} | "
+                     f"{report} | {val} | {repaired} | {rerun} |")
+    halves = (pc.HELD_OUT, pc.TUNING, "all")
+    lines += ["", f"| | {' | '.join(halves)} |", "|---|---|---|---|"]
+    for title, part, whole in SUMMARY_ROWS:
+        lines.append(f"| {title} | " + " | ".join(_of(summaries[h][part], summaries[h][whole]) for h in halves) + " |")
+    lines += ["", f"The cases are split by SPLIT_SEED {pc.SPLIT_SEED}, stratified by true cause (healthy runs as one "
+              "group), into a tuning half and a held-out half. **The held-out figures are the ones that count**: "
+              "the monitor's thresholds may be tuned on the tuning half only."]
     return "\n".join(lines) + "\n"
+
+
+def select(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[pc.Case]:
+    """The cases asked for, with the references they are judged against, in CASES order."""
+    names = set(args.only.split(",")) if args.only else set(pc.BY_NAME)
+    unknown = names - set(pc.BY_NAME)
+    if unknown:
+        parser.error(f"unknown case(s) {', '.join(sorted(unknown))}; known: {', '.join(c.name for c in pc.CASES)}")
+    if args.half != "all":
+        names = {n for n in names if pc.HALVES[n] == args.half}
+    names |= {pc.reference_of(pc.BY_NAME[n]) for n in names} | {REFERENCE}
+    return [c for c in pc.CASES if c.name in names]
+
+
+def run_all(cases: list[pc.Case], args: argparse.Namespace, root: Path) -> dict[str, tuple[Path, int, float]]:
+    """Every case, longest first, `jobs` at a time; a sick case's repair and rerun start as soon as it ends."""
+    done: dict[str, tuple[Path, int, float]] = {}
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        pending: dict[Future, Job] = {}
+
+        def submit(job: Job) -> None:
+            pending[pool.submit(run_job, job, root, args.llmtrain, args.steps)] = job
+
+        for case in sorted(cases, key=lambda c: -pc.estimated_seconds(c, args.steps)):
+            submit(Job(case))
+        while pending:
+            finished, _ = wait(pending, return_when=FIRST_COMPLETED)
+            for future in finished:
+                job = pending.pop(future)
+                done[job.label] = future.result()
+                print(f"  {job.label}: exit {done[job.label][1]}, {done[job.label][2]:.0f} s", flush=True)
+                if not job.kind:
+                    for follow in follow_ups(job.case, done[job.label][0], args.repair, args.rerun):
+                        submit(follow)
+    return done
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", help="comma-separated case names (the reference run is always included)")
+    parser.add_argument("--only", help="comma-separated case names (their references always run too)")
+    parser.add_argument("--half", choices=(pc.TUNING, pc.HELD_OUT, "all"), default="all",
+                        help="run one half of the split (default all)")
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time, one thread each (default 2)")
     parser.add_argument("--keep", type=Path, help="keep the run dirs here")
     parser.add_argument("--json", type=Path, help="write the scores as JSON")
@@ -249,29 +389,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, metavar="N",
                         help="cap every case's max_steps at N (a fast subset; a case whose pathology shows only "
                              "later, such as a schedule ending at step 100, is then no longer sick)")
+    parser.add_argument("--repair", action=argparse.BooleanOptionalAction, default=True,
+                        help="rerun each sick case whose top cause is right with monitor.repair=true (default on)")
+    parser.add_argument("--rerun", action=argparse.BooleanOptionalAction, default=True,
+                        help="rerun each sick case with its first alarm's fix (default on)")
     parser.add_argument("--llmtrain", default=str(Path(sys.executable).with_name("llmtrain")))
     args = parser.parse_args(argv)
     if args.steps is not None and args.steps < 1:
         parser.error(f"--steps {args.steps}: the cap on every case's max_steps must be a positive number of steps")
-    names = set(args.only.split(",")) | {REFERENCE} if args.only else None
-    unknown = names - {c.name for c in CASES} if names else set()
-    if unknown:
-        parser.error(f"unknown case(s) {', '.join(sorted(unknown))}; known: {', '.join(c.name for c in CASES)}")
-    cases = [c for c in CASES if names is None or c.name in names]
+    cases = select(args, parser)
     root = args.keep or Path(tempfile.mkdtemp(prefix="pathologies-"))
     root.mkdir(parents=True, exist_ok=True)
+    follow = int(args.repair) + int(args.rerun)
+    estimate = pc.budget_seconds(cases, args.jobs, follow, args.steps) / 60
+    print(f"{len(cases)} runs, up to {follow} more per sick case: at most ~{estimate:.0f} min", flush=True)
     started = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        done = dict(zip([c.name for c in cases],
-                        pool.map(lambda c: run_case(c, root, args.llmtrain, args.steps), cases)))
-    reference = health_by_step(done[REFERENCE][0])
-    scores = [score(c, *done[c.name], reference) for c in cases]
-    summary = summarize(scores) | {"wall_s": round(time.perf_counter() - started, 1)}
-    table = markdown(scores, summary)
+    done = run_all(cases, args, root)
+    scores = [score(c, done) for c in cases]
+    summaries = {half: summarize(s for s in scores if half == "all" or s.half == half)
+                 for half in (pc.HELD_OUT, pc.TUNING, "all")}
+    summary = summaries["all"] | {"wall_s": round(time.perf_counter() - started, 1)}
+    table = markdown(scores, summaries)
     print(table)
     print(f"wall time {summary['wall_s']:.0f} s; run dirs in {root}")
     if args.json:
-        args.json.write_text(json.dumps({"summary": summary, "cases": [asdict(s) for s in scores]}, indent=1))
+        args.json.write_text(json.dumps({
+            "summary": summary, "summaries": summaries, "split_seed": pc.SPLIT_SEED, "split": pc.HALVES,
+            "repair": args.repair, "rerun": args.rerun, "cases": [asdict(s) for s in scores]}, indent=1))
     if args.markdown:
         args.markdown.write_text(table)
     return 0

@@ -163,7 +163,8 @@ def test_an_evaluation_leaves_the_generators_and_the_monitor_clock_as_they_were(
                           autocast=contextlib.nullcontext, dashboard=Dashboard(10, Console(file=io.StringIO())),
                           metrics=SimpleNamespace(write=written.append), result=TrainResult(tmp_path, 0, 0),
                           checkpointer=SimpleNamespace(evaluated=lambda step, loss: None),
-                          monitor=SimpleNamespace(paused=paused.append), scorer=Scorer(model, 32),
+                          monitor=SimpleNamespace(paused=paused.append, evaluated=lambda step, loss: None),
+                          scorer=Scorer(model, 32),
                           tasks=[DrawingTask()])
     before = torch.rand(3), random.random(), np.random.rand()
     torch.manual_seed(0), random.seed(0), np.random.seed(0)
