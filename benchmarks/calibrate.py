@@ -1,0 +1,198 @@
+"""How far the healthy runs of the pathology benchmark stay from each alarm threshold: the
+distribution every threshold is set against, with its margin.
+
+    python benchmarks/pathologies.py --keep runs/ ...        # first: the runs (their health records)
+    python benchmarks/calibrate.py runs/ --markdown calibration.md
+
+For each healthy case's run dir it reads metrics.jsonl (the `health` records, every monitor.interval
+steps, and the `eval` records) and computes the statistic each detector thresholds, at its most
+extreme over the run: the largest gradient norm, the largest jump of the gradient norm over the
+median of the checks before it, the largest relative change of the parameter norm between checks,
+the update/weight ratio's extremes, the weight-decay share of the update, the block outputs' largest
+|mean| and variance, the largest robust z-score of a check's loss, the largest rise of the smoothed
+loss above its best, and the overfitting rule's train-loss fall and gap growth. Per statistic: the
+median and the largest over the runs, the threshold (the default config's), and the margin (how
+many times the worst healthy run would have to grow, or shrink, to reach it). Persistence (patience)
+is ignored: the raw extreme, so the margins are conservative.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from pathology_cases import HEALTHY  # noqa: E402
+
+from llmtrain.config.schema import MonitorConfig  # noqa: E402
+from llmtrain.monitor.detectors import OVERFIT_MIN_FALL, robust_z  # noqa: E402
+
+
+def records(run_dir: Path, kind: str) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    found = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if record.get("kind") == kind:
+            found.append(record)
+    return found
+
+
+def _num(value: object) -> float:
+    return float(value) if isinstance(value, (int, float)) else math.nan
+
+
+def _finite(values: list[float]) -> list[float]:
+    return [v for v in values if math.isfinite(v)]
+
+
+def surge(grads: list[float], window: int) -> float:
+    ratios = [g / statistics.median(grads[max(0, i - window):i]) for i, g in enumerate(grads) if i >= 5]
+    return max(_finite(ratios), default=math.nan)
+
+
+def jump(params: list[float]) -> float:
+    return max((abs(b - a) / a for a, b in zip(params, params[1:]) if a > 0), default=math.nan)
+
+
+def spike_z(losses: list[float], window: int) -> float:
+    zs = [robust_z(v, losses[max(0, i - window):i]) for i, v in enumerate(losses) if i >= 10]
+    return max(_finite(zs), default=math.nan)
+
+
+def rise_above_best(losses: list[float]) -> float:
+    """The largest rise of the median of 3 interval losses above the lowest such median before it."""
+    best, worst = math.inf, 0.0
+    for i in range(2, len(losses)):
+        smoothed = statistics.median(losses[i - 2:i + 1])
+        worst = max(worst, smoothed - best) if math.isfinite(best) else worst
+        best = min(best, smoothed)
+    return worst
+
+
+def overfit_moves(train: list[tuple[int, float]], val: list[tuple[int, float]]) -> float:
+    """The largest gap growth over the second half of the evaluations seen so far, when the train
+    loss fell over it: the overfitting alarm's statistic (its threshold is a growth of 0.1)."""
+    gaps = []
+    worst = -math.inf
+    for step, v in val:
+        near = [loss for s, loss in train if s <= step][-3:]
+        if not near:
+            continue
+        gaps.append((step, v - statistics.median(near)))
+        if len(gaps) >= 4:
+            mid = len(gaps) // 2
+            worst = max(worst, gaps[-1][1] - gaps[mid - 1][1])
+    return worst
+
+
+@dataclass(frozen=True)
+class Statistic:
+    name: str
+    alarm: str
+    threshold: float
+    higher_is_worse: bool
+    of: Callable[[list[dict], list[dict], float], float]  # (health, eval, weight decay) -> the run's extreme
+
+
+def statistics_for(cfg: MonitorConfig) -> list[Statistic]:
+    def series(health: list[dict], key: str) -> list[float]:
+        return _finite([_num(h.get(key)) for h in health])
+
+    def blocks(health: list[dict], key: str, f: Callable[[float], float]) -> float:
+        return max((f(v) for h in health for v in h.get(key) or [] if isinstance(v, (int, float))), default=math.nan)
+
+    return [
+        Statistic("largest gradient norm", "grad_norm_high", cfg.grad_norm_high, True,
+                  lambda h, e, wd: max(series(h, "grad_norm"), default=math.nan)),
+        Statistic("smallest gradient norm", "grad_norm_low", cfg.grad_norm_low, False,
+                  lambda h, e, wd: min(series(h, "grad_norm"), default=math.nan)),
+        Statistic("gradient norm / median of the checks before", "grad_norm_surge", cfg.grad_surge_factor, True,
+                  lambda h, e, wd: surge(series(h, "grad_norm"), cfg.spike_window)),
+        Statistic("parameter norm change between checks", "param_norm_jump", cfg.param_jump, True,
+                  lambda h, e, wd: jump(series(h, "param_norm"))),
+        Statistic("largest update/weight ratio", "update_ratio_high", cfg.update_ratio_high, True,
+                  lambda h, e, wd: max(series(h, "update_ratio"), default=math.nan)),
+        Statistic("smallest update/weight ratio", "update_ratio_low", cfg.update_ratio_low, False,
+                  lambda h, e, wd: min(series(h, "update_ratio"), default=math.nan)),
+        Statistic("weight-decay share of the update", "weight_decay_dominant", cfg.decay_share_max, True,
+                  lambda h, e, wd: max((_num(r.get("lr_applied")) * wd / _num(r.get("update_ratio"))
+                                        for r in h if _num(r.get("update_ratio")) > 0), default=math.nan)),
+        Statistic("largest block-output |mean|", "activation_mean_drift", cfg.activation_mean_max, True,
+                  lambda h, e, wd: blocks(h, "activation_mean", abs)),
+        Statistic("largest block-output variance", "activation_variance_high", cfg.activation_var_max, True,
+                  lambda h, e, wd: blocks(h, "activation_var", float)),
+        Statistic("loss robust z-score", "loss_spike", cfg.spike_z, True,
+                  lambda h, e, wd: spike_z(series(h, "loss"), cfg.spike_window)),
+        Statistic("smoothed loss above its best (nats)", "loss_rising", cfg.loss_rise_min, True,
+                  lambda h, e, wd: rise_above_best(series(h, "interval_loss"))),
+        Statistic("validation-train gap growth (nats)", "overfitting", OVERFIT_MIN_FALL, True,
+                  lambda h, e, wd: overfit_moves([(r["step"], _num(r.get("interval_loss"))) for r in h],
+                                                 [(r["step"], _num(r.get("val_loss"))) for r in e])),
+    ]
+
+
+def weight_decay(run_dir: Path) -> float:
+    import yaml
+
+    try:
+        return float(yaml.safe_load((run_dir / "config.yaml").read_text())["optim"]["weight_decay"])
+    except (OSError, KeyError, TypeError, ValueError):
+        return 0.1
+
+
+def calibrate(root: Path) -> tuple[list[dict], int]:
+    stats = statistics_for(MonitorConfig())
+    runs = [root / case.name for case in HEALTHY if (root / case.name / "metrics.jsonl").exists()]
+    rows = []
+    for stat in stats:
+        values = _finite([stat.of(records(r, "health"), records(r, "eval"), weight_decay(r)) for r in runs])
+        if not values:
+            continue
+        worst = max(values) if stat.higher_is_worse else min(values)
+        margin = (stat.threshold / worst if stat.higher_is_worse else worst / stat.threshold) if worst > 0 else math.inf
+        rows.append({"statistic": stat.name, "alarm": stat.alarm, "runs": len(values),
+                     "median": statistics.median(values), "worst": worst, "threshold": stat.threshold,
+                     "margin": margin})
+    return rows, len(runs)
+
+
+def markdown(rows: list[dict], n_runs: int) -> str:
+    lines = [f"Healthy runs read: {n_runs}. Margin: how many times the worst healthy run is from the threshold.", "",
+             "| statistic | alarm | median run | worst run | threshold | margin |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['statistic']} | `{r['alarm']}` | {r['median']:.3g} | {r['worst']:.3g} | {r['threshold']:g} | "
+              f"{r['margin']:.2g}x |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", type=Path, help="the pathology benchmark's --keep folder")
+    parser.add_argument("--markdown", type=Path, help="write the table as Markdown")
+    parser.add_argument("--json", type=Path, help="write the rows as JSON")
+    args = parser.parse_args(argv)
+    rows, n_runs = calibrate(args.runs)
+    if not n_runs:
+        parser.error(f"{args.runs}: no healthy run dir of the benchmark there (run pathologies.py --keep first)")
+    table = markdown(rows, n_runs)
+    print(table)
+    if args.markdown:
+        args.markdown.write_text(table)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
