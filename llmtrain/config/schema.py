@@ -373,7 +373,9 @@ class MonitorConfig:
     lr_explode_factor: float = _f(10.0, "Alarm when the applied LR exceeds the schedule's by this factor.")
     activation_mean_max: float = _f(1.0, "Alarm when a block's output mean stays beyond +-this.")
     activation_mean_share: float = _f(0.25, "... and beyond this share of the block output's standard deviation.")
-    activation_var_max: float = _f(1000.0, "Alarm when a block's output variance stays above this.")
+    activation_var_max: float = _f(
+        1e4, "Alarm when a block's output variance stays above this (a deep pre-LN residual stream runs in the "
+        "thousands).")
     activation_var_factor: float = _f(10.0, "Alarm when a block's output variance grows or shrinks by this factor.")
     activation_var_floor: float = _f(
         1.0, "... growing only once it is above this: a fresh model's small signals growing to unit scale is learning.")
