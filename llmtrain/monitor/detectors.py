@@ -424,11 +424,16 @@ class Detectors:
         series = list(self.history["interval_loss"]) + [current]
         smoothed = _median_tail(series, 3)
         rise = smoothed - self.best_loss
+        # The best is the lowest of many noisy medians: with tiny batches (64 tokens a step) the
+        # interval means scatter by ~0.15 nats, so a rise must also clear 3 of their standard deviations.
+        noise = [v for v in list(self.history["interval_noise"])[-10:] + [_mean_noise(s)] if v is not None]
+        scatter = 3 * math.sqrt(statistics.median(noise)) if noise else 0.0
         rising = (len(series) >= 4 and self.checks - self.best_check >= 2
-                  and rise > max(cfg.loss_rise_min, cfg.loss_rise * self.best_loss))
+                  and rise > max(cfg.loss_rise_min, cfg.loss_rise * self.best_loss, scatter))
         self._persistent(found, "loss_rising", rising, Alarm(
             "loss_rising", s.step, "warning", "loss (median of 3 checks)", series[-6:],
-            f"<= its best {self.best_loss:.4g} + max({cfg.loss_rise_min:g}, {cfg.loss_rise:.0%})"))
+            f"<= its best {self.best_loss:.4g} + max({cfg.loss_rise_min:g}, {cfg.loss_rise:.0%}, 3 x the interval "
+            f"means' noise {scatter / 3:.2g})"))
         self._swings(s, series, found)
         if f is not None:
             self._progress(s, series, found)
