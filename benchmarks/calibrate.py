@@ -152,9 +152,12 @@ def weight_decay(run_dir: Path) -> float:
         return 0.1
 
 
-def calibrate(root: Path) -> tuple[list[dict], int]:
+def calibrate(*roots: Path) -> tuple[list[dict], int]:
+    """The rows over the healthy runs found in `roots` (a case found in several: the first one's)."""
     stats = statistics_for(MonitorConfig())
-    runs = [root / case.name for case in HEALTHY if (root / case.name / "metrics.jsonl").exists()]
+    found = {case.name: root / case.name for root in reversed(roots) for case in HEALTHY
+             if (root / case.name / "metrics.jsonl").exists()}
+    runs = list(found.values())
     rows = []
     for stat in stats:
         values = _finite([stat.of(records(r, "health"), records(r, "eval"), weight_decay(r)) for r in runs])
@@ -178,13 +181,14 @@ def markdown(rows: list[dict], n_runs: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("runs", type=Path, help="the pathology benchmark's --keep folder")
+    parser.add_argument("runs", type=Path, nargs="+", help="the pathology benchmark's --keep folder(s)")
     parser.add_argument("--markdown", type=Path, help="write the table as Markdown")
     parser.add_argument("--json", type=Path, help="write the rows as JSON")
     args = parser.parse_args(argv)
-    rows, n_runs = calibrate(args.runs)
+    rows, n_runs = calibrate(*args.runs)
     if not n_runs:
-        parser.error(f"{args.runs}: no healthy run dir of the benchmark there (run pathologies.py --keep first)")
+        parser.error(f"{' '.join(map(str, args.runs))}: no healthy run dir of the benchmark there (run "
+                     "pathologies.py --keep first)")
     table = markdown(rows, n_runs)
     print(table)
     if args.markdown:
