@@ -15,6 +15,7 @@ from llmtrain.config.schema import Config, OptimConfig, OptimizerName
 from llmtrain.core.errors import CheckpointError
 from llmtrain.engine.optim import build_optimizer
 from llmtrain.engine.repairs import WARMUP_RESTART, apply_repairs, check_repairs, lr_factor, warmup_ramp
+from llmtrain.engine.schedule import lr_at
 from llmtrain.engine.state import TrainState
 from llmtrain.monitor.detectors import Alarm
 from llmtrain.monitor.diagnosis import Cause
@@ -131,10 +132,18 @@ def test_an_lr_far_too_high_is_repaired_from_the_initial_checkpoint_and_a_resume
     assert first["changes"][0]["key"] == "optim.lr" and first["changes"][0]["from"] == 1.0
     assert first["changes"][0]["to"] < 0.05 and first["rolled_back_to"] == 0
     assert records(run / "metrics.jsonl", "repair") == repairs
-    # From the repair on, the applied LR is the schedule's times the repaired peak over the configured one.
+    # From the repair on, the applied LR is the schedule's times the repaired peak over the configured one;
+    # the monitor's schedule LR is the repaired one (a repair is no LR overwritten behind its back).
     factor = first["changes"][0]["to"] / 1.0
+    schedule = tiny_config(run, **WATCH, **{"optim.lr": 1.0}).schedule
+
+    def configured(step: int, steps: int) -> float:
+        return lr_at(step - 1, 1.0, steps, schedule)
+
     after = [h for h in records(run / "metrics.jsonl", "health") if h["step"] > first["step"]]
-    assert after and all(h["lr_applied"] == pytest.approx(h["lr_schedule"] * factor) for h in after)
+    assert after and all(h["lr_applied"] == pytest.approx(configured(h["step"], 30) * factor) for h in after)
+    assert all(h["lr_applied"] == pytest.approx(h["lr_schedule"]) for h in after)
+    assert not [a for a in records(run / "events.jsonl", "alarm") if a["alarm"] == "lr_exploding"]
     assert math.isfinite(result.final_val_loss) or result.val_losses == {}
     saved = load_checkpoint(run / "checkpoints" / "step_00000020")
     assert saved.state.repairs["optim.lr"] == first["changes"][0]["to"] and saved.state.repairs_made == len(repairs)
@@ -142,7 +151,7 @@ def test_an_lr_far_too_high_is_repaired_from_the_initial_checkpoint_and_a_resume
     train(tiny_config(run, **{**WATCH, "max_steps": 40, "checkpoint.every_steps": 40}, **{"optim.lr": 1.0},
                       allow_check_failures=True))
     resumed = [h for h in records(run / "metrics.jsonl", "health") if h["step"] > 30]
-    assert resumed and all(h["lr_applied"] == pytest.approx(h["lr_schedule"] * factor) for h in resumed)
+    assert resumed and all(h["lr_applied"] == pytest.approx(configured(h["step"], 40) * factor) for h in resumed)
     write_report(run, inference=False)
     assert "repaired: optim.lr 1.0 ->" in (run / "report.md").read_text()
 
@@ -167,3 +176,13 @@ def test_a_forged_repair_in_a_checkpoint_is_refused(tmp_path: Path) -> None:
     state_file.write_text(json.dumps(trainer))
     with pytest.raises(CheckpointError, match="repairs"):
         load_checkpoint(step, verify_files=False)
+
+
+def test_repair_with_the_monitor_off_is_refused_before_any_work(tmp_path: Path) -> None:
+    from llmtrain.config.validate import validate
+    from llmtrain.core.errors import ConfigError
+
+    cfg = tiny_config(tmp_path / "run", **{"monitor.enabled": False, "monitor.repair": True})
+    with pytest.raises(ConfigError, match="monitor.repair' is true but the monitor is off"):
+        validate(cfg)
+    assert not (tmp_path / "run").exists()

@@ -386,6 +386,9 @@ def _validate_monitor(mon: MonitorConfig) -> None:
         _require(getattr(mon, key) >= 1, f"'monitor.{key}' is {getattr(mon, key)}; it must be >= 1.")
     _require(mon.trend_window >= 3, f"'monitor.trend_window' is {mon.trend_window}; a trend needs >= 3 checks.")
     _require(mon.max_repairs >= 0, f"'monitor.max_repairs' is {mon.max_repairs}; it must be >= 0 (0: none).")
+    _require(mon.enabled or not mon.repair,
+             "'monitor.repair' is true but the monitor is off (monitor.enabled=false, e.g. monitor=off): repairs "
+             "follow its alarms. Turn the monitor on (monitor=default) or drop monitor.repair=true.")
     _require(0 < mon.reduce_lr_factor < 1,
              f"'monitor.reduce_lr_factor' is {mon.reduce_lr_factor}; valid range is (0, 1).")
     for name in mon.actions:

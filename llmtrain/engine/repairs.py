@@ -28,21 +28,24 @@ class Knob:
 
     section: str
     name: str
+    fact: str  # the monitor's RunFacts field it is, so later alarms are diagnosed against the repaired run
     group_key: str | None = None
     optimizers: tuple[OptimizerName, ...] = tuple(OptimizerName)  # where it means something
-    on_config: bool = True  # False: the config keeps the value it started with (the LR: see lr_factor)
+    on_config: bool = True  # False: the config keeps its value (the LR: lr_factor; the warmup: warmup_ramp)
 
 
 _ADAM = (OptimizerName.adam, OptimizerName.adamw)
 KNOBS: dict[str, Knob] = {
-    "optim.lr": Knob("optim", "lr", on_config=False),
-    "optim.clip_grad_norm": Knob("optim", "clip_grad_norm"),
-    "optim.weight_decay": Knob("optim", "weight_decay", "weight_decay"),
-    "optim.eps": Knob("optim", "eps", "eps", _ADAM),
-    "optim.beta2": Knob("optim", "beta2", "betas", _ADAM),
-    "optim.momentum": Knob("optim", "momentum", "momentum", (OptimizerName.sgd,)),
-    "optim.label_smoothing": Knob("optim", "label_smoothing"),
-    "schedule.warmup_steps": Knob("schedule", "warmup_steps"),
+    "optim.lr": Knob("optim", "lr", "lr", on_config=False),
+    "optim.clip_grad_norm": Knob("optim", "clip_grad_norm", "clip"),
+    "optim.weight_decay": Knob("optim", "weight_decay", "weight_decay", "weight_decay"),
+    "optim.eps": Knob("optim", "eps", "eps", "eps", _ADAM),
+    "optim.beta2": Knob("optim", "beta2", "beta2", "betas", _ADAM),
+    "optim.momentum": Knob("optim", "momentum", "momentum", "momentum", (OptimizerName.sgd,)),
+    "optim.label_smoothing": Knob("optim", "label_smoothing", "label_smoothing"),
+    # The schedule keeps its own warmup (a shorter one would reshape its decay too): the restarted
+    # warmup is warmup_ramp's, from the repair's step.
+    "schedule.warmup_steps": Knob("schedule", "warmup_steps", "warmup_steps", on_config=False),
 }
 REPAIR_KEYS = (*KNOBS, WARMUP_RESTART)
 
@@ -70,8 +73,7 @@ def apply_repairs(repairs: dict[str, float], cfg: Config, optimizer: torch.optim
         if knob is None or not repairable(key, cfg):
             continue
         if knob.on_config:
-            integer = key == "schedule.warmup_steps"
-            setattr(getattr(cfg, knob.section), knob.name, int(value) if integer else value)
+            setattr(getattr(cfg, knob.section), knob.name, value)
         if knob.group_key is None:
             continue
         for group in optimizer.param_groups:

@@ -155,11 +155,14 @@ def fit(run: Run) -> TrainResult:
 
 
 def set_lr(run: Run, step: int, state: TrainState) -> tuple[float, float]:
-    """The LR of step `step` (0-based) as the schedule has it, and as applied: times the run's LR
-    scale (cut by rollbacks and alarms) and what repairs made of it, set on every parameter group."""
+    """The LR of step `step` (0-based) as the schedule has it (with what repairs made of it: a
+    repair's LR is the run's own, not an LR overwritten behind the schedule's back), and as applied:
+    times the run's LR scale (cut by rollbacks and alarms), set on every parameter group."""
     plan, cfg = run.plan, run.context.cfg
     lr_schedule = lr_at(step, plan.effective_lr, plan.schedule_steps, cfg.schedule)
-    lr = lr_schedule * state.lr_scale * (lr_factor(state.repairs, step, cfg.optim.lr or 0.0) if state.repairs else 1.0)
+    if state.repairs:
+        lr_schedule *= lr_factor(state.repairs, step, cfg.optim.lr or 0.0)
+    lr = lr_schedule * state.lr_scale
     for group in run.module.optimizer.param_groups:
         group["lr"] = lr
     return lr_schedule, lr

@@ -22,7 +22,7 @@ from llmtrain.config.derived import resolved_warmup_steps
 from llmtrain.config.hydra import command_line_of_this_run
 from llmtrain.config.schema import Config
 from llmtrain.core.files import Kind
-from llmtrain.engine.repairs import WARMUP_RESTART, apply_repairs, current_value, repairable
+from llmtrain.engine.repairs import KNOBS, WARMUP_RESTART, apply_repairs, current_value, repairable
 from llmtrain.engine.state import TrainState
 from llmtrain.monitor.detectors import Alarm
 from llmtrain.monitor.diagnosis import Cause, RunFacts
@@ -35,10 +35,6 @@ CONFIRMED = 0.6
 # Causes whose steps may have thrown the weights off: their repair starts again from the last good
 # checkpoint when there is one. The others (too small or too damped updates) only slowed learning.
 THROWN_OFF = frozenset({"lr_too_high", "no_warmup", "no_clipping", "beta2_too_low", "batch_too_small"})
-# The RunFacts field each repairable setting is, so later alarms are diagnosed against the repaired run.
-FACT_OF = {"optim.lr": "lr", "optim.clip_grad_norm": "clip", "optim.weight_decay": "weight_decay", "optim.eps": "eps",
-           "optim.beta2": "beta2", "optim.momentum": "momentum", "optim.label_smoothing": "label_smoothing",
-           "schedule.warmup_steps": "warmup_steps"}
 
 
 def fix_lines(fix: str | None) -> dict[str, str]:
@@ -147,7 +143,7 @@ class Repairer:
         """The monitor's facts with the repaired settings (the LR's as the peak the run now reaches)."""
         if self.base_facts is None:
             return
-        changed = {FACT_OF[key]: value for key, value in repairs.items() if key in FACT_OF}
+        changed = {KNOBS[key].fact: value for key, value in repairs.items() if key in KNOBS}
         if "optim.lr" in repairs and self.configured_lr > 0:
             changed["lr"] = self.base_facts.lr * repairs["optim.lr"] / self.configured_lr
         if "warmup_steps" in changed:
