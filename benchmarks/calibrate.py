@@ -62,6 +62,15 @@ def surge(grads: list[float], window: int) -> float:
     return max(_finite(ratios), default=math.nan)
 
 
+def held(values: list[float], checks: int, high: bool) -> float:
+    """The most extreme value a persistent alarm sees: over every run of `checks` consecutive checks,
+    the least extreme one (an alarm held for `patience` checks needs all of them past its line)."""
+    runs = [values[i:i + checks] for i in range(len(values) - checks + 1)]
+    if high:
+        return max((min(r) for r in runs), default=math.nan)
+    return min((max(r) for r in runs), default=math.nan)
+
+
 def jump(params: list[float]) -> float:
     return max((abs(b - a) / a for a, b in zip(params, params[1:]) if a > 0), default=math.nan)
 
@@ -122,10 +131,10 @@ def statistics_for(cfg: MonitorConfig) -> list[Statistic]:
                   lambda h, e, wd: surge(series(h, "grad_norm"), cfg.spike_window)),
         Statistic("parameter norm change between checks", "param_norm_jump", cfg.param_jump, True,
                   lambda h, e, wd: jump(series(h, "param_norm"))),
-        Statistic("largest update/weight ratio", "update_ratio_high", cfg.update_ratio_high, True,
-                  lambda h, e, wd: max(series(h, "update_ratio"), default=math.nan)),
-        Statistic("smallest update/weight ratio", "update_ratio_low", cfg.update_ratio_low, False,
-                  lambda h, e, wd: min(series(h, "update_ratio"), default=math.nan)),
+        Statistic(f"update/weight ratio held {cfg.patience} checks, largest", "update_ratio_high",
+                  cfg.update_ratio_high, True, lambda h, e, wd: held(series(h, "update_ratio"), cfg.patience, True)),
+        Statistic(f"update/weight ratio held {cfg.patience} checks, smallest", "update_ratio_low",
+                  cfg.update_ratio_low, False, lambda h, e, wd: held(series(h, "update_ratio"), cfg.patience, False)),
         Statistic("weight-decay share of the update", "weight_decay_dominant", cfg.decay_share_max, True,
                   lambda h, e, wd: max((_num(r.get("lr_applied")) * wd / _num(r.get("update_ratio"))
                                         for r in h if _num(r.get("update_ratio")) > 0), default=math.nan)),

@@ -385,7 +385,8 @@ class MonitorConfig:
     spike_z: float = _f(6.0, "Alarm when the loss's robust z-score over the spike window exceeds this.")
     spike_window: int = _f(50, "Checks in the loss-spike window.")
     grad_surge_factor: float = _f(10.0, "Alarm when the gradient norm jumps above this many times its recent median.")
-    update_ratio_high: float = _f(0.1, "Alarm when the update / weight norm ratio of a step stays above this.")
+    # Healthy runs hold at most 0.02 for 3 checks (45 recipes); LRs 10-100x too high hold 0.05-0.09.
+    update_ratio_high: float = _f(0.05, "Alarm when the update / weight norm ratio of a step stays above this.")
     update_ratio_low: float = _f(1e-5, "Alarm when the update / weight norm ratio of a step stays below this.")
     loss_chance_factor: float = _f(1.5, "Alarm when the loss exceeds this many times a uniform guess (ln vocabulary).")
     loss_rise: float = _f(0.05, "Alarm when the loss stays this fraction above its best so far (and loss_rise_min).")
