@@ -307,12 +307,10 @@ def test_a_schedule_that_covers_the_run_adds_no_row(tmp_path: Path, overrides: d
 
 
 def test_the_per_rank_memory_of_parallel_layouts_shows_only_where_there_are_several_processes(tmp_path: Path) -> None:
-    from llmtrain.config.schema import ParallelMode
-
     single = run_check(base(tmp_path), measure_compute=False)
     assert single.facts.layout_world is None and "per rank" not in render.estimate_summary(single.facts)
     assert single.row("effective batch").seen.endswith("x 1 process)")
-    ddp = run_check(base(tmp_path, **{"parallel.mode": ParallelMode.ddp, "parallel.nproc": 2}), measure_compute=False)
+    ddp = run_check(base(tmp_path, **{"parallel.dp_replicate": -1, "parallel.nproc": 2}), measure_compute=False)
     assert "per rank over the run's 2 processes: ddp " in render.estimate_summary(ddp.facts)
     assert ddp.row("effective batch").seen.endswith("x 2 processes)")
 

@@ -41,7 +41,6 @@ from llmtrain.config.schema import (
     NonFinitePolicy,
     NormPosition,
     OptimizerName,
-    ParallelMode,
     Precision,
     ScheduleConfig,
     ScheduleName,
@@ -69,6 +68,9 @@ def compose_config(overrides: list[str]) -> object:
         return compose(config_name="config", overrides=overrides)
 
 
+PRESET_PROCESSES = {"tp": 2, "hsdp": 4, "fsdp_tp": 4}
+
+
 def load_option(group: str, option: str, tmp_path: Path) -> Config:
     overrides = [f"{group}={option}"]
     if group == "data" and option == "text":
@@ -77,6 +79,8 @@ def load_option(group: str, option: str, tmp_path: Path) -> Config:
         overrides.append(f"data.path={corpus}")
     if group == "data" and option == "hf":
         overrides.append("data.hf_name=json")  # a builder: composes without the datasets package or a download
+    if group == "parallel" and option in PRESET_PROCESSES:  # layouts that need several processes to be valid
+        overrides.append(f"parallel.nproc={PRESET_PROCESSES[option]}")
     if group == "data" and option in ("jsonl", "instruct", "hf"):
         corpus = tmp_path / "docs.jsonl"
         line = '{{"text": "document {i} of a tiny corpus.", "prompt": "Say {i}.", "response": "{i}, a tiny answer."}}\n'
@@ -124,6 +128,8 @@ def test_option_composes_converts_and_builds(group: str, option: str, tmp_path: 
     for key, value in raw.items():
         if group == "data" and key in ("path", "hf_name") and option in ("text", "jsonl", "instruct", "hf"):
             continue  # required, so the test set it
+        if group == "parallel" and key == "nproc" and option in PRESET_PROCESSES:
+            continue  # set by the test, so the layout validates
         got = getattr(section, key)
         got = got.value if hasattr(got, "value") else got
         if group == "optim" and key == "lr" and value is None:  # null: validate filled in the default
@@ -203,7 +209,11 @@ def test_option_composes_converts_and_builds(group: str, option: str, tmp_path: 
         assert cfg.eval.batch_size >= 1 and cfg.eval.truncate
     else:
         assert group == "parallel"
-        assert cfg.parallel.mode.value == option
+        p = cfg.parallel
+        shape = {"single": (1, 1, 1, False), "ddp": (-1, 1, 1, False), "zero1": (-1, 1, 1, True),
+                 "fsdp": (1, -1, 1, False), "hsdp": (2, -1, 1, False), "tp": (1, 1, 2, False),
+                 "fsdp_tp": (1, -1, 2, False)}[option]
+        assert (p.dp_replicate, p.dp_shard, p.tp, p.zero1) == shape
 
 
 def test_gpt_small_is_the_gpt2_124m_shape() -> None:
@@ -326,12 +336,69 @@ def test_validate_rejects_bad_top_level_values(changes: dict, pattern: str) -> N
         validate(make(**changes))
 
 
+def layout(nproc: int = 1, **degrees: object) -> Config:
+    cfg = make()
+    cfg.parallel.nproc = nproc
+    for key, value in degrees.items():
+        setattr(cfg.parallel, key, value)
+    return cfg
+
+
+@pytest.mark.parametrize(("nproc", "degrees", "message"), [
+    (2, {}, r"this run has 2 processes \(parallel.nproc=2\) but the layout is a single process.*add parallel=ddp"),
+    (1, {"tp": 2}, r"the layout tp=2 x dp_replicate=1 x dp_shard=1 needs 2 processes but this run has 1 process.*"
+                   r"add parallel.nproc=2"),
+    (3, {"tp": 2, "dp_shard": -1}, r"this run has 3 processes.*fixed degrees.*do not divide.*parallel.nproc=4"),
+    (4, {"dp_replicate": -1, "dp_shard": -1}, r"both -1"),
+    (2, {"dp_shard": 0}, r"'parallel.dp_shard' is 0; use a process count >= 1, or -1"),
+    (2, {"tp": -1}, r"'parallel.tp' is -1"),
+    (4, {"dp_replicate": 2, "tp": 2}, r"tensor parallel \(tp=2\) with dp_replicate=2 replicas is not supported.*"
+                                      r"parallel=fsdp_tp"),
+    (2, {"dp_shard": -1, "zero1": True}, r"parallel.zero1 splits the optimizer state across replicas"),
+    (1, {"sequence_parallel": True}, r"sequence_parallel.*tp is 1"),
+    (8, {"tp": 8}, r"tensor parallel \(tp=8\) cannot split this run: model.n_head is 4, which tp=8 does not "
+                   r"divide.*\(1, 2, 4\)"),
+])
+def test_impossible_layouts_are_refused_in_one_paragraph(nproc: int, degrees: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message) as err:
+        validate(layout(nproc, **degrees))
+    assert "\n" not in str(err.value)
+
+
+def test_degrees_fill_in_the_rest_and_split_the_batch_over_the_data_parallel_ranks() -> None:
+    from llmtrain.config.derived import accumulation_steps, degrees_of
+
+    cfg = layout(4, dp_shard=-1, tp=2)
+    validate(cfg)
+    degrees = degrees_of(cfg)
+    assert (degrees.dp_replicate, degrees.dp_shard, degrees.tp, degrees.dp, degrees.world) == (1, 2, 2, 2, 4)
+    assert [degrees.dp_rank(r) for r in range(4)] == [0, 0, 1, 1]  # the tp ranks of one data rank: one batch
+    # The global batch of 16 over 2 data-parallel ranks: 8 each, not 4 (the tp ranks read the same)
+    assert cfg.micro_batch_size == 8 and accumulation_steps(cfg) == 1
+    hsdp = layout(8, dp_replicate=2, dp_shard=-1)
+    validate(hsdp)
+    assert degrees_of(hsdp).dp_shard == 4
+
+
+def test_a_saved_config_with_the_old_parallel_mode_reads_as_its_preset() -> None:
+    from llmtrain.config.hydra import config_from_dict
+    from llmtrain.config.schema import config_to_dict
+
+    for mode, expected in [("single", (1, 1, False)), ("ddp", (-1, 1, False)), ("zero1", (-1, 1, True)),
+                           ("fsdp", (1, -1, False))]:
+        data = config_to_dict(Config())
+        data["parallel"] = {"mode": mode, "nproc": 1}
+        p = config_from_dict(data).parallel
+        assert (p.dp_replicate, p.dp_shard, p.zero1) == expected
+
+
 def test_sharded_checkpoint_files_need_a_sharded_model() -> None:
     cfg = make()
     cfg.checkpoint.format = CheckpointFormat.sharded
-    with pytest.raises(ConfigError, match="checkpoint.format is sharded but parallel.mode is single.*parallel=fsdp"):
+    with pytest.raises(ConfigError, match="checkpoint.format is sharded but the layout is tp=1 x dp_replicate=1 x "
+                       "dp_shard=1.*parallel=fsdp"):
         validate(cfg)
-    cfg.parallel.mode = ParallelMode.fsdp
+    cfg.parallel.dp_shard = -1
     validate(cfg)
 
 

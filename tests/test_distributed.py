@@ -61,7 +61,8 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.parametrize(("mode", "banner"), [("ddp", "DDP over gloo"), ("zero1", "DDP + ZeRO-1 optimizer shards"),
-                                            ("fsdp", "FSDP2 (parameters, gradients and optimizer state sharded)")])
+                                            ("fsdp", "FSDP2 (parameters, gradients and optimizer state sharded)"),
+                                            ("tp", "tensor parallel 2 over gloo")])
 def test_two_processes_train_like_one(tmp_path: Path, reference: Path, mode: str, banner: str) -> None:
     proc = llmtrain(tmp_path, f"parallel={mode}", "parallel.nproc=2", f"hydra.run.dir={tmp_path / 'run'}")
     assert proc.returncode == 0, proc.stderr
@@ -72,7 +73,7 @@ def test_two_processes_train_like_one(tmp_path: Path, reference: Path, mode: str
     assert all(torch.allclose(single[k], ddp[k], atol=1e-5) for k in single)
     records = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert sum('"kind": "train"' in line for line in records) == 6, "rank 0 alone writes the records"
-    if mode == "fsdp":  # sharded while training; the weights and the export are whole
+    if mode in ("fsdp", "tp"):  # split while training; the weights and the export are whole
         exported = run_cli("export", str(tmp_path / "run"), cwd=tmp_path)
         assert exported.returncode == 0, exported.stderr
         assert (tmp_path / "run" / "export" / "model.safetensors").is_file()
@@ -92,6 +93,9 @@ ZERO1 = ["parallel=zero1", "parallel.nproc=2"]
 FSDP = ["parallel=fsdp", "parallel.nproc=2"]
 FSDP_FULL_FILES = [*FSDP, "checkpoint.format=full"]
 FSDP_4 = ["parallel=fsdp", "parallel.nproc=4"]  # 2 x 4 = the global batch of 8: no accumulation
+HSDP_4 = ["parallel=hsdp", "parallel.nproc=4"]  # 2 replicas x 2 shards (FSDP2 on a 2-D mesh)
+TP = ["parallel=tp", "parallel.nproc=2"]  # both ranks read the same batch of 8: no data parallelism
+FSDP_TP_4 = ["parallel=fsdp_tp", "parallel.nproc=4"]  # 2 shards x tp 2, with sequence parallel
 
 
 @pytest.fixture(scope="module")
@@ -110,9 +114,12 @@ def stopped_at_3(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, ..
 @pytest.mark.parametrize(("first", "then"), [(DDP, ["parallel=single"]), (["parallel=single"], DDP),
                                              (ZERO1, ["parallel=single"]), (["parallel=single"], ZERO1),
                                              (FSDP, ["parallel=single"]), (["parallel=single"], FSDP),
-                                             (FSDP, FSDP_4), (FSDP_FULL_FILES, ["parallel=single"])],
+                                             (FSDP, FSDP_4), (FSDP_FULL_FILES, ["parallel=single"]),
+                                             (HSDP_4, ["parallel=single"]), (TP, ["parallel=single"]),
+                                             (["parallel=single"], TP), (FSDP_TP_4, ["parallel=single"])],
                          ids=["ddp-2-to-1", "ddp-1-to-2", "zero1-2-to-1", "zero1-1-to-2", "fsdp-2-to-1", "fsdp-1-to-2",
-                              "fsdp-sharded-files-2-to-4", "fsdp-full-files-2-to-1"])
+                              "fsdp-sharded-files-2-to-4", "fsdp-full-files-2-to-1", "hsdp-4-to-1", "tp-2-to-1",
+                              "tp-1-to-2", "fsdp-tp-4-to-1"])
 def test_a_run_resumes_on_another_world_size(tmp_path: Path, reference: Path, stopped_at_3: dict, first: list,
                                              then: list) -> None:
     run = tmp_path / "run"
@@ -122,7 +129,7 @@ def test_a_run_resumes_on_another_world_size(tmp_path: Path, reference: Path, st
         stopped = llmtrain(tmp_path, *first, f"hydra.run.dir={run}", env={"LLMTRAIN_TEST_STOP_AT_STEP": "3"})
         assert stopped.returncode == 75, stopped.stderr
     saved = run / "checkpoints" / "step_00000003"
-    sharded_files = first == FSDP  # checkpoint.format=auto: every rank writes its own shards under fsdp
+    sharded_files = first in (FSDP, HSDP_4)  # checkpoint.format=auto: every rank writes its own shards under FSDP2
     assert (saved / "shards" / "__1_0.distcp").is_file() == sharded_files
     assert (saved / "model.pt").is_file() != sharded_files
     resumed = llmtrain(tmp_path, *then, f"hydra.run.dir={run}")

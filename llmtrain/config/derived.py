@@ -14,7 +14,6 @@ from llmtrain.config.schema import (
     LRScaling,
     ModelConfig,
     OptimizerName,
-    ParallelMode,
     ScheduleConfig,
     SeqLenKeep,
     TokenizerKind,
@@ -61,10 +60,48 @@ def stage_at(stages: list[SeqLenStage], step: int) -> SeqLenStage:
 
 
 def world_size_of(cfg: Config) -> int:
-    """Processes in the run: torchrun's WORLD_SIZE when it launched us, else parallel.nproc for ddp."""
+    """Processes in the run: torchrun's WORLD_SIZE when it launched us, else parallel.nproc."""
     if os.environ.get("WORLD_SIZE"):
         return int(os.environ["WORLD_SIZE"])
-    return cfg.parallel.nproc if cfg.parallel.mode is not ParallelMode.single else 1
+    return cfg.parallel.nproc
+
+
+@dataclass(frozen=True)
+class Degrees:
+    """The device mesh's shape, outermost first: replicas x shards x tensor-parallel ranks. A rank's
+    coordinates follow from its number in that order (the tensor-parallel ranks of one data-parallel
+    rank are consecutive, so they share a node when one is possible)."""
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+
+    @property
+    def dp(self) -> int:
+        """Processes that split the global batch (the tensor-parallel ranks of one read the same)."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp
+
+    def dp_rank(self, rank: int) -> int:
+        return rank // self.tp
+
+
+def degrees_of(cfg: Config, world_size: int | None = None) -> Degrees:
+    """parallel's degrees with a -1 filled in from the world size (validate has checked that it divides)."""
+    p = cfg.parallel
+    world = world_size or world_size_of(cfg)
+    known = max(1, p.tp) * max(1, p.dp_replicate) * max(1, p.dp_shard)
+    rest = max(1, world // known)
+    return Degrees(dp_replicate=rest if p.dp_replicate == -1 else p.dp_replicate,
+                   dp_shard=rest if p.dp_shard == -1 else p.dp_shard, tp=p.tp)
+
+
+def data_parallel_size_of(cfg: Config) -> int:
+    """Processes that split the global batch: the world size over the tensor-parallel degree."""
+    return degrees_of(cfg).dp
 
 
 # micro_batch_size=null takes the largest divisor of the per-process batch up to this: a default run
@@ -105,7 +142,7 @@ def micro_batch_size_of(cfg: Config, world_size: int | None = None) -> int:
     """The micro-batch size of a config, also of one not validated yet (null: the derived value)."""
     if cfg.micro_batch_size is not None:
         return cfg.micro_batch_size
-    return derived_micro_batch_size(cfg.global_batch_size, world_size or world_size_of(cfg))
+    return derived_micro_batch_size(cfg.global_batch_size, world_size or data_parallel_size_of(cfg))
 
 
 def micro_batch_size_derived(cfg: Config) -> bool:
@@ -117,13 +154,13 @@ def micro_batch_size_derived(cfg: Config) -> bool:
 
 def accumulation_steps(cfg: Config, world_size: int | None = None) -> int:
     """Micro-batches per optimizer step on each process: global / (micro x world)."""
-    world_size = world_size or world_size_of(cfg)
+    world_size = world_size or data_parallel_size_of(cfg)
     return cfg.global_batch_size // (micro_batch_size_of(cfg, world_size) * world_size)
 
 
 def total_micro_batches(cfg: Config, world_size: int | None = None) -> int:
     """Micro-batches per process over the whole run; a max_tokens budget may end mid-window."""
-    world_size = world_size or world_size_of(cfg)
+    world_size = world_size or data_parallel_size_of(cfg)
     if cfg.max_tokens is not None:
         per_micro = micro_batch_size_of(cfg, world_size) * world_size * seq_len_of(cfg)
         return -(-cfg.max_tokens // per_micro)
@@ -134,7 +171,7 @@ def total_micro_batches(cfg: Config, world_size: int | None = None) -> int:
 def total_steps(cfg: Config, world_size: int | None = None) -> int:
     """Optimizer steps in the run: those a max_tokens budget takes when it is set (the last may be
     partial), else max_steps."""
-    world_size = world_size or world_size_of(cfg)
+    world_size = world_size or data_parallel_size_of(cfg)
     accum = accumulation_steps(cfg, world_size)
     return -(-total_micro_batches(cfg, world_size) // accum) if accum else 0
 

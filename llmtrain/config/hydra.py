@@ -52,8 +52,9 @@ def config_from_dict(data: dict) -> Config:
 
 def migrate_config_dict(data: Any) -> Any:
     """A saved config (config.yaml, a checkpoint's) in today's keys: `report: true` (report was a
-    boolean before it had its own keys) becomes `report: {enabled: true}`, and `threads: null` (what
-    auto was called before it had a name) `threads: auto`. A copy; anything else as it was."""
+    boolean before it had its own keys) becomes `report: {enabled: true}`, `threads: null` (what
+    auto was called before it had a name) `threads: auto`, and `parallel.mode` the mesh degrees of
+    its preset. A copy; anything else as it was."""
     if not isinstance(data, dict):
         return data
     data = dict(data)
@@ -61,7 +62,19 @@ def migrate_config_dict(data: Any) -> Any:
         data["report"] = {"enabled": data["report"]}
     if "threads" in data and data["threads"] is None:
         data["threads"] = "auto"
+    parallel = data.get("parallel")
+    if isinstance(parallel, dict) and "mode" in parallel:  # parallel.mode before the mesh degrees
+        parallel = dict(parallel)
+        mode = parallel.pop("mode")
+        parallel.update(LEGACY_PARALLEL_MODES.get(mode, {}))
+        data["parallel"] = parallel
     return data
+
+
+# parallel.mode (an older llmtrain's one key) as the degrees of today's presets.
+LEGACY_PARALLEL_MODES: dict[object, dict[str, object]] = {
+    "single": {}, "ddp": {"dp_replicate": -1}, "zero1": {"dp_replicate": -1, "zero1": True}, "fsdp": {"dp_shard": -1},
+}
 
 
 def model_config_from_dict(data: dict) -> ModelConfig:

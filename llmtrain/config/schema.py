@@ -167,13 +167,6 @@ class ReportConsole(str, Enum):
     full = "full"
 
 
-class ParallelMode(str, Enum):
-    single = "single"
-    ddp = "ddp"
-    zero1 = "zero1"
-    fsdp = "fsdp"
-
-
 @dataclass
 class ModelConfig:
     name: str = _f("gpt_tiny", "Label of this model shape, shown in the banner.")
@@ -184,6 +177,9 @@ class ModelConfig:
         "n_head; null = n_head (plain multi-head attention).")
     n_embd: int = _f(128, "Width of the residual stream.")
     block_size: int = _f(256, "Context length: the longest sequence the model accepts.")
+    sliding_window: int | None = _f(
+        None, "Sliding-window attention: each token attends to itself and the sliding_window - 1 tokens before it "
+        "(Mistral's window); null: full causal attention over the whole context.")
     vocab_size: int | None = _f(
         None, "Vocabulary size; null takes the data's vocabulary, padded up to a multiple of vocab_multiple.")
     vocab_multiple: int = _f(
@@ -323,13 +319,28 @@ class PrecisionConfig:
 
 @dataclass
 class ParallelConfig:
-    mode: ParallelMode = _f(ParallelMode.single, "single (one process), ddp (DistributedDataParallel: a full model "
-                            "copy per process, gradients averaged; launch with torchrun or parallel.nproc), zero1 "
-                            "(ddp with the optimizer state split across the processes: ZeroRedundancyOptimizer) or "
-                            "fsdp (FSDP2: parameters, gradients and optimizer state split; fully_shard per block, "
-                            "then the root).")
-    nproc: int = _f(1, "ddp: processes to start on this machine (llmtrain starts them: one run dir); leave 1 under "
+    """How the processes share the work: degrees of one device mesh (data parallel replicated x data
+    parallel sharded x tensor parallel) whose product is the number of processes. The presets
+    (parallel=single|ddp|zero1|fsdp|hsdp|tp|fsdp_tp) set them; -1 on one data-parallel degree takes
+    the processes the others leave."""
+
+    nproc: int = _f(1, "Processes to start on this machine (llmtrain starts them: one run dir); leave 1 under "
                     "torchrun, which starts them itself.")
+    dp_replicate: int = _f(
+        1, "Data-parallel replicas: each holds the whole model (DDP) or, with dp_shard > 1, one sharded copy "
+        "(HSDP); gradients are averaged across them. -1: the processes the other degrees leave.")
+    dp_shard: int = _f(
+        1, "Data-parallel shards: parameters, gradients and optimizer state split across this many processes "
+        "(FSDP2, each block gathered only for its own compute). -1: the processes the other degrees leave.")
+    tp: int = _f(
+        1, "Tensor-parallel degree: each block's attention heads and MLP columns (and the embedding and head "
+        "over the vocabulary) split across this many processes, which read the same batch.")
+    zero1: bool = _f(
+        False, "ZeRO-1: with replicas only (dp_replicate > 1, nothing sharded), split the optimizer state across "
+        "them (ZeroRedundancyOptimizer); each updates its share and broadcasts it.")
+    sequence_parallel: bool = _f(
+        False, "tp > 1: also split the norms' and residual activations along the sequence across the "
+        "tensor-parallel processes (less activation memory, same numbers).")
 
 
 @dataclass

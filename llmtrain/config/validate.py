@@ -11,6 +11,7 @@ import os
 import re
 
 from llmtrain.config.derived import (
+    degrees_of,
     resolve_lr,
     resolve_micro_batch_size,
     resolved_warmup_steps,
@@ -21,6 +22,7 @@ from llmtrain.config.derived import (
     world_size_of,
 )
 from llmtrain.config.eval_tasks import parse_task_specs  # standard library only: the config package stays torch-free
+from llmtrain.config.parallel_limits import tensor_parallel_problems
 from llmtrain.config.schema import (
     ALARM_NAMES,
     INIT_SCHEMES,
@@ -36,7 +38,6 @@ from llmtrain.config.schema import (
     ModelConfig,
     MonitorConfig,
     OptimConfig,
-    ParallelMode,
     PositionEncoding,
     PrecisionConfig,
     Sampling,
@@ -58,7 +59,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     depends on the micro-batch size."""
     _validate_counts(cfg)
     _validate_parallel(cfg)
-    world_size = world_size or world_size_of(cfg)
+    # The batch arithmetic below counts the processes that split the batch: the tensor-parallel
+    # ranks of one data-parallel rank read the same micro-batches.
+    world_size = max(1, world_size // cfg.parallel.tp) if world_size else degrees_of(cfg).dp
     resolve_micro_batch_size(cfg, world_size)
     _validate_model(cfg.model)
     _validate_optim(cfg)
@@ -114,16 +117,60 @@ def _validate_parallel(cfg: Config) -> None:
     p = cfg.parallel
     _require(p.nproc >= 1, f"'parallel.nproc' is {p.nproc}; it must be >= 1.")
     launched = int(os.environ.get("WORLD_SIZE") or 1)
-    _require(p.mode is not ParallelMode.single or (p.nproc == 1 and launched == 1),
-             "parallel.mode is single but "
-             f"{'parallel.nproc is ' + str(p.nproc) if p.nproc > 1 else f'torchrun started {launched} processes'}; "
-             "add parallel=ddp (or parallel=zero1 or parallel=fsdp) to train one model across them.")
-    _require(cfg.checkpoint.format is not CheckpointFormat.sharded or p.mode is ParallelMode.fsdp,
-             f"checkpoint.format is sharded but parallel.mode is {p.mode.value}: only parallel=fsdp shards the model "
-             "and optimizer across the ranks; use checkpoint.format=full or auto (sharded files under fsdp).")
     _require(launched == 1 or p.nproc in (1, launched),  # == launched: the ranks parallel.nproc started
              f"torchrun started {launched} processes and parallel.nproc is {p.nproc}: under torchrun leave "
              "parallel.nproc=1 (torchrun's --nproc_per_node sets the count).")
+    for key in ("dp_replicate", "dp_shard"):
+        value = getattr(p, key)
+        _require(value >= 1 or value == -1, f"'parallel.{key}' is {value}; use a process count >= 1, or -1 for "
+                 "the processes the other degrees leave.")
+    _require(p.tp >= 1, f"'parallel.tp' is {p.tp}; use the number of processes each layer is split across "
+             "(>= 1; -1 is only for a data-parallel degree).")
+    _require(not (p.dp_replicate == -1 and p.dp_shard == -1),
+             "'parallel.dp_replicate' and 'parallel.dp_shard' are both -1; at most one degree can take the "
+             "processes the others leave: set the other to a count (e.g. parallel.dp_replicate=2 for 2 replicas).")
+    world = world_size_of(cfg)
+    given = p.tp * max(p.dp_replicate, 1) * max(p.dp_shard, 1)
+    layout = f"tp={p.tp} x dp_replicate={p.dp_replicate} x dp_shard={p.dp_shard}"
+    started = (f"torchrun started {world} processes" if launched > 1
+               else f"this run has {world} process{'es' if world > 1 else ''} (parallel.nproc={world})")
+    if given == 1 and world > 1 and -1 not in (p.dp_replicate, p.dp_shard):
+        raise ConfigError(f"{started} but the layout is a single process ({layout}); add parallel=ddp "
+                          "(or parallel=zero1, fsdp, tp, fsdp_tp) to train one model across them.")
+    if -1 in (p.dp_replicate, p.dp_shard):
+        _require(world % given == 0,
+                 f"{started}, which the fixed degrees ({layout}, product {given}) do not divide; "
+                 f"use a process count that is a multiple of {given}, e.g. parallel.nproc={given * 2}.")
+    else:
+        _require(given == world,
+                 f"the layout {layout} needs {given} processes but {started}; "
+                 + (f"add parallel.nproc={given} (llmtrain starts them) or launch with torchrun "
+                    f"--nproc_per_node={given}." if world == 1 else
+                    "make the product of the degrees equal the process count (-1 on dp_shard or dp_replicate takes "
+                    "the rest)."))
+    degrees = degrees_of(cfg, world)
+    _require(not p.zero1 or (degrees.dp_shard == 1 and degrees.tp == 1),
+             f"parallel.zero1 splits the optimizer state across replicas, but the layout is {layout}: with "
+             "dp_shard > 1 FSDP2 shards the optimizer state already, and tensor parallel splits it with the weights; "
+             "use parallel=zero1 (replicas only) or drop parallel.zero1.")
+    _require(degrees.tp == 1 or degrees.dp_replicate == 1,
+             f"tensor parallel (tp={degrees.tp}) with dp_replicate={degrees.dp_replicate} replicas is not supported: "
+             "DDP does not take tensor-parallel weights; use parallel.dp_shard for the data-parallel dimension "
+             "(parallel=fsdp_tp), or tp alone.")
+    _require(not p.sequence_parallel or degrees.tp > 1,
+             "parallel.sequence_parallel splits activations across the tensor-parallel processes, but tp is 1; "
+             "set parallel.tp > 1 (parallel=tp or fsdp_tp) or drop parallel.sequence_parallel.")
+    if degrees.tp > 1:
+        # The vocabulary is checked here when the model sets it; a data-derived one once the data is
+        # read (training/setup.py), still before the model is built.
+        lengths = [*seq_len_schedule(cfg).values(), seq_len_of(cfg)]
+        problems = tensor_parallel_problems(cfg.model, cfg.model.vocab_size, degrees.tp, p.sequence_parallel,
+                                            lengths, optimizer=cfg.optim.name.value)
+        _require(not problems, f"tensor parallel (tp={degrees.tp}) cannot split this run: {' '.join(problems)}")
+    _require(cfg.checkpoint.format is not CheckpointFormat.sharded or (p.dp_shard != 1 and degrees.tp == 1),
+             f"checkpoint.format is sharded but the layout is {layout}: only FSDP2 without tensor parallel "
+             "(parallel=fsdp, hsdp) writes sharded files; use checkpoint.format=full or auto (sharded files under "
+             "fsdp).")
 
 
 def _validate_model(m: ModelConfig) -> None:
@@ -168,6 +215,10 @@ def _validate_model(m: ModelConfig) -> None:
              f"'model.vocab_size' is {m.vocab_size}; use a positive size or null.")
     _require(m.vocab_multiple >= 1, f"'model.vocab_multiple' is {m.vocab_multiple}; use 1 (no padding) or a "
              "positive multiple, e.g. 64.")
+    _require(m.sliding_window is None or m.sliding_window >= 1,
+             f"'model.sliding_window' is {m.sliding_window}; use a positive token count (each token attends to "
+             "itself and the sliding_window - 1 tokens before it, e.g. model.sliding_window=128), or null for full "
+             "causal attention.")
 
 
 def _divisor_near(n: int, k: int) -> int:

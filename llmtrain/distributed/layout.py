@@ -82,9 +82,23 @@ def resolve_device(name: str) -> torch.device:
 
 @dataclass(frozen=True)
 class Layout:
+    """This process's place in the run. `tp` consecutive ranks form one tensor-parallel group and
+    read the same batch (the device mesh's innermost dimension); the groups split the batch."""
+
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    tp: int = 1
+
+    @property
+    def dp_rank(self) -> int:
+        """Which share of each global batch this rank reads."""
+        return self.rank // self.tp
+
+    @property
+    def dp_size(self) -> int:
+        """How many shares the global batch is split into."""
+        return self.world_size // self.tp
 
     @property
     def is_main(self) -> bool:

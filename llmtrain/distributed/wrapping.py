@@ -24,17 +24,18 @@ def zero_redundancy(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), **settings)
 
 
-def shard_model(model: torch.nn.Module, param_dtype: torch.dtype | None) -> None:
+def shard_model(model: torch.nn.Module, param_dtype: torch.dtype | None, mesh: Any = None) -> None:
     """FSDP2, in place: each block is its own shard unit (its parameters are gathered just for its
     forward and backward), then the root (embeddings, final norm, head: tied weights stay in one
-    unit). Parameters become DTensors sharded over the ranks; gradients are reduce-scattered in
-    float32. `param_dtype` (bf16/fp16 from the precision group) is the compute copy's type."""
+    unit). Parameters become DTensors sharded over `mesh` (default: all ranks; a 2-D mesh is HSDP:
+    replicated over its first dimension); gradients are reduce-scattered in float32. `param_dtype`
+    (bf16/fp16 from the precision group) is the compute copy's type."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
     for block in model.blocks:
-        fully_shard(block, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
 
 
 def local_value(tensor: torch.Tensor) -> torch.Tensor:

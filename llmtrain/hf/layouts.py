@@ -1,4 +1,5 @@
-"""The two Hugging Face layouts llmtrain reads and writes: GPT2LMHeadModel and LlamaForCausalLM.
+"""The two Hugging Face layouts llmtrain reads and writes: GPT2LMHeadModel and LlamaForCausalLM
+(with MistralForCausalLM, Llama's layout with sliding-window attention, as its windowed form).
 
 For each, what a config.json means in llmtrain's `ModelConfig` fields (`model_fields`), the
 config.json an llmtrain model exports as (`hf_config`), and which HF tensors make up each llmtrain
@@ -25,12 +26,18 @@ from llmtrain.core.errors import ConfigError
 
 GPT2 = "gpt2"
 LLAMA = "llama"
-ARCHITECTURES = {"GPT2LMHeadModel": GPT2, "LlamaForCausalLM": LLAMA}
+MISTRAL = "mistral"  # Llama's tensors and recipe, with sliding-window attention (model.sliding_window)
+GPT2_NAME, LLAMA_NAME, MISTRAL_NAME = "GPT2LMHeadModel", "LlamaForCausalLM", "MistralForCausalLM"
+ARCHITECTURES = {GPT2_NAME: GPT2, LLAMA_NAME: LLAMA, MISTRAL_NAME: LLAMA}
+MODEL_TYPES = {GPT2: GPT2, LLAMA: LLAMA, MISTRAL: LLAMA}  # model_type, for a config.json without architectures
+# MistralConfig's window when config.json has no sliding_window key at all (an explicit null: none).
+MISTRAL_DEFAULT_WINDOW = 4096
 # GELU's tanh approximation, llmtrain's (F.gelu(approximate="tanh")), under HF's names for it.
 GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")
 # The ModelConfig fields a folder's config.json decides (init_from compares and fills these).
 SHAPE_FIELDS = ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "vocab_size", "intermediate_size",
-                "rope_theta", "norm_eps", "bias", "tie_weights", "position", "norm", "mlp", "norm_position")
+                "rope_theta", "norm_eps", "bias", "tie_weights", "position", "norm", "mlp", "norm_position",
+                "sliding_window")
 
 
 class UnsupportedModel(ConfigError):
@@ -38,7 +45,12 @@ class UnsupportedModel(ConfigError):
 
 
 def layout_of_config(config: dict[str, Any], where: str) -> str:
-    """GPT2 or LLAMA for a config.json; UnsupportedModel names the supported architectures."""
+    """GPT2 or LLAMA (Mistral included) for a config.json; UnsupportedModel names the supported architectures."""
+    return MODEL_TYPES[architecture_of_config(config, where)]
+
+
+def architecture_of_config(config: dict[str, Any], where: str) -> str:
+    """GPT2, LLAMA or MISTRAL for a config.json; UnsupportedModel names the supported architectures."""
     architectures = config.get("architectures") or []
     if isinstance(architectures, str):  # one name where transformers writes a list of them
         architectures = [architectures]
@@ -47,25 +59,60 @@ def layout_of_config(config: dict[str, Any], where: str) -> str:
                                f"[\"GPT2LMHeadModel\"]. The file is damaged: download or save the model again.")
     for name in architectures:
         if name in ARCHITECTURES:
-            return ARCHITECTURES[name]
+            return MISTRAL if name == MISTRAL_NAME else ARCHITECTURES[name]
     model_type = config.get("model_type")
-    if not architectures and model_type in (GPT2, LLAMA):
+    if not architectures and model_type in MODEL_TYPES:
         return model_type
     found = ", ".join(architectures) or f"model_type {_shown(model_type)}"
     raise UnsupportedModel(
-        f"{where} describes a {found} model; llmtrain reads {', '.join(ARCHITECTURES)} (model_type gpt2 or llama: "
-        "GPT-2, DistilGPT-2, SmolLM, TinyLlama, Llama 2 and other Llama-family checkpoints without rope scaling)."
+        f"{where} describes a {found} model; llmtrain reads {', '.join(ARCHITECTURES)} (model_type gpt2, llama or "
+        "mistral: GPT-2, DistilGPT-2, SmolLM, TinyLlama, Llama 2, Mistral and other Llama-family checkpoints without "
+        "rope scaling)."
     )
 
 
 def model_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
-    """The `ModelConfig` field values (SHAPE_FIELDS) of a GPT-2 or Llama config.json. Every value is
+    """The `ModelConfig` field values (SHAPE_FIELDS) of a GPT-2, Llama or Mistral config.json. Every value is
     read as the JSON type it must have (an integer, a finite number, true or false, an object): a
     value of another type is refused by name, never converted (`"n_layer": true` is not 1, and
     `"tie_word_embeddings": "no"` is not true)."""
-    layout = layout_of_config(config, where)
+    architecture = architecture_of_config(config, where)
     values = _Values(config, where)
-    return _gpt2_fields(values) if layout == GPT2 else _llama_fields(values)
+    fields = _gpt2_fields(values) if architecture == GPT2 else _llama_fields(values, architecture == MISTRAL)
+    if architecture == MISTRAL:
+        fields["sliding_window"] = _mistral_window(values)
+    else:
+        _refuse_ignored_window(values, GPT2_NAME if architecture == GPT2 else LLAMA_NAME)
+        fields["sliding_window"] = None
+    return fields
+
+
+def _mistral_window(c: _Values) -> int | None:
+    """A Mistral config.json's sliding_window: MistralConfig's default 4096 when the key is absent,
+    none when it is null (Mistral 7B v0.2 and later attend over the whole context)."""
+    if "sliding_window" not in c.config:
+        return MISTRAL_DEFAULT_WINDOW
+    window = c.integer("sliding_window", None)
+    c.require(window is None or window >= 1, f"sliding_window is {window}; it must be a positive number of tokens "
+              "(each attends to itself and the sliding_window - 1 before it), or null for none.")
+    return window
+
+
+def _refuse_ignored_window(c: _Values, architecture: str) -> None:
+    """A window in the config.json of an architecture that has none: transformers ignores the key there,
+    but the file says the weights were trained with it, and which is true cannot be told. Never dropped
+    silently."""
+    window, switched = c.config.get("sliding_window"), c.config.get("use_sliding_window")
+    if window is None or switched is False:  # Qwen2-style configs hold a window they switched off
+        return
+    fix = ("If they were, the model is a Mistral: set architectures to [\"MistralForCausalLM\"] (llmtrain reads "
+           "its window as model.sliding_window); if not, remove the sliding_window key." if architecture == LLAMA_NAME
+           else "If they were not, remove the sliding_window key; a GPT-2 trained with a window has no Hugging Face "
+           "layout llmtrain reads.")
+    raise UnsupportedModel(
+        f"{c.where}: sliding_window is {_shown(window)}, but {architecture} has no sliding-window attention "
+        "(transformers ignores the key for it and attends over the whole context), so whether the weights were "
+        f"trained with the window cannot be told, and llmtrain does not drop it silently. {fix}")
 
 
 _REQUIRED = object()
@@ -165,7 +212,8 @@ def rope_theta_of(c: _Values) -> float:
     return c.number("rope_theta", 10000.0)
 
 
-def _llama_fields(c: _Values) -> dict[str, Any]:
+def _llama_fields(c: _Values, mistral: bool = False) -> dict[str, Any]:
+    """A Llama (or Mistral: the same tensors, no biases, other defaults) config.json's fields."""
     act = c.text("hidden_act", "silu")
     c.require(act == "silu", f"hidden_act is {act!r}; llmtrain's gated MLP is SwiGLU (hidden_act 'silu').")
     hidden, heads = c.integer("hidden_size"), c.integer("num_attention_heads")
@@ -179,10 +227,12 @@ def _llama_fields(c: _Values) -> dict[str, Any]:
     attention_bias, mlp_bias = c.flag("attention_bias", False), c.flag("mlp_bias", False)
     c.require(attention_bias == mlp_bias, f"attention_bias is {attention_bias} but mlp_bias is {mlp_bias}; llmtrain's "
               "model.bias switches both together.")
+    c.require(not (mistral and attention_bias), "attention_bias and mlp_bias are true, but MistralForCausalLM's "
+              "projections have no biases (transformers ignores the keys for it); remove them or set them to false.")
     kv = c.integer("num_key_value_heads", heads)
     return {
         "n_layer": c.integer("num_hidden_layers"), "n_head": heads, "n_kv_head": kv if kv != heads else None,
-        "n_embd": hidden, "block_size": c.integer("max_position_embeddings", 2048),
+        "n_embd": hidden, "block_size": c.integer("max_position_embeddings", 131072 if mistral else 2048),
         "vocab_size": c.integer("vocab_size"), "intermediate_size": c.integer("intermediate_size"),
         "rope_theta": rope_theta_of(c), "norm_eps": c.number("rms_norm_eps", 1e-6), "bias": attention_bias,
         "tie_weights": c.flag("tie_word_embeddings", False), "position": PositionEncoding.rope,
@@ -197,7 +247,8 @@ LLAMA_RECIPE = {"position": PositionEncoding.rope, "norm": NormKind.rmsnorm, "ml
 
 
 def layout_of_model(cfg: ModelConfig) -> str:
-    """GPT2 or LLAMA for an llmtrain model; UnsupportedModel says what differs from the nearer one."""
+    """GPT2 or LLAMA for an llmtrain model (LLAMA with model.sliding_window: written as a Mistral);
+    UnsupportedModel says what differs from each."""
     differs = {}
     for layout, recipe in ((GPT2, GPT2_RECIPE), (LLAMA, LLAMA_RECIPE)):
         wrong = [f"model.{key}={getattr(cfg, key).value} (needs {value.value})" for key, value in recipe.items()
@@ -206,19 +257,27 @@ def layout_of_model(cfg: ModelConfig) -> str:
             wrong.append("model.norm_position=post (needs pre)")
         if layout == GPT2 and (cfg.n_kv_head or cfg.n_head) != cfg.n_head:
             wrong.append(f"model.n_kv_head={cfg.n_kv_head} (GPT-2 has one key/value head per query head)")
+        if layout == GPT2 and cfg.sliding_window is not None:
+            wrong.append(f"model.sliding_window={cfg.sliding_window} (GPT-2 has no sliding-window attention: needs "
+                         "null)")
+        if layout == LLAMA and cfg.sliding_window is not None and cfg.bias:
+            wrong.append(f"model.bias=true (with model.sliding_window={cfg.sliding_window} it is a Mistral, whose "
+                         "projections have no biases: needs false)")
         if not wrong:
             return layout
         differs[layout] = wrong
     raise UnsupportedModel(
         "this model has no Hugging Face equivalent: as GPT-2 it differs in " + ", ".join(differs[GPT2])
-        + "; as Llama in " + ", ".join(differs[LLAMA]) + ". Export it in llmtrain's own format "
-        "(`llmtrain export RUN_DIR`, the default), or train a model=gpt2-style (learned positions, LayerNorm, GELU) "
-        "or Llama-style (RoPE, RMSNorm, SwiGLU) pre-norm model."
+        + "; as Llama (Mistral with a sliding window) in " + ", ".join(differs[LLAMA]) + ". Export it in llmtrain's "
+        "own format (`llmtrain export RUN_DIR`, the default), or train a model=gpt2-style (learned positions, "
+        "LayerNorm, GELU, no sliding window) or Llama-style (RoPE, RMSNorm, SwiGLU; no biases with a sliding window) "
+        "pre-norm model."
     )
 
 
 def hf_config(cfg: ModelConfig, vocab_size: int, bos_id: int | None, eos_id: int | None) -> dict[str, Any]:
-    """The config.json transformers builds this model from (GPT2LMHeadModel or LlamaForCausalLM)."""
+    """The config.json transformers builds this model from (GPT2LMHeadModel, LlamaForCausalLM, or
+    MistralForCausalLM for a Llama-style model with model.sliding_window)."""
     from llmtrain.model import kv_heads, mlp_width, norm_eps
 
     common = {"vocab_size": vocab_size, "bos_token_id": bos_id, "eos_token_id": eos_id,
@@ -231,13 +290,16 @@ def hf_config(cfg: ModelConfig, vocab_size: int, bos_id: int | None, eos_id: int
                 "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
                 "reorder_and_upcast_attn": False, **common}
     # rope_theta at the top level (transformers 4) and in rope_parameters (transformers 5).
-    return {"architectures": ["LlamaForCausalLM"], "model_type": LLAMA, "num_hidden_layers": cfg.n_layer,
-            "num_attention_heads": cfg.n_head, "num_key_value_heads": kv_heads(cfg), "hidden_size": cfg.n_embd,
-            "head_dim": cfg.n_embd // cfg.n_head, "intermediate_size": mlp_width(cfg), "hidden_act": "silu",
-            "max_position_embeddings": cfg.block_size, "rms_norm_eps": norm_eps(cfg), "rope_theta": cfg.rope_theta,
-            "rope_scaling": None, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-            "attention_bias": cfg.bias, "mlp_bias": cfg.bias, "attention_dropout": cfg.dropout,
-            "pretraining_tp": 1, **common}
+    llama = {"num_hidden_layers": cfg.n_layer, "num_attention_heads": cfg.n_head,
+             "num_key_value_heads": kv_heads(cfg), "hidden_size": cfg.n_embd, "head_dim": cfg.n_embd // cfg.n_head,
+             "intermediate_size": mlp_width(cfg), "hidden_act": "silu", "max_position_embeddings": cfg.block_size,
+             "rms_norm_eps": norm_eps(cfg), "rope_theta": cfg.rope_theta, "rope_scaling": None,
+             "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+             "attention_dropout": cfg.dropout, **common}
+    if cfg.sliding_window is not None:  # Mistral: Llama's tensors with the window (and, checked above, no biases)
+        return {"architectures": [MISTRAL_NAME], "model_type": MISTRAL, **llama, "sliding_window": cfg.sliding_window}
+    return {"architectures": [LLAMA_NAME], "model_type": LLAMA, **llama, "attention_bias": cfg.bias,
+            "mlp_bias": cfg.bias, "pretraining_tp": 1}
 
 
 # ---- tensors ---------------------------------------------------------------------------------------

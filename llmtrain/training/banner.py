@@ -6,8 +6,15 @@ from collections.abc import Sequence
 
 import torch
 
-from llmtrain.config.derived import SeqLenStage, describe_lr, micro_batch_size_derived, resolved_warmup_steps
-from llmtrain.config.schema import Config, ParallelMode, Precision, SeqLenKeep
+from llmtrain.config.derived import (
+    Degrees,
+    SeqLenStage,
+    degrees_of,
+    describe_lr,
+    micro_batch_size_derived,
+    resolved_warmup_steps,
+)
+from llmtrain.config.schema import Config, Precision, SeqLenKeep
 from llmtrain.engine.schedule import final_lr, held_lr_text, lr_at
 from llmtrain.engine.state import TrainState
 from llmtrain.preflight.estimate import ComputeEstimate, estimate_compute, format_seconds
@@ -34,7 +41,7 @@ def print_banner(context: Context, plan: Plan, module: TrainModule, state: Train
             ("parameters", check.facts.parameters.text()
                            + (f", weights from {cfg.model.init_from}" if cfg.model.init_from and not resumed else "")),
             ("batch", f"{cfg.global_batch_size} sequences x {seq_len} tokens = {plan.tokens_per_step:,} tokens/step"),
-            *([("seq_len stages", describe_stages(plan.seq_len_stages, accum * layout.world_size,
+            *([("seq_len stages", describe_stages(plan.seq_len_stages, accum * layout.dp_size,
                                                   cfg.data.seq_len_keep))]
               if len(plan.seq_len_stages) > 1 else []),
             ("accumulation", f"{accum} micro-batch{'es' if accum > 1 else ''} of {cfg.micro_batch_size} per process "
@@ -42,7 +49,7 @@ def print_banner(context: Context, plan: Plan, module: TrainModule, state: Train
                              f"{' (derived: micro_batch_size not set)' if micro_batch_size_derived(cfg) else ''}"),
             ("steps", f"{total_steps:,} (warmup {resolved_warmup_steps(cfg.schedule, plan.schedule_steps)}, "
                       f"{describe_schedule(cfg, total_steps, plan.schedule_steps, peak_lr)}), "
-                      f"{plan.total_micro_batches * cfg.micro_batch_size * seq_len * layout.world_size:,} tokens"),
+                      f"{plan.total_micro_batches * cfg.micro_batch_size * seq_len * layout.dp_size:,} tokens"),
             *([("time", time_text(estimate, total_steps - state.step, total_steps))] if estimate else []),
             ("optimizer", f"{cfg.optim.name.value} lr {describe_lr(cfg)}{scaled}, {type(optimizer).__name__}"
                           f"{' (fused)' if optimizer.defaults.get('fused') else ''}"),
@@ -123,9 +130,22 @@ def _padded_vocab(cfg: Config, model_vocab: int, data_vocab: int) -> str:
 
 
 def _engine(cfg: Config, device: torch.device) -> str:
-    name = {ParallelMode.ddp: "DDP", ParallelMode.zero1: "DDP + ZeRO-1 optimizer shards",
-            ParallelMode.fsdp: "FSDP2 (parameters, gradients and optimizer state sharded)"}[cfg.parallel.mode]
-    return f", {name} over {'NCCL' if device.type == 'cuda' else 'gloo'}"
+    return f", {describe_layout(cfg, degrees_of(cfg))} over {'NCCL' if device.type == 'cuda' else 'gloo'}"
+
+
+def describe_layout(cfg: Config, degrees: Degrees) -> str:
+    """The device mesh in words, e.g. 'FSDP2 (...) x tensor parallel 2'."""
+    parts = []
+    if degrees.dp_shard > 1:
+        parts.append("FSDP2 (parameters, gradients and optimizer state sharded)"
+                     + (f" over {degrees.dp_shard} shards x {degrees.dp_replicate} replicas (HSDP)"
+                        if degrees.dp_replicate > 1 else ""))
+    elif degrees.dp_replicate > 1:
+        parts.append("DDP + ZeRO-1 optimizer shards" if cfg.parallel.zero1 else "DDP")
+    if degrees.tp > 1:
+        parts.append(f"tensor parallel {degrees.tp}"
+                     + (" with sequence parallel" if cfg.parallel.sequence_parallel else ""))
+    return " x ".join(parts) or "one process"
 
 
 def describe_stages(stages: Sequence[SeqLenStage], accum: int, keep: SeqLenKeep) -> str:

@@ -175,7 +175,8 @@ def next_window(run: Run, step: int) -> tuple[list[Batch], int]:
     window = [run.batches.train.next_batch()
               for _ in range(min(plan.accumulation_steps, plan.total_micro_batches - step * plan.accumulation_steps))]
     run.loop.progress.timer.lap("data")
-    return window, int(all_reduce_sum([count_tokens(window)], run.context.layout)[0])
+    layout = run.context.layout  # the tp ranks of one data-parallel rank count the same batch
+    return window, int(all_reduce_sum([count_tokens(window)], layout)[0]) // layout.tp
 
 
 def forward_backward(run: Run, window: list[Batch], window_tokens: int) -> torch.Tensor:
@@ -183,7 +184,7 @@ def forward_backward(run: Run, window: list[Batch], window_tokens: int) -> torch
     layout, module = run.context.layout, run.module
     loss = accumulate_window(module.train_model, window, run.context.device, module.precision,
                              run.loop.progress.timer, label_smoothing=run.context.cfg.optim.label_smoothing,
-                             n_tokens=window_tokens, world_size=layout.world_size)
+                             n_tokens=window_tokens, world_size=layout.dp_size)
     if layout.distributed:  # each rank's share -> the window's loss, the same on every rank
         torch.distributed.all_reduce(loss)
         loss /= layout.world_size

@@ -60,11 +60,13 @@ class Context:
 class Model:
     """The model three ways: `model` the plain module (state dicts, evaluation, the monitor's
     hooks), `train_model` what the forward/backward goes through (DDP, or the model itself),
-    and whether FSDP2 shards its parameters."""
+    whether its parameters are split over the ranks (DTensors: FSDP2, tensor parallel), and
+    whether tensor parallel split its layers."""
 
     model: torch.nn.Module
     train_model: torch.nn.Module
     sharded: bool
+    tensor_parallel: bool = False
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ import random
 import secrets
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -44,15 +45,15 @@ from rich.markup import escape
 from torch.nn.parallel import DistributedDataParallel
 
 from llmtrain.checkpoint.write import remove_stale_temps
-from llmtrain.config.derived import seq_len_of, seq_len_stages, total_steps
+from llmtrain.config.derived import degrees_of, seq_len_of, seq_len_stages, total_steps
 from llmtrain.config.eval_tasks import VALIDATION, parse_task_specs
 from llmtrain.config.hydra import command_line_of_this_run
+from llmtrain.config.parallel_limits import tensor_parallel_problems
 from llmtrain.config.schema import (
     CheckpointFormat,
     CompileMode,
     Config,
     ModelConfig,
-    ParallelMode,
     Precision,
     Sampling,
     config_to_dict,
@@ -73,6 +74,7 @@ from llmtrain.distributed.layout import (
     resolve_threads,
     start_process_group,
 )
+from llmtrain.distributed.mesh import build_mesh, data_shard_mesh
 from llmtrain.distributed.wrapping import (
     ConsolidatedOptimizerState,
     ShardedModelState,
@@ -109,6 +111,8 @@ def build_run(cfg: Config, console: Dashboard | None, layout: Layout,
     """Set up the run as this process's part of it (see the module docstring for the order)."""
     apply_init_from(cfg)  # model.init_from: already resolved by the CLI (idempotent); a Config built in code is here
     validate(cfg)
+    # Which share of the batch this rank reads: the tp ranks of one data-parallel rank read the same.
+    layout = dataclasses.replace(layout, tp=degrees_of(cfg, layout.world_size).tp)
     if cfg.out_dir is None:
         raise ConfigError("'out_dir' is not set; give a run directory, e.g. out_dir=runs/first.")
     task_sources = read_training_tasks(cfg)  # the files' formats: before the run dir, the data and the model
@@ -127,6 +131,9 @@ def build_run(cfg: Config, console: Dashboard | None, layout: Layout,
 
     data = build_data(cfg, layout, log, progress=layout.is_main)
     plan = build_plan(cfg, data.vocab_size)
+    if (tp := layout.tp) > 1 and (problems := tensor_parallel_problems(cfg.model, plan.model_vocab_size, tp, False,
+                                                                         None)):
+        raise ConfigError(f"tensor parallel (tp={tp}) cannot split this run: {' '.join(problems)}")
     check = refuse_failed_check(cfg, data, dashboard)
     # With the run's threads set: the banner's time estimate, and the health monitor's MFU reference
     # (measured once): the fastest of 4 products, ~0.1 s on 2 CPU cores, steady within a few % there.
@@ -307,25 +314,34 @@ def folder_model(model_cfg: ModelConfig, vocab_size: int, device: torch.device) 
 
 def build_model(cfg: Config, vocab_size: int, runtime: Runtime, layout: Layout, fresh_start: bool = True) -> Model:
     """The model, initialized (model.init_from on a fresh start: the folder's weights; a resume then
-    restores the checkpoint's), compiled, sharded or wrapped."""
+    restores the checkpoint's), compiled, then split over the run's device mesh: tensor parallel
+    first (each layer over the tp ranks), then FSDP2 over the data-parallel shards, or DDP."""
     if cfg.model.init_from is not None and fresh_start:
-        # Before compile and sharding: FSDP2 splits the tensors load_weights fills by their names.
+        # Before compile and sharding: FSDP2 and tensor parallel split the tensors load_weights fills
+        # by their names.
         model = folder_model(cfg.model, vocab_size, runtime.device)
     else:
         model = new_model(cfg.model, vocab_size, runtime.device)
     if cfg.compile is CompileMode.on or (cfg.compile is CompileMode.auto and runtime.device.type == "cuda"):
         for block in model.blocks:  # in place, per block: parameter names (and checkpoints) stay the same
             block.compile()
-    sharded = cfg.parallel.mode is ParallelMode.fsdp and layout.distributed
-    if sharded:  # FSDP2: parameters split across the ranks, gathered per block for its compute
-        shard_model(model, {Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}.get(runtime.precision.name))
-    # The forward/backward goes through DDP (gradients averaged over the ranks, once per window);
+    degrees = degrees_of(cfg, layout.world_size)
+    mesh = build_mesh(degrees, runtime.device)
+    if mesh is not None and degrees.tp > 1:
+        from llmtrain.distributed.tensor_parallel import apply_tensor_parallel
+
+        apply_tensor_parallel(model, mesh["tp"], cfg.parallel.sequence_parallel)
+    if mesh is not None and degrees.dp_shard > 1:  # FSDP2: parameters split, gathered per block for its compute
+        shard_model(model, {Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}.get(runtime.precision.name),
+                    data_shard_mesh(mesh, degrees))
+    # The forward/backward goes through DDP (gradients averaged over the replicas, once per window);
     # everything else (state dicts, evaluation, the monitor's hooks) uses the plain model inside.
-    # FSDP2 shards the model in place: it is its own training module.
+    # FSDP2 and tensor parallel split the model in place: it is its own training module.
+    split = mesh is not None and (degrees.dp_shard > 1 or degrees.tp > 1)
     device = runtime.device
     train_model = (DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-                   if layout.distributed and not sharded else model)
-    return Model(model, train_model, sharded)
+                   if mesh is not None and not split else model)
+    return Model(model, train_model, sharded=split, tensor_parallel=mesh is not None and degrees.tp > 1)
 
 
 def build_train_module(cfg: Config, model: Model, runtime: Runtime, layout: Layout) -> TrainModule:
@@ -333,16 +349,24 @@ def build_train_module(cfg: Config, model: Model, runtime: Runtime, layout: Layo
     through, the trainable parameters and the precision (autocast, fp16's loss scaler)."""
     device = runtime.device
     optimizer = build_optimizer(model.model, cfg.optim, device.type, fused_ok=not model.sharded)
-    if cfg.parallel.mode is ParallelMode.zero1 and layout.distributed:
+    if cfg.parallel.zero1 and layout.distributed:
         optimizer = zero_redundancy(optimizer)
-    sharded = model.sharded
-    model_state = ShardedModelState(model.model) if sharded else model.model
-    optimizer_state = (ShardedOptimizerState(model.model, optimizer) if sharded
-                       else ConsolidatedOptimizerState(optimizer, layout)
-                       if hasattr(optimizer, "consolidate_state_dict") else optimizer)
+    if model.tensor_parallel:  # the fused q/k/v rows are regrouped per rank: the views restore today's layout
+        from llmtrain.distributed.tensor_parallel import TensorParallelModelState, TensorParallelOptimizerState
+
+        model_state: Any = TensorParallelModelState(model.model)
+        optimizer_state: Any = TensorParallelOptimizerState(model.model, optimizer)
+    elif model.sharded:
+        model_state, optimizer_state = ShardedModelState(model.model), ShardedOptimizerState(model.model, optimizer)
+    else:
+        model_state = model.model
+        optimizer_state = (ConsolidatedOptimizerState(optimizer, layout)
+                           if hasattr(optimizer, "consolidate_state_dict") else optimizer)
+    # Sharded files (each rank its own shards) only under FSDP2 alone: validate refuses the rest.
+    sharded_files = (model.sharded and not model.tensor_parallel
+                     and cfg.checkpoint.format is not CheckpointFormat.full)
     return TrainModule(model=model.model, train_model=model.train_model, optimizer=optimizer,
-                       model_state=model_state, optimizer_state=optimizer_state,
-                       sharded_files=sharded and cfg.checkpoint.format is not CheckpointFormat.full,
+                       model_state=model_state, optimizer_state=optimizer_state, sharded_files=sharded_files,
                        params=[p for p in model.model.parameters() if p.requires_grad],
                        precision=build_precision(runtime.precision, device.type))
 
@@ -365,19 +389,19 @@ def build_train_sampler(cfg: Config, data: PreparedData, batch_size: int, seq_le
     if data.meta.get("loss_mask"):  # instruction data: whole examples, prompt tokens masked out of the loss
         try:
             return InstructionSampler(data.tokens("train"), data.loss_mask("train"), data.offsets("train"),
-                                      batch_size, seq_len, seed, layout.rank,
-                                      layout.world_size, epoch_multiple=cfg.global_batch_size)
+                                      batch_size, seq_len, seed, layout.dp_rank,
+                                      layout.dp_size, epoch_multiple=cfg.global_batch_size)
         except ValueError as err:
             raise ConfigError(f"data=instruct: {err}; use more examples or a smaller micro_batch_size.") from None
     if cfg.data.sampling is Sampling.epoch and not cfg.data.overfit_batches:
         try:
             return EpochSampler(data.tokens("train"), batch_size, seq_len, seed,
-                                layout.rank, layout.world_size, epoch_multiple=cfg.global_batch_size)
+                                layout.dp_rank, layout.dp_size, epoch_multiple=cfg.global_batch_size)
         except ValueError as err:
             raise ConfigError(f"data.sampling=epoch: {err}; use more data, a shorter data.seq_len, a smaller "
                               "micro_batch_size, or data.sampling=random.") from None
     return RandomWindowSampler(data.tokens("train"), batch_size, seq_len, seed,
-                               cfg.data.shuffle, cfg.data.overfit_batches, layout.rank, layout.world_size)
+                               cfg.data.shuffle, cfg.data.overfit_batches, layout.dp_rank, layout.dp_size)
 
 
 def fixed_val_batches(cfg: Config, data: PreparedData, seq_len: int, data_seed: int,
