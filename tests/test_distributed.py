@@ -98,6 +98,22 @@ TP = ["parallel=tp", "parallel.nproc=2"]  # both ranks read the same batch of 8:
 FSDP_TP_4 = ["parallel=fsdp_tp", "parallel.nproc=4"]  # 2 shards x tp 2, with sequence parallel
 
 
+def test_a_llama_family_model_trains_under_tensor_parallel_like_one_process(tmp_path: Path) -> None:
+    """Grouped-query attention (4 query heads sharing 2 key/value heads, 1 of each per rank), RoPE,
+    RMSNorm, SwiGLU, an untied head; the vocabulary padded to a multiple of tp."""
+    llama = ["model=llama_tiny", "model.n_layer=2", "model.vocab_multiple=2", "model.block_size=32"]
+    runs = {}
+    for name, extra in (("single", []), ("tp", TP), ("tp_sp", [*TP, "parallel.sequence_parallel=true"])):
+        proc = llmtrain(tmp_path, *llama, *extra, f"hydra.run.dir={tmp_path / name}")
+        assert proc.returncode == 0, proc.stderr
+        runs[name] = tmp_path / name
+    for name in ("tp", "tp_sp"):
+        assert_close(losses(runs["single"]), losses(runs[name]))
+        assert_close(val_losses(runs["single"]), val_losses(runs[name]))
+    single, split = (torch.load(runs[n] / "model.pt", weights_only=True) for n in ("single", "tp_sp"))
+    assert single.keys() == split.keys() and all(torch.allclose(single[k], split[k], atol=1e-5) for k in single)
+
+
 @pytest.fixture(scope="module")
 def stopped_at_3(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, ...], Path]:
     """Runs stopped after step 3 that several resumes start from (each resume works on a copy):
