@@ -251,7 +251,7 @@ def test_empty_or_missing_text_file_fails_before_any_run_dir(tmp_path: Path) -> 
 
 def test_unknown_command_lists_valid_commands(tmp_path: Path) -> None:
     proc = run_llmtrain(tmp_path, "bogus", in_process=False)
-    assert_user_error(proc, "'bogus'", "train, prepare, check, sample")
+    assert_user_error(proc, "'bogus'", "train, prepare, check, plan, sample")
 
 
 def test_data_vocab_larger_than_model_vocab_fails_before_training(tmp_path: Path) -> None:

@@ -7,7 +7,7 @@ pays for another's imports (torch, hydra, rich).
     train                  llmtrain.cli.train (composed and checked by llmtrain.cli.compose)
     configs                llmtrain.cli.configs (the catalogue of llmtrain.config.catalog)
     eval                   llmtrain.cli.evaluate
-    prepare, check, ...    llmtrain.cli.commands
+    prepare, check, plan, ...  llmtrain.cli.commands
     -sc / --shell-completion   llmtrain.cli.completion
 
 Signals: main() catches SIGTERM first thing, so that one at any moment of start-up (torch takes
@@ -31,6 +31,7 @@ COMMANDS: dict[str, str] = {
     "train": "Train a model from the composed config groups (Hydra overrides, -m sweeps).",
     "prepare": "Tokenize a corpus (text files, folders, globs, JSONL) into cached memory-mapped token files.",
     "check": "Pre-flight checklist + memory/compute estimate for a config; exit 0 pass, 1 warn, 2 fail.",
+    "plan": "Which parallel layout (ddp, zero1, fsdp, tensor/pipeline parallel) a config needs on N devices, and why.",
     "sample": "Generate text from a run directory's trained model (or an export).",
     "export": "Write a run's weights as safetensors + the model config as JSON.",
     "eval": "Evaluate a model: held-out perplexity / bits per byte, multiple choice, lm-evaluation-harness tasks.",
@@ -216,7 +217,8 @@ def _handler(command: str) -> Callable[[list[str]], None]:
     from llmtrain.cli import commands
 
     return {
-        "prepare": commands.prepare_command, "check": commands.check_command, "sample": commands.sample_command,
+        "prepare": commands.prepare_command, "check": commands.check_command, "plan": commands.plan_command,
+        "sample": commands.sample_command,
         "export": commands.export_command, "compare": commands.compare_command, "report": commands.report_command,
         "doctor": commands.doctor_command,
     }[command]

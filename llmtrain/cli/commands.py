@@ -1,4 +1,4 @@
-"""The subcommands other than `train`: prepare, check, sample, export, compare, report, doctor.
+"""The subcommands other than `train`: prepare, check, plan, sample, export, compare, report, doctor.
 
 Each parses its own arguments with argparse, then imports what it runs (torch, rich, the runs/
 readers) only once the arguments are good, so `--help` and a mistyped option answer at once. A
@@ -101,6 +101,59 @@ def check_command(args: list[str]) -> None:
         fail(str(err))
     render(report)
     sys.exit(report.exit_code)
+
+
+# ---------------------------------------------------------------------------------------------
+# plan
+# ---------------------------------------------------------------------------------------------
+
+
+def plan_command(args: list[str]) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="llmtrain plan",
+        description="Which parallel layout a config needs on a number of devices, and why. For every layout of the\n"
+        "devices (ddp, zero1, fsdp, hsdp, tensor and pipeline parallel and their mixes): the memory per device\n"
+        "(weights, gradients, optimizer state, activations with and without activation checkpointing, the peak),\n"
+        "the communication it adds per optimizer step and a pipeline's bubble; then the smallest change from\n"
+        "plain data parallelism that fits, why, and the command that trains it. Takes the same overrides as\n"
+        "`llmtrain train`. Exit code: 0 a layout fits, 1 only a tight one or none, 2 a bad config or option.",
+        epilog="examples: llmtrain plan model=gpt2 precision=bf16 --devices 8 --device-memory 80GB\n"
+        "          llmtrain plan model=smollm_135m precision=bf16 --devices 64 --device-memory 24GiB",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("overrides", nargs="*",
+                        help="config overrides, as for `llmtrain train` (GROUP=OPTION, KEY=VALUE)")
+    parser.add_argument("--config-dir", "-cd", default=None, help="a folder of your own group options (as for train)")
+    parser.add_argument("--devices", default=None, metavar="N",
+                        help="devices to plan for (default: this machine's CUDA devices, else 1)")
+    parser.add_argument("--device-memory", default=None, metavar="SIZE",
+                        help="memory of each device, e.g. 80GB, 80GiB or 24G (2^30 bytes a G, as GPU makers count) "
+                        "(default: this machine's free memory; given on a machine without CUDA, the plan is for CUDA "
+                        "devices)")
+    opts = parse_command_line(parser, args)
+    check_config_dir(opts.config_dir)
+
+    from llmtrain.core.errors import UserError
+    from llmtrain.plan.units import parse_devices, parse_memory
+
+    try:  # the figures first, before torch loads: a typo is refused at once
+        devices = parse_devices(opts.devices) if opts.devices is not None else None
+        memory = parse_memory(opts.device_memory) if opts.device_memory is not None else None
+    except UserError as err:
+        fail(str(err))
+
+    from llmtrain.plan.build import plan_config
+    from llmtrain.plan.render import render_plan
+
+    try:
+        cfg = compose_config(opts.overrides, opts.config_dir)
+        plan = plan_config(cfg, devices, memory, opts.overrides, opts.config_dir)
+    except UserError as err:
+        fail(str(err))
+    render_plan(plan)
+    sys.exit(plan.exit_code)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -20,11 +20,19 @@ the attention output, the MLP's hidden pre- and post-activation, dropout masks, 
 activation checkpointing only each block's input is kept, plus the block being recomputed in
 backward, the gradients of its activations and the recompute's temporaries (about three blocks).
 
-Per-rank layouts: single and DDP hold everything (DDP adds its gradient buckets); ZeRO-1 shards the
-optimizer state; FSDP shards weights, gradients and state, and gathers about two blocks at a time.
+Per-device layouts (`LayoutDegrees`; `estimate_layout` is the one estimate, `estimate_memory` its
+named layouts, the single device among them with every degree 1): DDP holds everything (and its
+reducer's gradient buckets, also under ZeRO-1, which runs inside DDP); ZeRO-1 shards the optimizer
+state; FSDP shards weights, gradients and state, and gathers about two blocks at a time; tensor
+parallelism (distributed/tensor_parallel.py) splits each block's matmul weights and the activations
+inside attention and the MLP, the embedding and head by vocabulary rows, and with sequence
+parallelism the norms' and residual activations too; pipeline parallelism splits the blocks into
+stages, each keeping the activations of the micro-batches in flight. `llmtrain plan`
+(llmtrain/plan/) compares them over a number of devices.
 
-Compute: training FLOPs per token (6N plus attention), a measured matmul rate of this device, and an
-assumed utilization give the step time and the run time.
+Compute: training FLOPs per token (6N plus attention over the keys a query sees: the context, or the
+sliding window when the model has one), a measured matmul rate of this device, and an assumed
+utilization give the step time and the run time.
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ from __future__ import annotations
 import copy
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -52,7 +60,7 @@ from llmtrain.model_tensors import model_tensors
 from llmtrain.monitor.probes import matmul_peak_flops, rss_mb
 
 MB = 2**20
-LAYOUTS = ("single", "ddp", "zero1", "fsdp")
+LAYOUTS = ("single", "ddp", "zero1", "fsdp")  # the named layouts of estimate_memory (the check's per-rank line)
 # Model FLOPs utilization assumed for the time estimate (the health records in metrics.jsonl carry
 # the measured one, "mfu"). CPU, measured on this project's 2-core machine against the same 1024^2
 # matmul probe (fp32, fused AdamW, 2 threads; 1 thread by CPU time agrees within 0.05): 0.64-0.66
@@ -82,23 +90,51 @@ class ModelShape:
     largest_block_params: int
     n_layers: int
     n_buffer_elements: int = 0  # RoPE's tables: held whole by every rank, never trained
+    block_matmul_params: int = 0  # one block's Linear weights: what tensor parallelism splits
+    block_optimizer_state_elements: int = 0  # one block's share of optimizer_state_elements
+    n_vocab_params: int = 0  # the token embedding and an untied head: what tensor parallelism splits by rows
+
+    @property
+    def outside_params(self) -> int:
+        """Parameters outside the blocks: the embedding tables, the final norm, an untied head."""
+        return self.n_params - self.n_layers * self.largest_block_params
+
+    @property
+    def outside_matmul_params(self) -> int:
+        """Matmul weights outside the blocks (an untied head's), counted in n_matmul_params."""
+        return self.n_matmul_params - self.n_layers * self.block_matmul_params
+
+
+def attention_span(cfg: Config) -> int:
+    """Keys each query attends to at most: the sequence, or the sliding window when the model has one
+    (model.sliding_window, read with getattr so configs from before the key work the same)."""
+    window = getattr(cfg.model, "sliding_window", None)
+    return min(seq_len_of(cfg), window) if window else seq_len_of(cfg)
 
 
 def model_shape(cfg: Config, vocab_size: int) -> ModelShape:
     tensors = model_tensors(cfg.model, vocab_size)
     embeddings = [name for name in ("wte.weight", "wpe.weight") if name in tensors.outside]
+    block_state = sum(optimizer_state_elements(cfg, shape) for shape in tensors.block.values())
     state = sum(optimizer_state_elements(cfg, shape) for shape in tensors.unique_outside().values())
-    state += cfg.model.n_layer * sum(optimizer_state_elements(cfg, shape) for shape in tensors.block.values())
+    state += cfg.model.n_layer * block_state
     return ModelShape(
         n_params=tensors.n_params,
         n_matmul_params=cfg.model.n_layer * tensors.block_matmul_params
         + (0 if cfg.model.tie_weights else tensors.head_matmul_params),
         n_embedding_params=sum(math.prod(tensors.outside[name]) for name in embeddings),
         optimizer_state_elements=state,
-        flops_per_token=tensors.flops_per_token(seq_len_of(cfg)),
+        # The attention term counts the keys a query sees (min(context, window)): the useful FLOPs,
+        # as MFU counts them. SDPA given a window as a dense mask still computes the masked scores,
+        # so the time a step takes shrinks only with a kernel that skips masked blocks.
+        flops_per_token=tensors.flops_per_token(attention_span(cfg)),
         largest_block_params=tensors.block_params,
         n_layers=cfg.model.n_layer,
         n_buffer_elements=tensors.buffer_elements,
+        block_matmul_params=tensors.block_matmul_params,
+        block_optimizer_state_elements=block_state,
+        n_vocab_params=sum(math.prod(tensors.outside[name]) for name in tensors.unique_outside()
+                           if name in ("wte.weight", "lm_head.weight")),
     )
 
 
@@ -117,8 +153,10 @@ def optimizer_state_elements(cfg: Config, shape: tuple[int, ...]) -> int:
 
 
 def activation_bytes_per_token(cfg: Config, precision: Precision, device_type: str) -> dict[str, float]:
-    """Bytes autograd saves per token: one block (`block`), a checkpointed block's input
-    (`block_input`), and the embedding + head (`head`, `head_transient`)."""
+    """Bytes autograd saves per token: one block (`block`), the part of it inside attention and the
+    MLP that tensor parallelism splits (`block_split`: everything but the norms and the residual
+    stream's dropout masks), a checkpointed block's input (`block_input`), and the embedding + head
+    (`head`, `head_transient`)."""
     m = cfg.model
     C, T, H = m.n_embd, seq_len_of(cfg), m.n_head
     low = precision in (Precision.bf16, Precision.fp16)
@@ -141,12 +179,20 @@ def activation_bytes_per_token(cfg: Config, precision: Precision, device_type: s
         # softmax weights, the dropout mask and the dropped weights, (T x T) per head, instead of
         # the log-sum-exp, and its own copies of q/k/v (measured net: +3 channels under autocast,
         # -2 fp32 channels in fp32, where the residual dropout masks are views it shares).
+        # A sliding window (model.sliding_window) does not shrink this: the math path materializes
+        # every (T x T) score, softmax weight and dropout-mask entry per head and zeroes the ones
+        # outside the window (a mask masks, it does not skip), so T, not min(T, window), counts here.
+        # The fused kernels keep the log-sum-exp per query either way; the band mask itself is one
+        # (T x T) bool tensor, shared by every layer and sequence. Measured with autograd's saved
+        # tensors (4x128, T 64, window 16): the same bytes per token with and without a window, on
+        # both kernels.
         attention += 12 * H * T - 4 * H + (3 * C * a if low else -2 * C * 4)
+    mlp = (4 if m.mlp is MlpKind.swiglu else 2) * a * hidden  # MLP pre/post activation (gated: 4 tensors)
     block = (
         2 * (r * C + norm_stats)  # both norms keep their input
         + 2 * a * C  # ... and their output (cast) feeds a matmul, which keeps it
         + attention
-        + (4 if m.mlp is MlpKind.swiglu else 2) * a * hidden  # MLP pre/post activation (gated: 4 tensors)
+        + mlp
         + (2 * C * a if has_dropout else 0)  # residual dropout masks (same dtype as the branch output)
     )
     V = cfg.model.vocab_size or 256
@@ -157,7 +203,47 @@ def activation_bytes_per_token(cfg: Config, precision: Precision, device_type: s
     # Backward of the loss: the gradient of the log-softmax input and of the logits (plus, under
     # autocast, the low-precision one): measured 3x the logits' fp32 size with the saved output.
     head_transient = 4 * V * 2 + (a * V if low else 0)
-    return {"block": block, "block_input": r * C, "head": head, "head_transient": head_transient}
+    # Tensor parallelism (Megatron-style, without sequence parallelism) splits the heads and the MLP's
+    # hidden units: q/k/v, the attention output, its kernel's state and the MLP activations. The
+    # norms and the residual stream (and its dropout masks) stay whole on every rank.
+    return {"block": block, "block_split": attention + mlp, "block_input": r * C, "head": head,
+            "head_transient": head_transient}
+
+
+@dataclass(frozen=True)
+class LayoutDegrees:
+    """How a run's devices share the work; their product is the number of devices. A layout is a
+    set of degrees: ddp over 8 is dp_replicate=8, fsdp over 8 dp_shard=8, fsdp with tensor
+    parallelism dp_shard=4 x tp=2; a single device has every degree 1. The run's own mesh
+    (config.derived.Degrees: replicas x shards x tp) plus what the estimate also weighs: pipeline
+    stages (planned, not trained yet), ZeRO-1 and sequence parallelism."""
+
+    dp_replicate: int = 1  # data parallel, every rank with a whole copy (DDP): gradients all-reduced
+    dp_shard: int = 1  # data parallel with weights, gradients and optimizer state sharded (FSDP)
+    tp: int = 1  # tensor parallel: each block's matmuls (heads, MLP units) split
+    pp: int = 1  # pipeline parallel: the blocks split into consecutive stages
+    zero1: bool = False  # the optimizer state sharded over the dp_replicate ranks (ZeRO stage 1)
+    sequence_parallel: bool = False  # tp > 1: the norms and the residual stream split along the sequence too
+
+    @property
+    def devices(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp * self.pp
+
+    @property
+    def data_parallel(self) -> int:
+        """Ranks that each take their own share of the global batch (tp and pp ranks share one)."""
+        return self.dp_replicate * self.dp_shard
+
+
+def layout_degrees(layout: str, world_size: int) -> LayoutDegrees:
+    """The degrees of a named layout (LAYOUTS) over `world_size` processes."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; valid: {', '.join(LAYOUTS)}")
+    if layout == "single":  # one process, whatever batch share it is given
+        return LayoutDegrees()
+    if layout == "fsdp":
+        return LayoutDegrees(dp_shard=world_size)
+    return LayoutDegrees(dp_replicate=world_size, zero1=layout == "zero1")
 
 
 @dataclass
@@ -178,13 +264,25 @@ class MemoryEstimate:
     accumulating: bool
     allocator_slack: float
     per_sequence: float  # activation + transient bytes one more sequence of a micro-batch adds
+    degrees: LayoutDegrees = field(default_factory=LayoutDegrees)
+    checkpointing: bool = False  # activation checkpointing: each block recomputed in backward
+    # The part of `gradients` held the whole run: DDP's buckets, allocated when the model is wrapped.
+    # The rest, the parameters' own gradients, is created during backward as activations are freed.
+    gradient_buckets: float = 0.0
+
+    @property
+    def working(self) -> float:
+        """Activations with the allocator's slack, and the loss transients: the memory a
+        micro-batch's forward and backward add. The loss transients are few large blocks: the
+        allocator returns those (glibc mmaps them), so the slack applies to the many block
+        activations only."""
+        return self.activations * self.allocator_slack + self.loss_transients
 
     @property
     def peak(self) -> float:
-        # The loss transients are few large blocks: the allocator returns those (glibc mmaps them),
-        # so the slack applies to the many block activations only.
-        working = self.activations * self.allocator_slack + self.loss_transients
-        grads_alongside = self.gradients if self.accumulating else max(0.0, self.gradients - working)
+        working = self.working
+        grads_alongside = self.gradients if self.accumulating else self.gradient_buckets + max(
+            0.0, self.gradients - self.gradient_buckets - working)
         return (self.weights + self.optimizer + self.autocast_weights + working + grads_alongside
                 + self.runtime + self.data)
 
@@ -205,51 +303,134 @@ def estimate_memory(
     layout: str = "single", world_size: int = 1, micro_batch_size: int | None = None,
     runtime_bytes: float = 0.0, data_bytes: float = 0.0,
 ) -> MemoryEstimate:
-    if layout not in LAYOUTS:
-        raise ValueError(f"unknown layout {layout!r}; valid: {', '.join(LAYOUTS)}")
+    """Per-rank memory of a named layout (LAYOUTS) over `world_size` processes, with the config's
+    activation checkpointing: `estimate_layout` with its degrees."""
+    degrees = layout_degrees(layout, world_size)
     micro = micro_batch_size or micro_batch_size_of(cfg, world_size)
-    T = seq_len_of(cfg)
-    cfg_v = _with_vocab(cfg, vocab_size)
-    per_token = activation_bytes_per_token(cfg_v, precision, device_type)
-    low = precision in (Precision.bf16, Precision.fp16)
-    L = cfg.model.n_layer
-    if cfg.model.activation_checkpointing:
-        # every block's input, plus, in backward, the block being recomputed, the gradients of its
-        # activations and the recompute's own temporaries: about three blocks' worth (measured
-        # 3.3-3.6x on CPU for 4 and 6 blocks of 384 wide)
-        kept = L * per_token["block_input"] + 3 * per_token["block"]
-    else:
-        kept = L * per_token["block"]
-    per_sequence_act = T * (kept + per_token["head"])
-    per_sequence_transient = T * per_token["head_transient"]
-
-    weights = 4.0 * shape.n_params
-    grads = 4.0 * shape.n_params
-    opt = 4.0 * shape.optimizer_state_elements
-    autocast = 2.0 * shape.n_matmul_params if low else 0.0
-    shard = world_size if layout in ("zero1", "fsdp") else 1
-    if layout == "fsdp":
-        # Sharded fp32 master weights, gradients and state; about two blocks gathered at a time
-        # (the current one and the prefetched next) in the compute dtype, plus one block's gradients.
-        gathered = 2 * shape.largest_block_params * (2 if low else 4)
-        weights = weights / world_size + gathered
-        grads = grads / world_size + 4.0 * shape.largest_block_params
-        autocast = 0.0  # the gathered copies already are in the compute dtype
-    weights += 4.0 * shape.n_buffer_elements  # RoPE's cos/sin tables, block_size x head_dim each
-    if layout == "ddp" and world_size > 1:
-        grads *= 2  # the reducer's gradient buckets are a second copy of the gradients
-    opt /= shard
     accum = accumulation_steps(cfg, world_size) if micro_batch_size is None else max(
         1, cfg.global_batch_size // (micro * world_size))
-    est = MemoryEstimate(
-        layout=layout, world_size=world_size, micro_batch_size=micro, weights=weights, gradients=grads,
+    est = estimate_layout(cfg, shape, vocab_size, device_type, precision, degrees, micro_batch_size=micro,
+                          accumulation=accum, runtime_bytes=runtime_bytes, data_bytes=data_bytes)
+    est.layout, est.world_size = layout, world_size
+    return est
+
+
+def estimate_layout(
+    cfg: Config, shape: ModelShape, vocab_size: int, device_type: str, precision: Precision,
+    degrees: LayoutDegrees = LayoutDegrees(), checkpointing: bool | None = None, micro_batch_size: int | None = None,
+    accumulation: int | None = None, runtime_bytes: float = 0.0, data_bytes: float = 0.0,
+) -> MemoryEstimate:
+    """Memory of one device in the layout `degrees`, each data-parallel rank taking micro-batches of
+    `micro_batch_size` sequences, `accumulation` of them per optimizer step (both by default from
+    the config, over degrees.data_parallel ranks); `checkpointing` None: the config's
+    model.activation_checkpointing. With every degree 1 this is the single-device estimate.
+
+    Pipeline stages are taken at their heaviest: ceil(layers / pp) blocks, the embedding table (the
+    first stage's) and the head with the logits (the last stage's, holding the table too when tied),
+    and, under the 1F1B schedule, the activations of min(pp, micro-batches) micro-batches in flight
+    (the first stage's: pp x layers / pp blocks of one micro-batch, as many as without stages)."""
+    d = degrees
+    dp = d.data_parallel
+    micro = micro_batch_size or micro_batch_size_of(cfg, dp)
+    accum = accumulation if accumulation is not None else max(1, cfg.global_batch_size // (micro * dp))
+    ckpt = cfg.model.activation_checkpointing if checkpointing is None else checkpointing
+    T = seq_len_of(cfg)
+    per_token = activation_bytes_per_token(_with_vocab(cfg, vocab_size), precision, device_type)
+    low = precision in (Precision.bf16, Precision.fp16)
+    share = device_share(shape, d)
+    block = share.block_params
+
+    weights = 4.0 * share.params
+    grads = 4.0 * share.params
+    buckets = 0.0
+    opt = 4.0 * share.optimizer_state_elements
+    autocast = 2.0 * share.matmul_params if low else 0.0
+    if d.dp_shard > 1:
+        # Sharded fp32 master weights, gradients and state; about two blocks gathered at a time
+        # (the current one and the prefetched next) in the compute dtype, plus one block's gradients.
+        gathered = 2 * block * (2 if low else 4)
+        weights = weights / d.dp_shard + gathered
+        opt = opt / d.dp_shard
+        autocast = 0.0  # the gathered copies already are in the compute dtype
+        if accum == 1:
+            grads = grads / d.dp_shard + 4.0 * block
+        # else: an accumulation window holds FSDP's reduce-scatter until its last micro-batch
+        # (engine/step.py), and until then every rank keeps its unsharded gradients, in fp32 (FSDP2
+        # accumulates them in the reduce dtype): as many as without sharding.
+    elif d.dp_replicate > 1:
+        buckets = grads  # DDP's (and ZeRO-1's, which runs inside DDP) gradient buckets: a second copy
+        grads += buckets
+        if d.zero1:
+            opt = opt / d.dp_replicate
+    weights += 4.0 * shape.n_buffer_elements  # RoPE's cos/sin tables, block_size x head_dim each
+
+    # Tensor parallelism splits what attention and the MLP keep; sequence parallelism the rest of a
+    # block too (the norms and the residual stream hold the device's slice of the sequence).
+    block_act = per_token["block"] - per_token["block_split"] * (1 - 1 / d.tp)
+    block_input = per_token["block_input"]
+    if d.sequence_parallel:
+        block_act, block_input = per_token["block"] / d.tp, block_input / d.tp
+    if ckpt:
+        # every block's input, plus, in backward, the block being recomputed, the gradients of its
+        # activations and the recompute's own temporaries: about three blocks' worth (measured
+        # 3.3-3.6x on CPU for 4 and 6 blocks of 384 wide), for the one micro-batch in backward
+        kept, recomputing = share.layers * block_input, 3 * block_act
+    else:
+        kept, recomputing = share.layers * block_act, 0.0
+    in_flight = min(d.pp, accum)  # a pipeline stage keeps the micro-batches it has not run backward on
+    per_sequence_act = T * (in_flight * kept + recomputing + per_token["head"])
+    per_sequence_transient = T * per_token["head_transient"]
+    slack = ALLOCATOR_SLACK.get(device_type, DEFAULT_ALLOCATOR_SLACK)
+    return MemoryEstimate(
+        layout=layout_name(d), world_size=d.devices, micro_batch_size=micro, weights=weights, gradients=grads,
         optimizer=opt, autocast_weights=autocast, activations=micro * per_sequence_act,
         loss_transients=micro * per_sequence_transient, runtime=runtime_bytes, data=data_bytes,
-        accumulating=accum > 1, allocator_slack=ALLOCATOR_SLACK.get(device_type, DEFAULT_ALLOCATOR_SLACK),
-        per_sequence=(per_sequence_act * ALLOCATOR_SLACK.get(device_type, DEFAULT_ALLOCATOR_SLACK)
-                      + per_sequence_transient),
+        accumulating=accum > 1, allocator_slack=slack, per_sequence=per_sequence_act * slack + per_sequence_transient,
+        degrees=d, checkpointing=ckpt, gradient_buckets=buckets,
     )
-    return est
+
+
+@dataclass(frozen=True)
+class DeviceShare:
+    """The part of the model one device holds in a layout before any data-parallel sharding."""
+
+    layers: int  # blocks of its pipeline stage (the heaviest one's)
+    block_params: float  # of one block, its matmul weights split tp ways
+    params: float
+    matmul_params: float  # the weights autocast casts
+    optimizer_state_elements: float
+
+
+def device_share(shape: ModelShape, d: LayoutDegrees) -> DeviceShare:
+    """One device's part of the model under `d`'s tensor and pipeline degrees: its stage's blocks
+    with their matmul weights split tp ways (norms and biases whole), and everything outside the
+    blocks: the token embedding and an untied head split tp ways by vocabulary rows, the position
+    table and the final norm whole (distributed/tensor_parallel.py's plan); all of it held by the
+    heaviest pipeline stage (the first's table or the last's head, which holds the table too when
+    tied)."""
+    layers = -(-shape.n_layers // d.pp)
+    block = shape.largest_block_params - shape.block_matmul_params * (1 - 1 / d.tp)
+    outside = shape.outside_params - shape.n_vocab_params * (1 - 1 / d.tp)
+    outside_matmul = shape.outside_matmul_params / d.tp  # an untied head, split by vocabulary rows
+    # The optimizer state follows the parameters it belongs to (exact for Adam's two moments and
+    # SGD's momentum, close for Adafactor's factored rows and columns of the split matrices).
+    block_state = shape.block_optimizer_state_elements * block / max(1, shape.largest_block_params)
+    outside_state = shape.optimizer_state_elements - shape.n_layers * shape.block_optimizer_state_elements
+    outside_state *= outside / max(1, shape.outside_params)
+    return DeviceShare(
+        layers=layers, block_params=block, params=layers * block + outside,
+        matmul_params=layers * shape.block_matmul_params / d.tp + outside_matmul,
+        optimizer_state_elements=layers * block_state + outside_state,
+    )
+
+
+def layout_name(d: LayoutDegrees) -> str:
+    """A short name for a set of degrees: single, ddp, zero1, fsdp, hsdp, tp, fsdp+tp, pp, fsdp+pp..."""
+    if d.devices == 1:
+        return "single"
+    data = ("hsdp" if d.dp_replicate > 1 and d.dp_shard > 1 else "fsdp" if d.dp_shard > 1
+            else ("zero1" if d.zero1 else "ddp") if d.dp_replicate > 1 else "")
+    return "+".join(part for part in (data, "tp" if d.tp > 1 else "", "pp" if d.pp > 1 else "") if part)
 
 
 def largest_fitting_micro_batch(
