@@ -68,7 +68,7 @@ def compose_config(overrides: list[str]) -> object:
         return compose(config_name="config", overrides=overrides)
 
 
-PRESET_PROCESSES = {"tp": 2, "hsdp": 4, "fsdp_tp": 4}
+PRESET_PROCESSES = {"tp": 2, "hsdp": 4, "fsdp_tp": 4, "pp": 2}
 
 
 def load_option(group: str, option: str, tmp_path: Path) -> Config:
@@ -212,7 +212,7 @@ def test_option_composes_converts_and_builds(group: str, option: str, tmp_path: 
         p = cfg.parallel
         shape = {"single": (1, 1, 1, False), "ddp": (-1, 1, 1, False), "zero1": (-1, 1, 1, True),
                  "fsdp": (1, -1, 1, False), "hsdp": (2, -1, 1, False), "tp": (1, 1, 2, False),
-                 "fsdp_tp": (1, -1, 2, False)}[option]
+                 "fsdp_tp": (1, -1, 2, False), "pp": (1, 1, 1, False)}[option]
         assert (p.dp_replicate, p.dp_shard, p.tp, p.zero1) == shape
 
 
@@ -358,6 +358,14 @@ def layout(nproc: int = 1, **degrees: object) -> Config:
     (1, {"sequence_parallel": True}, r"sequence_parallel.*tp is 1"),
     (8, {"tp": 8}, r"tensor parallel \(tp=8\) cannot split this run: model.n_head is 4, which tp=8 does not "
                    r"divide.*\(1, 2, 4\)"),
+    (2, {"pp": 2}, r"pipeline parallel \(pp=2\) cannot run this config: 1 micro-batch per optimizer step, fewer than"),
+    (8, {"pp": 8, "pp_microbatches": 8}, r"pipeline parallel \(pp=8\) cannot run this config: model.n_layer is 4, "
+                                         r"fewer than the 8"),
+    (4, {"pp": 2, "dp_replicate": -1}, r"pipeline parallel \(pp=2\) with data parallel \(2 ranks\).*not built yet"),
+    (2, {"pp": 2, "pp_schedule": "zigzag"}, r"'parallel.pp_schedule' is 'zigzag'; valid schedules: gpipe, 1f1b, "
+                                            r"interleaved_1f1b"),
+    (2, {"pp": 2, "pp_microbatches": 3}, r"pp_microbatches=3 does not divide each data-parallel rank's batch of 16"),
+    (2, {"pp": 0}, r"'parallel.pp' is 0"),
 ])
 def test_impossible_layouts_are_refused_in_one_paragraph(nproc: int, degrees: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message) as err:
@@ -378,6 +386,19 @@ def test_degrees_fill_in_the_rest_and_split_the_batch_over_the_data_parallel_ran
     hsdp = layout(8, dp_replicate=2, dp_shard=-1)
     validate(hsdp)
     assert degrees_of(hsdp).dp_shard == 4
+
+
+def test_pipeline_microbatches_set_the_micro_batch() -> None:
+    from llmtrain.config.derived import accumulation_steps
+
+    cfg = layout(2, pp=2, pp_microbatches=4)
+    validate(cfg)
+    assert cfg.micro_batch_size == 4 and accumulation_steps(cfg) == 4  # the global 16, one data-parallel rank
+    clash = layout(2, pp=2, pp_microbatches=4)
+    clash.micro_batch_size = 8
+    with pytest.raises(ConfigError, match="pp_microbatches=4 means micro-batches of 4 sequences, but "
+                                          "micro_batch_size is 8"):
+        validate(clash)
 
 
 def test_a_saved_config_with_the_old_parallel_mode_reads_as_its_preset() -> None:

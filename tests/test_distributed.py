@@ -62,7 +62,8 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.parametrize(("mode", "banner"), [("ddp", "DDP over gloo"), ("zero1", "DDP + ZeRO-1 optimizer shards"),
                                             ("fsdp", "FSDP2 (parameters, gradients and optimizer state sharded)"),
-                                            ("tp", "tensor parallel 2 over gloo")])
+                                            ("tp", "tensor parallel 2 over gloo"),
+                                            ("pp", "pipeline parallel 2 (1f1b) over gloo")])
 def test_two_processes_train_like_one(tmp_path: Path, reference: Path, mode: str, banner: str) -> None:
     proc = llmtrain(tmp_path, f"parallel={mode}", "parallel.nproc=2", f"hydra.run.dir={tmp_path / 'run'}")
     assert proc.returncode == 0, proc.stderr
@@ -73,7 +74,7 @@ def test_two_processes_train_like_one(tmp_path: Path, reference: Path, mode: str
     assert all(torch.allclose(single[k], ddp[k], atol=1e-5) for k in single)
     records = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert sum('"kind": "train"' in line for line in records) == 6, "rank 0 alone writes the records"
-    if mode in ("fsdp", "tp"):  # split while training; the weights and the export are whole
+    if mode in ("fsdp", "tp", "pp"):  # split while training; the weights and the export are whole
         exported = run_cli("export", str(tmp_path / "run"), cwd=tmp_path)
         assert exported.returncode == 0, exported.stderr
         assert (tmp_path / "run" / "export" / "model.safetensors").is_file()
@@ -96,6 +97,7 @@ FSDP_4 = ["parallel=fsdp", "parallel.nproc=4"]  # 2 x 4 = the global batch of 8:
 HSDP_4 = ["parallel=hsdp", "parallel.nproc=4"]  # 2 replicas x 2 shards (FSDP2 on a 2-D mesh)
 TP = ["parallel=tp", "parallel.nproc=2"]  # both ranks read the same batch of 8: no data parallelism
 FSDP_TP_4 = ["parallel=fsdp_tp", "parallel.nproc=4"]  # 2 shards x tp 2, with sequence parallel
+PP = ["parallel=pp", "parallel.nproc=2"]  # 2 stages; the window's 4 micro-batches flow through them (1f1b)
 
 
 def test_a_llama_family_model_trains_under_tensor_parallel_like_one_process(tmp_path: Path) -> None:
@@ -112,6 +114,23 @@ def test_a_llama_family_model_trains_under_tensor_parallel_like_one_process(tmp_
         assert_close(val_losses(runs["single"]), val_losses(runs[name]))
     single, split = (torch.load(runs[n] / "model.pt", weights_only=True) for n in ("single", "tp_sp"))
     assert single.keys() == split.keys() and all(torch.allclose(single[k], split[k], atol=1e-5) for k in single)
+
+
+def test_every_pipeline_schedule_trains_a_llama_family_model_like_one_process(tmp_path: Path) -> None:
+    """4 layers over 2 stages (interleaved: 4 stages, 2 per process, placed round-robin); the
+    window's 4 micro-batches run through the schedule; the untied head on the last stage."""
+    llama = ["model=llama_tiny", "model.n_layer=4", "model.block_size=32"]
+    runs = {}
+    for name, extra in (("single", []), ("gpipe", [*PP, "parallel.pp_schedule=gpipe"]),
+                        ("interleaved", [*PP, "parallel.pp_schedule=interleaved_1f1b"])):
+        proc = llmtrain(tmp_path, *llama, *extra, f"hydra.run.dir={tmp_path / name}")
+        assert proc.returncode == 0, proc.stderr
+        runs[name] = tmp_path / name
+    for name in ("gpipe", "interleaved"):
+        assert_close(losses(runs["single"]), losses(runs[name]))
+        assert_close(val_losses(runs["single"]), val_losses(runs[name]))
+        single, split = (torch.load(runs[n] / "model.pt", weights_only=True) for n in ("single", name))
+        assert single.keys() == split.keys() and all(torch.allclose(single[k], split[k], atol=1e-5) for k in single)
 
 
 @pytest.fixture(scope="module")
@@ -132,10 +151,11 @@ def stopped_at_3(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, ..
                                              (FSDP, ["parallel=single"]), (["parallel=single"], FSDP),
                                              (FSDP, FSDP_4), (FSDP_FULL_FILES, ["parallel=single"]),
                                              (HSDP_4, ["parallel=single"]), (TP, ["parallel=single"]),
-                                             (["parallel=single"], TP), (FSDP_TP_4, ["parallel=single"])],
+                                             (["parallel=single"], TP), (FSDP_TP_4, ["parallel=single"]),
+                                             (PP, ["parallel=single"]), (["parallel=single"], PP)],
                          ids=["ddp-2-to-1", "ddp-1-to-2", "zero1-2-to-1", "zero1-1-to-2", "fsdp-2-to-1", "fsdp-1-to-2",
                               "fsdp-sharded-files-2-to-4", "fsdp-full-files-2-to-1", "hsdp-4-to-1", "tp-2-to-1",
-                              "tp-1-to-2", "fsdp-tp-4-to-1"])
+                              "tp-1-to-2", "fsdp-tp-4-to-1", "pp-2-to-1", "pp-1-to-2"])
 def test_a_run_resumes_on_another_world_size(tmp_path: Path, reference: Path, stopped_at_3: dict, first: list,
                                              then: list) -> None:
     run = tmp_path / "run"

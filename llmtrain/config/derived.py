@@ -68,39 +68,41 @@ def world_size_of(cfg: Config) -> int:
 
 @dataclass(frozen=True)
 class Degrees:
-    """The device mesh's shape, outermost first: replicas x shards x tensor-parallel ranks. A rank's
-    coordinates follow from its number in that order (the tensor-parallel ranks of one data-parallel
-    rank are consecutive, so they share a node when one is possible)."""
+    """The device mesh's shape, outermost first: pipeline stages x replicas x shards x tensor-parallel
+    ranks. A rank's coordinates follow from its number in that order (the tensor-parallel ranks of
+    one data-parallel rank are consecutive, so they share a node when one is possible; the pipeline
+    stages are the outermost, so they may span nodes)."""
 
     dp_replicate: int = 1
     dp_shard: int = 1
     tp: int = 1
+    pp: int = 1
 
     @property
     def dp(self) -> int:
-        """Processes that split the global batch (the tensor-parallel ranks of one read the same)."""
+        """Processes that split the global batch (the tp ranks and pipeline stages of one read the same)."""
         return self.dp_replicate * self.dp_shard
 
     @property
     def world(self) -> int:
-        return self.dp * self.tp
+        return self.dp * self.tp * self.pp
 
     def dp_rank(self, rank: int) -> int:
-        return rank // self.tp
+        return (rank // self.tp) % self.dp
 
 
 def degrees_of(cfg: Config, world_size: int | None = None) -> Degrees:
     """parallel's degrees with a -1 filled in from the world size (validate has checked that it divides)."""
     p = cfg.parallel
     world = world_size or world_size_of(cfg)
-    known = max(1, p.tp) * max(1, p.dp_replicate) * max(1, p.dp_shard)
+    known = max(1, p.tp) * max(1, p.pp) * max(1, p.dp_replicate) * max(1, p.dp_shard)
     rest = max(1, world // known)
     return Degrees(dp_replicate=rest if p.dp_replicate == -1 else p.dp_replicate,
-                   dp_shard=rest if p.dp_shard == -1 else p.dp_shard, tp=p.tp)
+                   dp_shard=rest if p.dp_shard == -1 else p.dp_shard, tp=p.tp, pp=p.pp)
 
 
 def data_parallel_size_of(cfg: Config) -> int:
-    """Processes that split the global batch: the world size over the tensor-parallel degree."""
+    """Processes that split the global batch: the world size over the tensor and pipeline degrees."""
     return degrees_of(cfg).dp
 
 

@@ -86,3 +86,75 @@ def _divisors(n: int) -> str:
 
 def _round_up(n: int, k: int) -> int:
     return -(-n // k) * k
+
+
+# ---- pipeline parallel -----------------------------------------------------------------------------
+
+# torch.distributed.pipelining's schedules llmtrain/distributed/pipeline.py builds
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+
+
+def pipeline_virtual_stages(schedule: str) -> int:
+    """Stages each pipeline process holds: 2 under interleaved_1f1b (torch's looped placement: process r
+    holds stages r and r + pp), 1 under the others."""
+    return 2 if schedule == "interleaved_1f1b" else 1
+
+
+def pipeline_problems(model_cfg: ModelConfig, pp: int, schedule: str, n_microbatches: int, *, tp: int = 1,
+                      fp16_loss_scaling: bool = False) -> list[str]:
+    """Why this model cannot be split into a pipeline of `pp` processes running `schedule` over
+    `n_microbatches` micro-batches per optimizer step (the gradient accumulation steps), one
+    user-facing sentence each ([] when it can). `tp`: the tensor-parallel degree (a pipeline of
+    tensor-parallel stages is not built); `fp16_loss_scaling`: the run scales an fp16 loss (GradScaler)."""
+    if pp < 1:
+        return [f"parallel.pp is {pp}; use the number of pipeline processes the model's layers are split across "
+                "(>= 1)."]
+    if pp == 1:
+        return []
+    if schedule not in PIPELINE_SCHEDULES:
+        return [f"the pipeline schedule '{schedule}' is unknown; use one of {', '.join(PIPELINE_SCHEDULES)}."]
+    problems = [*_stage_problems(model_cfg, pp, schedule), *_microbatch_problems(pp, schedule, n_microbatches)]
+    if tp > 1:
+        problems.append(f"pipeline parallel (pp={pp}) with tensor parallel (tp={tp}) is not supported: the stages are "
+                        "plain modules, not tensor-parallel ones; use pp=1 or tp=1.")
+    if fp16_loss_scaling:
+        # Each stage's GradScaler would find overflows in its own gradients only: one process could skip
+        # a step another applies, and the stages' copies of the model would drift apart.
+        problems.append(f"fp16 with loss scaling is not supported under pipeline parallel (pp={pp}): each stage "
+                        "would judge overflow on its own gradients and the stages could disagree on skipping a "
+                        "step; use precision bf16 (or fp32), or pp=1.")
+    if model_cfg.dropout > 0:
+        # Every process seeds its generator alike, so each stage's first block would draw the masks
+        # the first stage's first block draws: dropout correlated across the stages' layers, which
+        # one process never does.
+        problems.append(f"model.dropout is {model_cfg.dropout}, but pipeline parallel (pp={pp}) needs model.dropout=0: "
+                        "every stage would draw the same dropout masks for its layers, which does not train like one "
+                        "process; set model.dropout=0 or use pp=1.")
+    return problems
+
+
+def _stage_problems(m: ModelConfig, pp: int, schedule: str) -> list[str]:
+    stages = pp * pipeline_virtual_stages(schedule)
+    if m.n_layer >= stages:
+        return []
+    per_process = " (2 per process under interleaved_1f1b)" if stages > pp else ""
+    most = m.n_layer // pipeline_virtual_stages(schedule)
+    return [f"model.n_layer is {m.n_layer}, fewer than the {stages} pipeline stages{per_process} of pp={pp}: every "
+            f"stage holds at least one block; use pp <= {max(most, 1)}"
+            f"{', or the gpipe or 1f1b schedule' if stages > pp and m.n_layer >= pp else ''}."]
+
+
+def _microbatch_problems(pp: int, schedule: str, n: int) -> list[str]:
+    if n < pp:
+        # torch's 1F1B refuses it outright; under the others some stages would idle for the whole step.
+        return [f"{n} micro-batch{'' if n == 1 else 'es'} per optimizer step, fewer than the pp={pp} pipeline "
+                "processes: the schedule needs at least one micro-batch per process in flight; make "
+                f"global_batch_size / (micro_batch_size x data-parallel processes) at least {pp} (a larger "
+                "global_batch_size or a smaller micro_batch_size)."]
+    rounds = n // pp
+    if schedule == "interleaved_1f1b" and n % rounds:
+        # torch's interleaved 1F1B runs the micro-batches in rounds of equal size
+        return [f"{n} micro-batches per optimizer step cannot run under interleaved_1f1b with pp={pp}: torch runs "
+                f"them in {rounds} rounds of equal size, which {n} is not a multiple of; use a multiple of {pp} "
+                f"micro-batches (e.g. {rounds * pp} or {(rounds + 1) * pp}), or the 1f1b schedule."]
+    return []

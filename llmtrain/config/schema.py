@@ -319,10 +319,10 @@ class PrecisionConfig:
 
 @dataclass
 class ParallelConfig:
-    """How the processes share the work: degrees of one device mesh (data parallel replicated x data
-    parallel sharded x tensor parallel) whose product is the number of processes. The presets
-    (parallel=single|ddp|zero1|fsdp|hsdp|tp|fsdp_tp) set them; -1 on one data-parallel degree takes
-    the processes the others leave."""
+    """How the processes share the work: degrees of one device mesh (pipeline stages x data parallel
+    replicated x data parallel sharded x tensor parallel) whose product is the number of processes.
+    The presets (parallel=single|ddp|zero1|fsdp|hsdp|tp|fsdp_tp|pp) set them; -1 on one data-parallel
+    degree takes the processes the others leave."""
 
     nproc: int = _f(1, "Processes to start on this machine (llmtrain starts them: one run dir); leave 1 under "
                     "torchrun, which starts them itself.")
@@ -341,6 +341,15 @@ class ParallelConfig:
     sequence_parallel: bool = _f(
         False, "tp > 1: also split the norms' and residual activations along the sequence across the "
         "tensor-parallel processes (less activation memory, same numbers).")
+    pp: int = _f(
+        1, "Pipeline-parallel degree: the model's layers split into this many stages, one per process (two "
+        "under interleaved_1f1b), the window's micro-batches flowing through them.")
+    pp_schedule: str = _f(
+        "1f1b", "pp > 1: the pipeline schedule: gpipe (all forwards, then all backwards), 1f1b (one forward, one "
+        "backward: fewer activations held) or interleaved_1f1b (two stages per process: a smaller bubble).")
+    pp_microbatches: int | None = _f(
+        None, "pp > 1: micro-batches per optimizer step (at least pp; more shrinks the pipeline's idle bubble); "
+        "sets micro_batch_size to each data-parallel rank's batch / this. null: the accumulation steps.")
 
 
 @dataclass

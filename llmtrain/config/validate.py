@@ -11,7 +11,9 @@ import os
 import re
 
 from llmtrain.config.derived import (
+    accumulation_steps,
     degrees_of,
+    micro_batch_size_derived,
     resolve_lr,
     resolve_micro_batch_size,
     resolved_warmup_steps,
@@ -22,7 +24,7 @@ from llmtrain.config.derived import (
     world_size_of,
 )
 from llmtrain.config.eval_tasks import parse_task_specs  # standard library only: the config package stays torch-free
-from llmtrain.config.parallel_limits import tensor_parallel_problems
+from llmtrain.config.parallel_limits import PIPELINE_SCHEDULES, pipeline_problems, tensor_parallel_problems
 from llmtrain.config.schema import (
     ALARM_NAMES,
     INIT_SCHEMES,
@@ -39,6 +41,7 @@ from llmtrain.config.schema import (
     MonitorConfig,
     OptimConfig,
     PositionEncoding,
+    Precision,
     PrecisionConfig,
     Sampling,
     ScheduleConfig,
@@ -61,8 +64,10 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _validate_parallel(cfg)
     # The batch arithmetic below counts the processes that split the batch: the tensor-parallel
     # ranks of one data-parallel rank read the same micro-batches.
-    world_size = max(1, world_size // cfg.parallel.tp) if world_size else degrees_of(cfg).dp
+    world_size = max(1, world_size // (cfg.parallel.tp * cfg.parallel.pp)) if world_size else degrees_of(cfg).dp
+    _resolve_pipeline_microbatches(cfg, world_size)
     resolve_micro_batch_size(cfg, world_size)
+    _validate_pipeline(cfg, world_size)
     _validate_model(cfg.model)
     _validate_optim(cfg)
     _validate_schedule(cfg.schedule, cfg.global_batch_size)
@@ -126,12 +131,17 @@ def _validate_parallel(cfg: Config) -> None:
                  "the processes the other degrees leave.")
     _require(p.tp >= 1, f"'parallel.tp' is {p.tp}; use the number of processes each layer is split across "
              "(>= 1; -1 is only for a data-parallel degree).")
+    _require(p.pp >= 1, f"'parallel.pp' is {p.pp}; use the number of pipeline stages the layers are split into "
+             "(>= 1; -1 is only for a data-parallel degree).")
+    _require(p.pp_schedule in PIPELINE_SCHEDULES, f"'parallel.pp_schedule' is '{p.pp_schedule}'; valid schedules: "
+             f"{', '.join(PIPELINE_SCHEDULES)}.")
     _require(not (p.dp_replicate == -1 and p.dp_shard == -1),
              "'parallel.dp_replicate' and 'parallel.dp_shard' are both -1; at most one degree can take the "
              "processes the others leave: set the other to a count (e.g. parallel.dp_replicate=2 for 2 replicas).")
     world = world_size_of(cfg)
-    given = p.tp * max(p.dp_replicate, 1) * max(p.dp_shard, 1)
-    layout = f"tp={p.tp} x dp_replicate={p.dp_replicate} x dp_shard={p.dp_shard}"
+    given = p.pp * p.tp * max(p.dp_replicate, 1) * max(p.dp_shard, 1)
+    layout = (f"tp={p.tp} x dp_replicate={p.dp_replicate} x dp_shard={p.dp_shard}"
+              + (f" x pp={p.pp}" if p.pp > 1 else ""))
     started = (f"torchrun started {world} processes" if launched > 1
                else f"this run has {world} process{'es' if world > 1 else ''} (parallel.nproc={world})")
     if given == 1 and world > 1 and -1 not in (p.dp_replicate, p.dp_shard):
@@ -171,6 +181,43 @@ def _validate_parallel(cfg: Config) -> None:
              f"checkpoint.format is sharded but the layout is {layout}: only FSDP2 without tensor parallel "
              "(parallel=fsdp, hsdp) writes sharded files; use checkpoint.format=full or auto (sharded files under "
              "fsdp).")
+
+
+def _resolve_pipeline_microbatches(cfg: Config, data_parallel: int) -> None:
+    """parallel.pp_microbatches: the window's micro-batches are the pipeline's, so it sets
+    micro_batch_size (each data-parallel rank's batch / it); an explicit micro_batch_size must agree."""
+    p = cfg.parallel
+    if p.pp_microbatches is None:
+        return
+    _require(p.pp_microbatches >= 1, f"'parallel.pp_microbatches' is {p.pp_microbatches}; use a count >= 1 (at "
+             f"least parallel.pp={p.pp}), or null for the accumulation steps.")
+    per_rank = cfg.global_batch_size // max(data_parallel, 1)
+    _require(per_rank % p.pp_microbatches == 0,
+             f"parallel.pp_microbatches={p.pp_microbatches} does not divide each data-parallel rank's batch of "
+             f"{per_rank} sequences (global_batch_size={cfg.global_batch_size}); use a divisor of {per_rank} "
+             f"({', '.join(str(d) for d in range(1, per_rank + 1) if per_rank % d == 0)}).")
+    micro = per_rank // p.pp_microbatches
+    _require(cfg.micro_batch_size is None or micro_batch_size_derived(cfg) or cfg.micro_batch_size == micro,
+             f"parallel.pp_microbatches={p.pp_microbatches} means micro-batches of {micro} sequences, but "
+             f"micro_batch_size is {cfg.micro_batch_size}; set one of them (or micro_batch_size={micro}).")
+    cfg.micro_batch_size = micro
+
+
+def _validate_pipeline(cfg: Config, data_parallel: int) -> None:
+    p = cfg.parallel
+    if p.pp == 1:
+        return
+    _require(data_parallel == 1 and p.tp == 1,
+             f"pipeline parallel (pp={p.pp}) with data parallel ({data_parallel} ranks) or tensor parallel "
+             f"(tp={p.tp}) is not built yet: use the pipeline alone (parallel=pp parallel.nproc={p.pp}), or fsdp / "
+             "fsdp_tp without it.")
+    scaling = cfg.precision.name is Precision.fp16 and cfg.precision.loss_scaling
+    problems = pipeline_problems(cfg.model, p.pp, p.pp_schedule, accumulation_steps(cfg, data_parallel),
+                                 tp=p.tp, fp16_loss_scaling=scaling)
+    _require(not problems, f"pipeline parallel (pp={p.pp}) cannot run this config: {' '.join(problems)}")
+    _require(not cfg.eval.tasks,
+             f"eval.tasks ({', '.join(map(str, cfg.eval.tasks))}) score the model on one process, which pipeline "
+             f"parallel (pp={p.pp}) splits; run them afterwards with `llmtrain eval RUN_DIR`, or drop eval.tasks.")
 
 
 def _validate_model(m: ModelConfig) -> None:

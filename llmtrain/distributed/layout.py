@@ -82,23 +82,30 @@ def resolve_device(name: str) -> torch.device:
 
 @dataclass(frozen=True)
 class Layout:
-    """This process's place in the run. `tp` consecutive ranks form one tensor-parallel group and
-    read the same batch (the device mesh's innermost dimension); the groups split the batch."""
+    """This process's place in the run. The `tp` x `pp` ranks of one data-parallel rank (its tensor-
+    parallel ranks and pipeline stages: the device mesh's innermost and outermost dimensions) read
+    the same batch; the data-parallel ranks split it."""
 
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
     tp: int = 1
+    pp: int = 1
+
+    @property
+    def copies(self) -> int:
+        """Ranks that read each data-parallel rank's batch."""
+        return self.tp * self.pp
 
     @property
     def dp_rank(self) -> int:
         """Which share of each global batch this rank reads."""
-        return self.rank // self.tp
+        return (self.rank // self.tp) % self.dp_size
 
     @property
     def dp_size(self) -> int:
         """How many shares the global batch is split into."""
-        return self.world_size // self.tp
+        return self.world_size // self.copies
 
     @property
     def is_main(self) -> bool:

@@ -1,6 +1,7 @@
-"""The run's device mesh: data-parallel replicas x data-parallel shards x tensor-parallel ranks
-(torch.distributed.device_mesh), the one object every parallel wrapping takes its process groups
-from. Rank numbering is row-major over (dp_replicate, dp_shard, tp), as Degrees.dp_rank assumes."""
+"""The run's device mesh: pipeline stages x data-parallel replicas x data-parallel shards x
+tensor-parallel ranks (torch.distributed.device_mesh), the one object every parallel wrapping takes
+its process groups from. Rank numbering is row-major over (pp, dp_replicate, dp_shard, tp), as
+Degrees.dp_rank and Layout.dp_rank assume."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from llmtrain.config.derived import Degrees
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-DIMS = ("dp_replicate", "dp_shard", "tp")
+DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
 
 def build_mesh(degrees: Degrees, device: torch.device) -> DeviceMesh | None:
@@ -22,7 +23,8 @@ def build_mesh(degrees: Degrees, device: torch.device) -> DeviceMesh | None:
         return None
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device.type, (degrees.dp_replicate, degrees.dp_shard, degrees.tp), mesh_dim_names=DIMS)
+    return init_device_mesh(device.type, (degrees.pp, degrees.dp_replicate, degrees.dp_shard, degrees.tp),
+                            mesh_dim_names=DIMS)
 
 
 def data_shard_mesh(mesh: DeviceMesh, degrees: Degrees) -> DeviceMesh:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import resource
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -20,7 +22,7 @@ class ActivationProbe:
     """Forward hooks on each block that record the output's mean and variance of the first call
     (the step's first micro-batch). Installed for one sampled step, removed right after."""
 
-    def __init__(self, blocks: nn.ModuleList) -> None:
+    def __init__(self, blocks: list[nn.Module]) -> None:
         self.means: list[torch.Tensor | None] = [None] * len(blocks)
         self.vars: list[torch.Tensor | None] = [None] * len(blocks)
         self.handles = [block.register_forward_hook(self._hook(i)) for i, block in enumerate(blocks)]
@@ -44,7 +46,40 @@ class ActivationProbe:
         return list(self.means), list(self.vars)
 
 
-def block_norms(blocks: nn.ModuleList, grads: bool) -> torch.Tensor:
+@dataclass(frozen=True)
+class BlockSpan:
+    """What this process measures of the model: its blocks, by their index in the whole model, and
+    the parameters it counts in the totals; `join` sums a tensor over the processes holding the
+    rest (pipeline stages each hold some blocks; otherwise a process holds them all: `whole`)."""
+
+    modules: list[nn.Module]
+    indices: list[int]
+    count: int
+    params: list[torch.Tensor]
+    join: Callable[[torch.Tensor], torch.Tensor] | None = None  # None: this process holds the whole model
+
+    @classmethod
+    def whole(cls, model: nn.Module) -> BlockSpan:
+        blocks = list(model.blocks)
+        return cls(blocks, list(range(len(blocks))), len(blocks), [p for p in model.parameters() if p.requires_grad])
+
+    def per_block(self, values: torch.Tensor, squared: bool = False) -> torch.Tensor:
+        """Values of this process's blocks -> one per block of the model: summed over the processes
+        (each block's held by one), norms through their squares."""
+        if self.join is None:
+            return values
+        spread = torch.zeros(self.count, device=values.device, dtype=values.dtype)
+        spread[self.indices] = values * values if squared else values
+        joined = self.join(spread)
+        return joined.sqrt() if squared else joined
+
+    def norm(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """The L2 norm of `tensors` over all processes (each holding its share)."""
+        local = total_norm(tensors)
+        return local if self.join is None else self.join(local * local).sqrt()
+
+
+def block_norms(blocks: list[nn.Module], grads: bool) -> torch.Tensor:
     """L2 norm of each block's gradients (grads=True) or parameters, as one tensor of shape (blocks,)."""
     norms = []
     for block in blocks:

@@ -29,11 +29,11 @@ from llmtrain.monitor.detectors import Alarm, Detectors, Sample
 from llmtrain.monitor.diagnosis import RunFacts
 from llmtrain.monitor.probes import (
     ActivationProbe,
+    BlockSpan,
     block_norms,
     cuda_memory_mb,
     matmul_peak_flops,
     rss_mb,
-    total_norm,
 )
 
 INTERVAL_LOSSES_KEPT = 1000  # a check interval's losses kept for its mean: bounded memory at any monitor.interval
@@ -46,7 +46,7 @@ class Monitor:
     def __init__(self, cfg: MonitorConfig, model: torch.nn.Module, run_dir: Path, dashboard: Dashboard,
                  metrics: MetricsWriter | NullMetricsWriter, total_steps: int, *, fp16_without_scaler: bool = False,
                  flops_per_token: float = 0.0, write_events: bool = True, world_size: int = 1,
-                 facts: RunFacts | None = None, peak_flops: float | None = None) -> None:
+                 facts: RunFacts | None = None, peak_flops: float | None = None, span: BlockSpan | None = None) -> None:
         self.flops_per_token = flops_per_token
         self.world_size = world_size  # tokens/s counts all ranks; the peak is one device's
         # The MFU reference: the run's start-up measurement when given (measured once), else at the first check.
@@ -56,8 +56,11 @@ class Monitor:
         # Test-only hook (faults.py): keep this many MB alive per step, a leak the monitor must see.
         self.leak_mb = faults.leak_mb_per_step()
         self.leaked: list[bytearray] = []
-        self.blocks = model.blocks
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        # The blocks and parameters this process measures (under pipeline parallel, its stages'),
+        # and how its sums join the other processes' into the whole model's.
+        self.span = span or BlockSpan.whole(model)
+        self.blocks = self.span.modules
+        self.params = self.span.params
         self.monitor = Detectors(cfg, facts)
         self.events = JsonlSink(run_dir / files.EVENTS) if write_events else NullMetricsWriter()
         self.total_steps = total_steps
@@ -108,17 +111,19 @@ class Monitor:
               tokens: int, loss_scale: float | None) -> list[Alarm]:
         """Measure (one host sync), judge, report. Call after clipping, before the optimizer step."""
         device = loss.device
-        grads = block_norms(self.blocks, grads=True)
-        weights = block_norms(self.blocks, grads=False)
-        parts = [loss.reshape(1).float(), grad_norm.reshape(1).float().to(device), total_norm(self.params).reshape(1),
+        span = self.span
+        grads = span.per_block(block_norms(self.blocks, grads=True), squared=True)
+        weights = span.per_block(block_norms(self.blocks, grads=False), squared=True)
+        parts = [loss.reshape(1).float(), grad_norm.reshape(1).float().to(device), span.norm(self.params).reshape(1),
                  interval_stats(self.interval_losses, loss).to(device), grads.to(device), weights.to(device)]
         self.interval_losses.clear()
         stats = self.probe.stats() if self.probe is not None else None
         if stats is not None:
-            parts += [torch.stack(stats[0]).to(device), torch.stack(stats[1]).to(device)]
+            parts += [span.per_block(torch.stack(stats[0])).to(device),
+                      span.per_block(torch.stack(stats[1])).to(device)]
         self.probe = None
         values = torch.cat(parts).tolist()  # the check's one host sync
-        n = len(self.blocks)
+        n = span.count
         loss_v, grad_v, param_v, interval_loss, interval_var, interval_steps = values[:6]
         block_grads, block_params = values[6:6 + n], values[6 + n:6 + 2 * n]
         act_mean = values[6 + 2 * n:6 + 3 * n] if stats is not None else None
@@ -233,8 +238,8 @@ class Monitor:
         if self.record is None:
             return
         if applied and self.before is not None:
-            update = total_norm([p - b for p, b in zip(self.params, self.before)])
-            self.record["update_ratio"] = (update / total_norm(self.before).clamp_min(1e-12)).item()
+            update = self.span.norm([p - b for p, b in zip(self.params, self.before)])
+            self.record["update_ratio"] = (update / self.span.norm(self.before).clamp_min(1e-12)).item()
             self.pending_update = (self.record["update_ratio"], self.check_lr)
         self.metrics.write(self.record)
         self.record, self.before = None, None

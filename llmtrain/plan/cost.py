@@ -76,11 +76,23 @@ def batching(target: Target, degrees: LayoutDegrees, micro: int | None = None) -
     """The micro-batch and accumulation of each data-parallel rank: an explicit micro_batch_size is
     kept; a derived one (null in the config) is derived again for this many ranks, as train would."""
     cfg, dp = target.cfg, degrees.data_parallel
+    if micro is None and degrees.pp > 1 and not explicit_micro_batch(cfg):
+        # A pipeline's micro-batches are the window's: parallel.pp_microbatches (the pp preset's 4), at
+        # least one per stage, the smallest such count that divides each data-parallel rank's batch.
+        per_rank = max(cfg.global_batch_size // dp, 1)
+        want = max(degrees.pp, cfg.parallel.pp_microbatches or PIPELINE_MICROBATCHES)
+        counts = [k for k in range(want, per_rank + 1) if per_rank % k == 0]
+        micro = per_rank // counts[0] if counts else 1
     if micro is None:
         micro = explicit_micro_batch(cfg) or derived_micro_batch_size(cfg.global_batch_size, dp)
     per_pass = micro * dp
     global_batch = -(-cfg.global_batch_size // per_pass) * per_pass
+    if degrees.pp > 1:  # at least one micro-batch per stage in flight
+        global_batch = max(global_batch, degrees.pp * per_pass)
     return Batching(micro, global_batch // per_pass, global_batch, global_batch != cfg.global_batch_size)
+
+
+PIPELINE_MICROBATCHES = 4  # conf/parallel/pp.yaml's parallel.pp_microbatches
 
 
 def explicit_micro_batch(cfg: Config) -> int | None:

@@ -141,6 +141,10 @@ def footnotes(plan: Plan) -> list[str]:
     if "hsdp" in {c.layout.kind for c in plan.costs}:
         lines.append("hsdp: trainable (parallel=hsdp), never the recommendation: it keeps fsdp's all-gathers "
                      "inside each machine of several, and the plan does not know how many devices a machine has")
+    if "pp" in {c.layout.kind for c in plan.costs}:
+        lines.append("pp: trainable (parallel=pp, one pipeline, not yet with data parallel), never the "
+                     "recommendation: tensor parallel or sharding splits the same memory without a pipeline's "
+                     "idle bubble on these devices")
     # The reasons depend on the degree, not on the kind: one line per degree and reason
     by_degree: dict[tuple[str, str], list[str]] = {}
     for skip in plan.skipped:

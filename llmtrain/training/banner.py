@@ -145,6 +145,8 @@ def describe_layout(cfg: Config, degrees: Degrees) -> str:
     if degrees.tp > 1:
         parts.append(f"tensor parallel {degrees.tp}"
                      + (" with sequence parallel" if cfg.parallel.sequence_parallel else ""))
+    if degrees.pp > 1:
+        parts.append(f"pipeline parallel {degrees.pp} ({cfg.parallel.pp_schedule})")
     return " x ".join(parts) or "one process"
 
 

@@ -37,9 +37,10 @@ class Evaluator:
     def __init__(self, *, eval_interval: int, model: torch.nn.Module, batches: list[Batch], device: torch.device,
                  autocast: Callable[[], ContextManager], dashboard: Dashboard, metrics: Any, result: TrainResult,
                  checkpointer: Checkpointer, monitor: Monitor | NullMonitor, scorer: Scorer,
-                 tasks: Sequence[Any] = ()) -> None:
+                 tasks: Sequence[Any] = (), pipeline: Any = None) -> None:
         self.eval_interval, self.model, self.batches, self.device, self.autocast = (
             eval_interval, model, batches, device, autocast)
+        self.pipeline = pipeline  # pipeline parallel: the batches go through its stages (forward only)
         self.dashboard, self.metrics, self.result, self.checkpointer = dashboard, metrics, result, checkpointer
         self.tasks, self.scorer = list(tasks), scorer
         self.monitor = monitor  # a NullMonitor with monitor.enabled=false
@@ -49,7 +50,8 @@ class Evaluator:
         if not self.eval_interval or not (step % self.eval_interval == 0 or forced):
             return False
         started = time.perf_counter()
-        val_loss = evaluate(self.model, self.batches, self.device, self.autocast)
+        val_loss = (self.pipeline.evaluate(self.batches) if self.pipeline is not None
+                    else evaluate(self.model, self.batches, self.device, self.autocast))
         record = {"kind": Kind.EVAL, "step": step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
         self.result.val_losses[step] = val_loss
         self.metrics.write(record)

@@ -84,8 +84,7 @@ def train(cfg: Config, console: Dashboard | None = None,
 
 def fit(run: Run) -> TrainResult:
     """Train `run` from its state's step to the last one; then the final checkpoint and weights."""
-    cfg, layout, faults, plan, module, loop = (run.context.cfg, run.context.layout, run.context.faults, run.plan,
-                                               run.module, run.loop)
+    layout, faults, plan, module, loop = run.context.layout, run.context.faults, run.plan, run.module, run.loop
     monitor, checkpointer, progress, precision = loop.monitor, loop.checkpointer, loop.progress, module.precision
     optimizer, timer, state = module.optimizer, progress.timer, run.state
     progress.begin(state)
@@ -105,7 +104,7 @@ def fit(run: Run) -> TrainResult:
 
                 loss = forward_backward(run, window, window_tokens)
                 monitor.after_forward(loss)
-                grad_norm = unscale_and_clip(optimizer, precision, module.params, cfg.optim)
+                grad_norm = clip(run)
                 loss, grad_norm = faults.poison(step + 1, loss, grad_norm)
                 finite = precision.is_finite(loss, grad_norm)  # the step's one host sync
                 outcome = health_verdict(run, state, step + 1, finite, loss, grad_norm, lr_schedule, window_tokens)
@@ -175,20 +174,35 @@ def next_window(run: Run, step: int) -> tuple[list[Batch], int]:
     window = [run.batches.train.next_batch()
               for _ in range(min(plan.accumulation_steps, plan.total_micro_batches - step * plan.accumulation_steps))]
     run.loop.progress.timer.lap("data")
-    layout = run.context.layout  # the tp ranks of one data-parallel rank count the same batch
-    return window, int(all_reduce_sum([count_tokens(window)], layout)[0]) // layout.tp
+    layout = run.context.layout  # the tp ranks and pipeline stages of one data-parallel rank count the same batch
+    return window, int(all_reduce_sum([count_tokens(window)], layout)[0]) // layout.copies
 
 
 def forward_backward(run: Run, window: list[Batch], window_tokens: int) -> torch.Tensor:
     """The window's gradients accumulated; its mean loss per token, the same on every rank."""
     layout, module = run.context.layout, run.module
-    loss = accumulate_window(module.train_model, window, run.context.device, module.precision,
-                             run.loop.progress.timer, label_smoothing=run.context.cfg.optim.label_smoothing,
-                             n_tokens=window_tokens, world_size=layout.dp_size)
+    if module.pipeline is not None:  # the schedule runs the micro-batches through the stages
+        loss = module.pipeline.forward_backward(window, window_tokens, layout.dp_size)
+    else:
+        loss = accumulate_window(module.train_model, window, run.context.device, module.precision,
+                                 run.loop.progress.timer, label_smoothing=run.context.cfg.optim.label_smoothing,
+                                 n_tokens=window_tokens, world_size=layout.dp_size)
     if layout.distributed:  # each rank's share -> the window's loss, the same on every rank
         torch.distributed.all_reduce(loss)
         loss /= layout.world_size
     return loss
+
+
+def clip(run: Run) -> torch.Tensor:
+    """The window's gradient norm over the whole model, clipped as configured (a tensor: no host sync)."""
+    module, cfg = run.module, run.context.cfg.optim
+    if module.pipeline is None:
+        return unscale_and_clip(module.optimizer, module.precision, module.params, cfg)
+    # Over every stage: the squares all-reduced, a tied weight's second copy counted once.
+    norm = module.pipeline.clip_grad_norm(cfg.clip_grad_norm)
+    if cfg.clip_grad_value is not None:
+        torch.nn.utils.clip_grad_value_(module.params, cfg.clip_grad_value)
+    return norm
 
 
 def health_verdict(run: Run, state: TrainState, step: int, finite: bool, loss: torch.Tensor,

@@ -6,6 +6,7 @@ component is built from its config section with keyword arguments."""
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from rich.markup import escape
 
@@ -22,7 +23,7 @@ from llmtrain.evaluation.scoring import Scorer
 from llmtrain.evaluation.tasks import Task
 from llmtrain.metrics.writer import MetricsWriter, NullMetricsWriter
 from llmtrain.monitor.diagnosis import run_facts
-from llmtrain.monitor.probes import device_memory_mb
+from llmtrain.monitor.probes import BlockSpan, device_memory_mb
 from llmtrain.monitor.watch import Monitor, NullMonitor
 from llmtrain.training.banner import run_estimate
 from llmtrain.training.eta import StepClock
@@ -62,12 +63,13 @@ def build_loop_parts(context: Context, plan: Plan, module: TrainModule, batches:
         checkpointer.save(state)
     # The tasks score the plain model, as the val loss does; the window is the longest the run trains on.
     scorer = Scorer(module.model, plan.longest_seq_len, cfg.eval.batch_size, module.precision.autocast)
-    evaluator = Evaluator(eval_interval=cfg.eval_interval, model=module.model, batches=batches.val,
+    evaluator = Evaluator(eval_interval=cfg.eval_interval, model=module.model, pipeline=module.pipeline,
+                          batches=batches.val,
                           device=context.device, autocast=module.precision.autocast, dashboard=dashboard,
                           metrics=metrics, result=result, checkpointer=checkpointer, monitor=monitor, scorer=scorer,
                           tasks=eval_tasks)
     stages = SeqLenStages(stages=plan.seq_len_stages, sampler=batches.train, dashboard=dashboard, metrics=metrics,
-                          processes_per_step=plan.accumulation_steps * layout.world_size)
+                          processes_per_step=plan.accumulation_steps * layout.dp_size)
     estimate = run_estimate(context)
     eta = StepClock(plan.total_steps, estimate.step_seconds if estimate else None)
     runtime = context.runtime
@@ -111,11 +113,20 @@ def build_monitor(context: Context, plan: Plan, module: TrainModule, metrics: Me
     monitor = Monitor(cfg.monitor, module.model, run_dir=context.run_dir, dashboard=context.dashboard, metrics=metrics,
                       total_steps=plan.total_steps, fp16_without_scaler=fp16_unscaled,
                       flops_per_token=plan.flops_per_token, write_events=context.layout.is_main,
-                      world_size=context.layout.world_size, facts=facts, peak_flops=context.runtime.matmul_flops)
+                      world_size=context.layout.world_size, facts=facts, peak_flops=context.runtime.matmul_flops,
+                      span=pipeline_span(module.pipeline, cfg.model.n_layer) if module.pipeline is not None else None)
     monitor.restart_interval(state.tokens)
     if checkpoint is not None:
         monitor.restore(checkpoint.trainer.get("monitor"))
     return monitor
+
+
+def pipeline_span(pipeline: Any, n_layer: int) -> BlockSpan:
+    """Pipeline parallel: the monitor measures this process's stages (its blocks by their index in
+    the model, its parameters without a tied weight's second copy) and sums them over the pipeline."""
+    blocks = pipeline.module.blocks
+    return BlockSpan(modules=list(blocks.values()), indices=[int(key) for key in blocks], count=n_layer,
+                     params=[p for p in pipeline.counted_parameters() if p.requires_grad], join=pipeline.join)
 
 
 def build_checkpointer(context: Context, module: TrainModule, batches: Batches,

@@ -67,6 +67,7 @@ class Model:
     train_model: torch.nn.Module
     sharded: bool
     tensor_parallel: bool = False
+    mesh: Any = None  # the run's DeviceMesh (None: one process)
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,9 @@ class TrainModule:
     sharded_files: bool
     params: list[torch.nn.Parameter]
     precision: NumericPrecision
+    # Pipeline parallel (llmtrain/distributed/pipeline.Pipeline): this process's stages, which the
+    # window's forward/backward, clipping and evaluation go through; None otherwise.
+    pipeline: Any = None
 
 
 class Sampler(Protocol):

@@ -83,7 +83,7 @@ from llmtrain.distributed.wrapping import (
     zero_redundancy,
 )
 from llmtrain.engine.optim import build_optimizer
-from llmtrain.engine.precision import build_precision, resolve_precision
+from llmtrain.engine.precision import NumericPrecision, build_precision, resolve_precision
 from llmtrain.engine.repairs import KNOBS, apply_repairs
 from llmtrain.engine.state import TrainState
 from llmtrain.engine.step import Batch
@@ -112,7 +112,8 @@ def build_run(cfg: Config, console: Dashboard | None, layout: Layout,
     apply_init_from(cfg)  # model.init_from: already resolved by the CLI (idempotent); a Config built in code is here
     validate(cfg)
     # Which share of the batch this rank reads: the tp ranks of one data-parallel rank read the same.
-    layout = dataclasses.replace(layout, tp=degrees_of(cfg, layout.world_size).tp)
+    degrees = degrees_of(cfg, layout.world_size)
+    layout = dataclasses.replace(layout, tp=degrees.tp, pp=degrees.pp)
     if cfg.out_dir is None:
         raise ConfigError("'out_dir' is not set; give a run directory, e.g. out_dir=runs/first.")
     task_sources = read_training_tasks(cfg)  # the files' formats: before the run dir, the data and the model
@@ -339,15 +340,19 @@ def build_model(cfg: Config, vocab_size: int, runtime: Runtime, layout: Layout, 
     # FSDP2 and tensor parallel split the model in place: it is its own training module.
     split = mesh is not None and (degrees.dp_shard > 1 or degrees.tp > 1)
     device = runtime.device
+    replicas = mesh is not None and not split and degrees.dp_replicate > 1 and degrees.pp == 1
     train_model = (DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-                   if mesh is not None and not split else model)
-    return Model(model, train_model, sharded=split, tensor_parallel=mesh is not None and degrees.tp > 1)
+                   if replicas else model)
+    return Model(model, train_model, sharded=split, tensor_parallel=mesh is not None and degrees.tp > 1, mesh=mesh)
 
 
 def build_train_module(cfg: Config, model: Model, runtime: Runtime, layout: Layout) -> TrainModule:
     """The model with its optimizer (+ ZeRO-1), the views checkpoints read and write their state
     through, the trainable parameters and the precision (autocast, fp16's loss scaler)."""
     device = runtime.device
+    precision = build_precision(runtime.precision, device.type)
+    if layout.pp > 1:
+        return pipeline_train_module(cfg, model, device, precision)
     optimizer = build_optimizer(model.model, cfg.optim, device.type, fused_ok=not model.sharded)
     if cfg.parallel.zero1 and layout.distributed:
         optimizer = zero_redundancy(optimizer)
@@ -367,8 +372,21 @@ def build_train_module(cfg: Config, model: Model, runtime: Runtime, layout: Layo
                      and cfg.checkpoint.format is not CheckpointFormat.full)
     return TrainModule(model=model.model, train_model=model.train_model, optimizer=optimizer,
                        model_state=model_state, optimizer_state=optimizer_state, sharded_files=sharded_files,
-                       params=[p for p in model.model.parameters() if p.requires_grad],
-                       precision=build_precision(runtime.precision, device.type))
+                       params=[p for p in model.model.parameters() if p.requires_grad], precision=precision)
+
+
+def pipeline_train_module(cfg: Config, model: Model, device: torch.device, precision: NumericPrecision) -> TrainModule:
+    """Pipeline parallel: this process's stages (copies of the initialized model's pieces, under its
+    parameter names) and an optimizer over them; the window's forward/backward, clipping and
+    evaluation run through the pipeline's schedule, checkpoints through its views (whole, on rank 0)."""
+    from llmtrain.distributed.pipeline import Pipeline
+
+    pipeline = Pipeline(model.model, cfg.parallel.pp_schedule, group=model.mesh["pp"].get_group(), device=device,
+                        label_smoothing=cfg.optim.label_smoothing, autocast=precision.autocast)
+    optimizer = build_optimizer(pipeline.module, cfg.optim, device.type)
+    return TrainModule(model=pipeline.module, train_model=pipeline.module, optimizer=optimizer,
+                       model_state=pipeline.model_state(), optimizer_state=pipeline.optimizer_state(optimizer),
+                       sharded_files=False, params=pipeline.parameters(), precision=precision, pipeline=pipeline)
 
 
 # ---- samplers ----------------------------------------------------------------------------------
