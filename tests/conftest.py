@@ -21,14 +21,33 @@ from llmtrain.config.schema import (
     Config,
     DataConfig,
     DataSource,
+    HeadInit,
+    MlpKind,
     ModelConfig,
+    NormKind,
     OptimConfig,
+    PositionEncoding,
     ScheduleConfig,
     TokenizerKind,
 )
 
 ASSETS = Path(__file__).parent / "assets"
 TINY_CORPUS = ASSETS / "tiny_corpus.txt"
+
+
+def gpt_like(name: str, n_layer: int) -> ModelConfig:
+    """gpt_tiny's recipe, smaller: LayerNorm with bias, learned positions, GELU, a tied head (the
+    parallel layouts' tests split it)."""
+    return ModelConfig(name=name, n_layer=n_layer, n_head=4, n_embd=32, block_size=16, dropout=0.0, bias=True,
+                       tie_weights=True, position=PositionEncoding.learned, norm=NormKind.layernorm, mlp=MlpKind.gelu)
+
+
+def llama_like(name: str, n_layer: int, **overrides: Any) -> ModelConfig:
+    """llama_tiny's recipe, smaller: RMSNorm, RoPE, SwiGLU, 2 key/value heads for 4 query heads, no
+    biases, an untied head."""
+    return ModelConfig(name=name, n_layer=n_layer, n_head=4, n_kv_head=2, n_embd=32, block_size=16, dropout=0.0,
+                       bias=False, tie_weights=False, position=PositionEncoding.rope, norm=NormKind.rmsnorm,
+                       norm_eps=1e-5, mlp=MlpKind.swiglu, intermediate_size=48, head_init=HeadInit.tiny, **overrides)
 
 
 @pytest.fixture(autouse=True)

@@ -380,7 +380,12 @@ def test_degrees_fill_in_the_rest_and_split_the_batch_over_the_data_parallel_ran
     validate(cfg)
     degrees = degrees_of(cfg)
     assert (degrees.dp_replicate, degrees.dp_shard, degrees.tp, degrees.dp, degrees.world) == (1, 2, 2, 2, 4)
-    assert [degrees.dp_rank(r) for r in range(4)] == [0, 0, 1, 1]  # the tp ranks of one data rank: one batch
+    from llmtrain.distributed.layout import Layout
+
+    # the tp ranks of one data rank read one batch; so do the stages of one pipeline
+    assert [Layout(rank=r, world_size=4, tp=2).dp_rank for r in range(4)] == [0, 0, 1, 1]
+    assert [Layout(rank=r, world_size=4, pp=2).dp_rank for r in range(4)] == [0, 1, 0, 1]
+    assert Layout(rank=5, world_size=8, tp=2, pp=2).dp_size == 2
     # The global batch of 16 over 2 data-parallel ranks: 8 each, not 4 (the tp ranks read the same)
     assert cfg.micro_batch_size == 8 and accumulation_steps(cfg) == 1
     hsdp = layout(8, dp_replicate=2, dp_shard=-1)

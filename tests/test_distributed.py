@@ -100,37 +100,36 @@ FSDP_TP_4 = ["parallel=fsdp_tp", "parallel.nproc=4"]  # 2 shards x tp 2, with se
 PP = ["parallel=pp", "parallel.nproc=2"]  # 2 stages; the window's 4 micro-batches flow through them (1f1b)
 
 
+def assert_layouts_train_like_one_process(tmp_path: Path, model: list[str], layouts: dict[str, list[str]]) -> None:
+    """`model` trained in one process and under each of `layouts`: the same train and validation
+    losses (1e-5 relative) and final weights (1e-5), under the same names."""
+    reference = tmp_path / "single"
+    proc = llmtrain(tmp_path, *model, f"hydra.run.dir={reference}")
+    assert proc.returncode == 0, proc.stderr
+    single = torch.load(reference / "model.pt", weights_only=True)
+    for name, extra in layouts.items():
+        proc = llmtrain(tmp_path, *model, *extra, f"hydra.run.dir={tmp_path / name}")
+        assert proc.returncode == 0, proc.stderr
+        assert_close(losses(reference), losses(tmp_path / name))
+        assert_close(val_losses(reference), val_losses(tmp_path / name))
+        split = torch.load(tmp_path / name / "model.pt", weights_only=True)
+        assert single.keys() == split.keys() and all(torch.allclose(single[k], split[k], atol=1e-5) for k in single)
+
+
 def test_a_llama_family_model_trains_under_tensor_parallel_like_one_process(tmp_path: Path) -> None:
     """Grouped-query attention (4 query heads sharing 2 key/value heads, 1 of each per rank), RoPE,
     RMSNorm, SwiGLU, an untied head; the vocabulary padded to a multiple of tp."""
-    llama = ["model=llama_tiny", "model.n_layer=2", "model.vocab_multiple=2", "model.block_size=32"]
-    runs = {}
-    for name, extra in (("single", []), ("tp", TP), ("tp_sp", [*TP, "parallel.sequence_parallel=true"])):
-        proc = llmtrain(tmp_path, *llama, *extra, f"hydra.run.dir={tmp_path / name}")
-        assert proc.returncode == 0, proc.stderr
-        runs[name] = tmp_path / name
-    for name in ("tp", "tp_sp"):
-        assert_close(losses(runs["single"]), losses(runs[name]))
-        assert_close(val_losses(runs["single"]), val_losses(runs[name]))
-    single, split = (torch.load(runs[n] / "model.pt", weights_only=True) for n in ("single", "tp_sp"))
-    assert single.keys() == split.keys() and all(torch.allclose(single[k], split[k], atol=1e-5) for k in single)
+    assert_layouts_train_like_one_process(
+        tmp_path, ["model=llama_tiny", "model.n_layer=2", "model.vocab_multiple=2", "model.block_size=32"],
+        {"tp": TP, "tp_sp": [*TP, "parallel.sequence_parallel=true"]})
 
 
 def test_every_pipeline_schedule_trains_a_llama_family_model_like_one_process(tmp_path: Path) -> None:
     """4 layers over 2 stages (interleaved: 4 stages, 2 per process, placed round-robin); the
     window's 4 micro-batches run through the schedule; the untied head on the last stage."""
-    llama = ["model=llama_tiny", "model.n_layer=4", "model.block_size=32"]
-    runs = {}
-    for name, extra in (("single", []), ("gpipe", [*PP, "parallel.pp_schedule=gpipe"]),
-                        ("interleaved", [*PP, "parallel.pp_schedule=interleaved_1f1b"])):
-        proc = llmtrain(tmp_path, *llama, *extra, f"hydra.run.dir={tmp_path / name}")
-        assert proc.returncode == 0, proc.stderr
-        runs[name] = tmp_path / name
-    for name in ("gpipe", "interleaved"):
-        assert_close(losses(runs["single"]), losses(runs[name]))
-        assert_close(val_losses(runs["single"]), val_losses(runs[name]))
-        single, split = (torch.load(runs[n] / "model.pt", weights_only=True) for n in ("single", name))
-        assert single.keys() == split.keys() and all(torch.allclose(single[k], split[k], atol=1e-5) for k in single)
+    assert_layouts_train_like_one_process(
+        tmp_path, ["model=llama_tiny", "model.n_layer=4", "model.block_size=32"],
+        {"gpipe": [*PP, "parallel.pp_schedule=gpipe"], "interleaved": [*PP, "parallel.pp_schedule=interleaved_1f1b"]})
 
 
 @pytest.fixture(scope="module")

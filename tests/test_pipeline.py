@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from llmtrain.config.parallel_limits import pipeline_problems
-from llmtrain.config.schema import HeadInit, MlpKind, ModelConfig, NormKind, OptimConfig, PositionEncoding
+from llmtrain.config.schema import ModelConfig, OptimConfig, PositionEncoding
 from llmtrain.data.sampler import IGNORE_INDEX
 from llmtrain.distributed.pipeline import (
     COUNTED_ELSEWHERE,
@@ -48,16 +48,11 @@ from llmtrain.engine.precision import NumericPrecision
 from llmtrain.engine.step import accumulate_window, count_tokens, evaluate, loss_sum
 from llmtrain.engine.timing import StepTimer
 from llmtrain.model import GPT
+from tests.conftest import gpt_like, llama_like
 
-# gpt_tiny's recipe (LayerNorm with bias, learned positions, GELU, tied head), smaller
-GPT_LIKE = ModelConfig(name="gpt_pp", n_layer=4, n_head=4, n_embd=32, block_size=16, dropout=0.0, bias=True,
-                       tie_weights=True, position=PositionEncoding.learned, norm=NormKind.layernorm, mlp=MlpKind.gelu)
-# llama_tiny's (RMSNorm, RoPE, SwiGLU, 2 kv heads for 4 query heads, no biases, untied head), smaller; its
-# blocks recomputed in backward (activation checkpointing inside a stage)
-LLAMA_LIKE = ModelConfig(name="llama_pp", n_layer=4, n_head=4, n_kv_head=2, n_embd=32, block_size=16, dropout=0.0,
-                         bias=False, tie_weights=False, position=PositionEncoding.rope, norm=NormKind.rmsnorm,
-                         norm_eps=1e-5, mlp=MlpKind.swiglu, intermediate_size=48, head_init=HeadInit.tiny,
-                         activation_checkpointing=True)
+GPT_LIKE = gpt_like("gpt_pp", n_layer=4)
+# its blocks recomputed in backward (activation checkpointing inside a stage)
+LLAMA_LIKE = llama_like("llama_pp", n_layer=4, activation_checkpointing=True)
 VOCAB = 64
 MICRO, SEQ, N_MICRO = 2, 8, 4  # sequences per micro-batch, their length, micro-batches per step
 STEPS = 20

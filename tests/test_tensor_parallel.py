@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from llmtrain.config.schema import HeadInit, MlpKind, ModelConfig, NormKind, PositionEncoding
+from llmtrain.config.schema import MlpKind, ModelConfig
 from llmtrain.distributed.tensor_parallel import (
     TensorParallelModelState,
     TensorParallelOptimizerState,
@@ -27,14 +27,10 @@ from llmtrain.distributed.tensor_parallel import (
     unpermute_qkv,
 )
 from llmtrain.model import GPT, CausalSelfAttention
+from tests.conftest import gpt_like, llama_like
 
-# gpt_tiny's recipe (LayerNorm with bias, learned positions, GELU, tied head), smaller
-GPT_LIKE = ModelConfig(name="gpt_tp", n_layer=2, n_head=4, n_embd=32, block_size=16, dropout=0.0, bias=True,
-                       tie_weights=True, position=PositionEncoding.learned, norm=NormKind.layernorm, mlp=MlpKind.gelu)
-# llama_tiny's (RMSNorm, RoPE, SwiGLU, 2 kv heads for 4 query heads, no biases, untied head), smaller
-LLAMA_LIKE = ModelConfig(name="llama_tp", n_layer=2, n_head=4, n_kv_head=2, n_embd=32, block_size=16, dropout=0.0,
-                         bias=False, tie_weights=False, position=PositionEncoding.rope, norm=NormKind.rmsnorm,
-                         norm_eps=1e-5, mlp=MlpKind.swiglu, intermediate_size=48, head_init=HeadInit.tiny)
+GPT_LIKE = gpt_like("gpt_tp", n_layer=2)
+LLAMA_LIKE = llama_like("llama_tp", n_layer=2)
 VOCAB = 64
 BATCH, SEQ = 2, 8
 STEPS = 20

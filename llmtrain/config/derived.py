@@ -69,9 +69,9 @@ def world_size_of(cfg: Config) -> int:
 @dataclass(frozen=True)
 class Degrees:
     """The device mesh's shape, outermost first: pipeline stages x replicas x shards x tensor-parallel
-    ranks. A rank's coordinates follow from its number in that order (the tensor-parallel ranks of
-    one data-parallel rank are consecutive, so they share a node when one is possible; the pipeline
-    stages are the outermost, so they may span nodes)."""
+    ranks (the tensor-parallel ranks of one data-parallel rank are consecutive, so they share a node
+    when one is possible; the pipeline stages are the outermost, so they may span nodes). A rank's
+    share of the batch: distributed/layout.py's Layout.dp_rank."""
 
     dp_replicate: int = 1
     dp_shard: int = 1
@@ -86,9 +86,6 @@ class Degrees:
     @property
     def world(self) -> int:
         return self.dp * self.tp * self.pp
-
-    def dp_rank(self, rank: int) -> int:
-        return (rank // self.tp) % self.dp
 
 
 def degrees_of(cfg: Config, world_size: int | None = None) -> Degrees:

@@ -111,7 +111,8 @@ def build_run(cfg: Config, console: Dashboard | None, layout: Layout,
     """Set up the run as this process's part of it (see the module docstring for the order)."""
     apply_init_from(cfg)  # model.init_from: already resolved by the CLI (idempotent); a Config built in code is here
     validate(cfg)
-    # Which share of the batch this rank reads: the tp ranks of one data-parallel rank read the same.
+    # Which share of the batch this rank reads: the tp ranks and pipeline stages of one data-parallel
+    # rank read the same.
     degrees = degrees_of(cfg, layout.world_size)
     layout = dataclasses.replace(layout, tp=degrees.tp, pp=degrees.pp)
     if cfg.out_dir is None:
