@@ -68,7 +68,7 @@ def compose_config(overrides: list[str]) -> object:
         return compose(config_name="config", overrides=overrides)
 
 
-PRESET_PROCESSES = {"tp": 2, "hsdp": 4, "fsdp_tp": 4, "pp": 2}
+PRESET_PROCESSES = {"tp": 2, "hsdp": 4, "fsdp_tp": 4, "pp": 2, "fsdp_pp": 4}
 
 
 def load_option(group: str, option: str, tmp_path: Path) -> Config:
@@ -212,7 +212,7 @@ def test_option_composes_converts_and_builds(group: str, option: str, tmp_path: 
         p = cfg.parallel
         shape = {"single": (1, 1, 1, False), "ddp": (-1, 1, 1, False), "zero1": (-1, 1, 1, True),
                  "fsdp": (1, -1, 1, False), "hsdp": (2, -1, 1, False), "tp": (1, 1, 2, False),
-                 "fsdp_tp": (1, -1, 2, False), "pp": (1, 1, 1, False)}[option]
+                 "fsdp_tp": (1, -1, 2, False), "pp": (1, 1, 1, False), "fsdp_pp": (1, -1, 1, False)}[option]
         assert (p.dp_replicate, p.dp_shard, p.tp, p.zero1) == shape
 
 
@@ -361,7 +361,10 @@ def layout(nproc: int = 1, **degrees: object) -> Config:
     (2, {"pp": 2}, r"pipeline parallel \(pp=2\) cannot run this config: 1 micro-batch per optimizer step, fewer than"),
     (8, {"pp": 8, "pp_microbatches": 8}, r"pipeline parallel \(pp=8\) cannot run this config: model.n_layer is 4, "
                                          r"fewer than the 8"),
-    (4, {"pp": 2, "dp_replicate": -1}, r"pipeline parallel \(pp=2\) with data parallel \(2 ranks\).*not built yet"),
+    (4, {"pp": 2, "dp_replicate": -1}, r"pipeline parallel \(pp=2\) with dp_replicate=2 DDP replicas \(dp_shard=1\) "
+                                       r"is not built.*parallel=fsdp_pp parallel.pp=2 parallel.nproc=4"),
+    (4, {"pp": 2, "tp": 2, "pp_microbatches": 4}, r"pipeline parallel \(pp=2\) with tensor parallel \(tp=2\) is not "
+                                                  r"supported"),
     (2, {"pp": 2, "pp_schedule": "zigzag"}, r"'parallel.pp_schedule' is 'zigzag'; valid schedules: gpipe, 1f1b, "
                                             r"interleaved_1f1b"),
     (2, {"pp": 2, "pp_microbatches": 3}, r"pp_microbatches=3 does not divide each data-parallel rank's batch of 16"),
@@ -371,6 +374,19 @@ def test_impossible_layouts_are_refused_in_one_paragraph(nproc: int, degrees: di
     with pytest.raises(ConfigError, match=message) as err:
         validate(layout(nproc, **degrees))
     assert "\n" not in str(err.value)
+
+
+def test_a_pipeline_takes_fsdp2_and_hsdp_for_its_data_parallel_dimension() -> None:
+    from llmtrain.config.derived import accumulation_steps, degrees_of
+
+    cfg = layout(4, pp=2, dp_shard=-1, pp_microbatches=2)
+    validate(cfg)  # 2 stages x 2 shards: each shard's 8 sequences in 2 micro-batches of 4
+    assert degrees_of(cfg, 4).dp_shard == 2 and cfg.micro_batch_size == 4 and accumulation_steps(cfg, 2) == 2
+    validate(layout(8, pp=2, dp_replicate=2, dp_shard=-1, pp_microbatches=2))  # HSDP stages
+    sharded = layout(4, pp=2, dp_shard=-1, pp_microbatches=2)
+    sharded.checkpoint.format = CheckpointFormat.sharded
+    with pytest.raises(ConfigError, match=r"checkpoint.format is sharded but pipeline parallel \(pp=2\) writes"):
+        validate(sharded)
 
 
 def test_degrees_fill_in_the_rest_and_split_the_batch_over_the_data_parallel_ranks() -> None:

@@ -1,5 +1,6 @@
-"""parallel=ddp on CPU with gloo, 2 processes: the same training as one process, one run dir under
-torchrun, resume across world sizes, and a crashed rank ending the job at once."""
+"""parallel=ddp on CPU with gloo, 2 processes (4 for the 2-D layouts): the same training as one
+process, one run dir under torchrun, resume across world sizes, and a crashed rank ending the job
+at once."""
 
 from __future__ import annotations
 
@@ -98,6 +99,8 @@ HSDP_4 = ["parallel=hsdp", "parallel.nproc=4"]  # 2 replicas x 2 shards (FSDP2 o
 TP = ["parallel=tp", "parallel.nproc=2"]  # both ranks read the same batch of 8: no data parallelism
 FSDP_TP_4 = ["parallel=fsdp_tp", "parallel.nproc=4"]  # 2 shards x tp 2, with sequence parallel
 PP = ["parallel=pp", "parallel.nproc=2"]  # 2 stages; the window's 4 micro-batches flow through them (1f1b)
+# 2 stages x 2 FSDP2 shards: each shard's 4 sequences of the batch of 8 in 2 micro-batches of 2
+FSDP_PP_4 = ["parallel=fsdp_pp", "parallel.nproc=4", "parallel.pp_microbatches=2"]
 
 
 def assert_layouts_train_like_one_process(tmp_path: Path, model: list[str], layouts: dict[str, list[str]]) -> None:
@@ -132,6 +135,27 @@ def test_every_pipeline_schedule_trains_a_llama_family_model_like_one_process(tm
         {"gpipe": [*PP, "parallel.pp_schedule=gpipe"], "interleaved": [*PP, "parallel.pp_schedule=interleaved_1f1b"]})
 
 
+def test_a_pipeline_of_fsdp2_sharded_stages_trains_like_one_process(tmp_path: Path, reference: Path) -> None:
+    """The tied embedding and head on the first and last stage, each stage sharded over 2 processes:
+    the same losses, weights and (in the single-process format, on rank 0) optimizer state."""
+    proc = llmtrain(tmp_path, *FSDP_PP_4, f"hydra.run.dir={tmp_path / 'run'}")
+    assert proc.returncode == 0, proc.stderr
+    assert ("world size 4, FSDP2 (parameters, gradients and optimizer state sharded) x pipeline parallel 2 (1f1b)"
+            in proc.stdout)
+    assert_close(losses(reference), losses(tmp_path / "run"))
+    assert_close(val_losses(reference), val_losses(tmp_path / "run"))
+    single, split = (torch.load(d / "model.pt", weights_only=True) for d in (reference, tmp_path / "run"))
+    assert list(single) == list(split) and all(torch.allclose(single[k], split[k], atol=1e-5) for k in single)
+    one, four = (torch.load(d / "checkpoints" / "step_00000006" / "optimizer.pt", weights_only=True)["optimizer"]
+                 for d in (reference, tmp_path / "run"))
+    assert [g["params"] for g in one["param_groups"]] == [g["params"] for g in four["param_groups"]]
+    assert one["state"].keys() == four["state"].keys()
+    for index, values in one["state"].items():
+        for key, value in values.items():
+            assert value.shape == four["state"][index][key].shape
+            assert (value - four["state"][index][key]).abs().max() <= 1e-5 * value.abs().max(), (index, key)
+
+
 @pytest.fixture(scope="module")
 def stopped_at_3(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, ...], Path]:
     """Runs stopped after step 3 that several resumes start from (each resume works on a copy):
@@ -151,10 +175,12 @@ def stopped_at_3(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, ..
                                              (FSDP, FSDP_4), (FSDP_FULL_FILES, ["parallel=single"]),
                                              (HSDP_4, ["parallel=single"]), (TP, ["parallel=single"]),
                                              (["parallel=single"], TP), (FSDP_TP_4, ["parallel=single"]),
-                                             (PP, ["parallel=single"]), (["parallel=single"], PP)],
+                                             (PP, ["parallel=single"]), (["parallel=single"], PP),
+                                             (FSDP_PP_4, ["parallel=single"]), (["parallel=single"], FSDP_PP_4)],
                          ids=["ddp-2-to-1", "ddp-1-to-2", "zero1-2-to-1", "zero1-1-to-2", "fsdp-2-to-1", "fsdp-1-to-2",
                               "fsdp-sharded-files-2-to-4", "fsdp-full-files-2-to-1", "hsdp-4-to-1", "tp-2-to-1",
-                              "tp-1-to-2", "fsdp-tp-4-to-1", "pp-2-to-1", "pp-1-to-2"])
+                              "tp-1-to-2", "fsdp-tp-4-to-1", "pp-2-to-1", "pp-1-to-2", "fsdp-pp-4-to-1",
+                              "fsdp-pp-1-to-4"])
 def test_a_run_resumes_on_another_world_size(tmp_path: Path, reference: Path, stopped_at_3: dict, first: list,
                                              then: list) -> None:
     run = tmp_path / "run"

@@ -321,7 +321,7 @@ class PrecisionConfig:
 class ParallelConfig:
     """How the processes share the work: degrees of one device mesh (pipeline stages x data parallel
     replicated x data parallel sharded x tensor parallel) whose product is the number of processes.
-    The presets (parallel=single|ddp|zero1|fsdp|hsdp|tp|fsdp_tp|pp) set them; -1 on one data-parallel
+    The presets (parallel=single|ddp|zero1|fsdp|hsdp|tp|fsdp_tp|pp|fsdp_pp) set them; -1 on one data-parallel
     degree takes the processes the others leave."""
 
     nproc: int = _f(1, "Processes to start on this machine (llmtrain starts them: one run dir); leave 1 under "
@@ -343,7 +343,8 @@ class ParallelConfig:
         "tensor-parallel processes (less activation memory, same numbers).")
     pp: int = _f(
         1, "Pipeline-parallel degree: the model's layers split into this many stages, one per process (two "
-        "under interleaved_1f1b), the window's micro-batches flowing through them.")
+        "under interleaved_1f1b), the window's micro-batches flowing through them; with dp_shard > 1 each stage is "
+        "FSDP2-sharded over the data-parallel processes.")
     pp_schedule: str = _f(
         "1f1b", "pp > 1: the pipeline schedule: gpipe (all forwards, then all backwards), 1f1b (one forward, one "
         "backward: fewer activations held) or interleaved_1f1b (two stages per process: a smaller bubble).")

@@ -207,10 +207,17 @@ def _validate_pipeline(cfg: Config, data_parallel: int) -> None:
     p = cfg.parallel
     if p.pp == 1:
         return
-    _require(data_parallel == 1 and p.tp == 1,
-             f"pipeline parallel (pp={p.pp}) with data parallel ({data_parallel} ranks) or tensor parallel "
-             f"(tp={p.tp}) is not built yet: use the pipeline alone (parallel=pp parallel.nproc={p.pp}), or fsdp / "
-             "fsdp_tp without it.")
+    degrees = degrees_of(cfg, data_parallel * p.tp * p.pp)
+    # The data-parallel dimension of a pipeline is FSDP2 (its shards, or replicas x shards: HSDP);
+    # DDP replicas of the stages alone are not built.
+    _require(degrees.dp_replicate == 1 or degrees.dp_shard > 1,
+             f"pipeline parallel (pp={p.pp}) with dp_replicate={degrees.dp_replicate} DDP replicas (dp_shard=1) is not "
+             f"built: shard the data-parallel dimension instead (parallel=fsdp_pp parallel.pp={p.pp} "
+             f"parallel.nproc={degrees.world}, FSDP2 over dp_shard={degrees.dp_replicate}), or use the pipeline alone "
+             f"(parallel=pp parallel.nproc={p.pp}).")
+    _require(cfg.checkpoint.format is not CheckpointFormat.sharded,
+             f"checkpoint.format is sharded but pipeline parallel (pp={p.pp}) writes its checkpoints whole (rank 0 "
+             "gathers every stage); use checkpoint.format=full or auto.")
     scaling = cfg.precision.name is Precision.fp16 and cfg.precision.loss_scaling
     problems = pipeline_problems(cfg.model, p.pp, p.pp_schedule, accumulation_steps(cfg, data_parallel),
                                  tp=p.tp, fp16_loss_scaling=scaling)

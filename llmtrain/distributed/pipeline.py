@@ -16,6 +16,12 @@ step flowing through them as the schedule (GPipe, 1F1B, interleaved 1F1B) orders
   and torch's own scaling of the gradients by the micro-batch count is off.
 - The state views (`PipelineModelState`, `PipelineOptimizerState`, pipeline_state.py) gather the
   stages' states on the pipeline's first process in the plain single-process format.
+- With FSDP2 data parallel (`data_mesh`): each stage's blocks, then the stage, `fully_shard`ed over
+  the data-parallel sub-mesh (torchtitan's way); torch's PipelineStage turns the gradient sync off
+  for every micro-batch's backward and reduce-scatters once per window (its REDUCE_GRAD step). The
+  loss is scaled by the data-parallel size (FSDP averages), the tied copies' gradient shards summed
+  pairwise (the first and last stage of one pipeline hold the same shard), the gradient norm summed
+  over the shards and the stages.
 
 What torch's pipelining cannot do here: a KV cache (generation gathers the whole model into one
 process), and micro-batches of different shapes in one step (every step's shape may differ: a
@@ -162,6 +168,32 @@ class StageModule(nn.Module):
         return self.drop(x) if self.training else x
 
 
+def mark_tied_copy(stage: StageModule) -> None:
+    """Mark the last stage's copy of a tied weight COUNTED_ELSEWHERE (again after fully_shard, which
+    replaces the parameters)."""
+    if stage.holds_tied_copy and not stage.is_first:
+        setattr(stage.wte.weight, COUNTED_ELSEWHERE, True)
+
+
+def shard_stage(stage: StageModule, mesh: Any, param_dtype: torch.dtype | None = None) -> None:
+    """FSDP2 over the data-parallel `mesh` (1-D: shards; 2-D: replicas x shards, HSDP), in place:
+    each block its own unit, then the stage (its ends: embedding, final norm, head, a tied copy),
+    as wrapping.shard_model does for the whole model; float32 gradient reduction under bf16/fp16."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+    for block in stage.blocks.values():
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(stage, mesh=mesh, mp_policy=policy)
+    mark_tied_copy(stage)
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This process's part of a tensor that may be a DTensor (an FSDP2 shard; a view of its storage)."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if to_local is not None else tensor
+
+
 def build_stage_module(model: GPT, n_stages: int, stage: int) -> StageModule:
     """Stage `stage` of `model` split into `n_stages` (see StageModule)."""
     return StageModule(model, n_stages, stage)
@@ -236,6 +268,8 @@ def sync_tied_gradients(stages: Sequence[StageModule], group: ProcessGroup | Non
         if param.grad is None:  # a stage that saw no gradient still takes part in the sum
             param.grad = torch.zeros_like(param)
         grads.append(param.grad)
+    # FSDP2: each copy's shard (the same rows on both ends: one data-parallel position, one mesh)
+    grads = [local_tensor(g) for g in grads]
     if len(grads) == 2:  # both ends on this process
         grads[0].add_(grads[1])
         grads[1].copy_(grads[0])
@@ -248,21 +282,25 @@ def sync_tied_gradients(stages: Sequence[StageModule], group: ProcessGroup | Non
 
 
 def clip_grad_norm(stage_params: Iterable[torch.Tensor], max_norm: float | None,
-                   group: ProcessGroup | None = None) -> torch.Tensor:
+                   group: ProcessGroup | None = None, shard_group: ProcessGroup | None = None) -> torch.Tensor:
     """The global gradient norm over every stage's parameters (all-reduced squares over the pipeline
     `group`; a tied weight's second copy is not counted), and each gradient scaled by
     max_norm / norm when that is below 1 (torch's clip_grad_norm_ coefficient); `max_norm` None: the
-    norm only. Returns the pre-clip norm, the same on every process of the pipeline."""
+    norm only. `shard_group`: the processes the gradients are sharded over (FSDP2; the squares of
+    the shards summed over it first). Returns the pre-clip norm, the same on every process."""
     params = list({id(p): p for p in stage_params}.values())
-    grads = [p.grad for p in params if p.grad is not None]
-    counted = [p.grad for p in params if p.grad is not None and not getattr(p, COUNTED_ELSEWHERE, False)]
+    grads = [local_tensor(p.grad) for p in params if p.grad is not None]
+    counted = [local_tensor(p.grad) for p in params
+               if p.grad is not None and not getattr(p, COUNTED_ELSEWHERE, False)]
     device = grads[0].device if grads else torch.device("cpu")
     squares = torch.zeros((), device=device, dtype=torch.float32)
     if counted:
         squares = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in counted])).float() ** 2
-    if _distributed(group):
-        import torch.distributed as dist
+    import torch.distributed as dist
 
+    if shard_group is not None and _distributed(shard_group):  # None: not sharded (not the world)
+        dist.all_reduce(squares, group=shard_group)
+    if _distributed(group):
         dist.all_reduce(squares, group=group)
     total = squares.sqrt()
     if max_norm is not None and grads:
@@ -360,12 +398,15 @@ class Pipeline:
     schedules (one per micro-batch count and shape, built on first use), the tied-weight group, and
     what the loop calls: `forward_backward`, `clip_grad_norm`, `evaluate`, the state views.
     `group`: the pipeline's processes in stage order (default: all); `pipelines`: every pipeline's
-    global ranks, needed when there are several (tied_weight_group). Every process builds it at the
-    same time (collective: the tied group), each from the same `model`."""
+    global ranks, needed when there are several (tied_weight_group). `data_mesh`: the data-parallel
+    sub-mesh the stages are FSDP2-sharded over (1-D shards, or 2-D replicas x shards; None: no
+    data parallel), `param_dtype` its compute copies' type. Every process builds it at the same
+    time (collective: the tied group, the sharding), each from the same `model`."""
 
     def __init__(self, model: GPT, schedule: str, *, group: ProcessGroup | None = None,
                  pipelines: Sequence[Sequence[int]] | None = None, device: torch.device | None = None,
-                 label_smoothing: float = 0.0, autocast: Callable[[], ContextManager] | None = None) -> None:
+                 label_smoothing: float = 0.0, autocast: Callable[[], ContextManager] | None = None,
+                 data_mesh: Any = None, param_dtype: torch.dtype | None = None) -> None:
         import torch.distributed as dist
 
         _check_schedule(schedule)
@@ -376,6 +417,16 @@ class Pipeline:
             if device is not None:
                 stage.to(device)
             stage.autocast = autocast or contextlib.nullcontext
+        # FSDP2: the shards' group (a 2-D mesh's second dimension: replicas hold the same shards), and
+        # whether this process is its pipeline's copy at data-parallel position 0 (the state views
+        # gather that pipeline's states on its first process: global rank 0).
+        self.shard_group, self.gathers_state = None, True
+        if data_mesh is not None:
+            for stage in self.stages:
+                shard_stage(stage, data_mesh, param_dtype)
+            self.shard_group = data_mesh.get_group(data_mesh.ndim - 1)
+            self.gathers_state = data_mesh.get_local_rank(0) == 0 and (
+                data_mesh.ndim == 1 or data_mesh.get_local_rank(1) == 0)
         self.module = RankModule(self.stages)
         self.tied_group = None
         if model.cfg.tie_weights and self.pp > 1:
@@ -409,7 +460,7 @@ class Pipeline:
         return loss
 
     def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:
-        return clip_grad_norm(self.parameters(), max_norm, self.group)
+        return clip_grad_norm(self.parameters(), max_norm, self.group, self.shard_group)
 
     @torch.no_grad()
     def evaluate(self, batches: Sequence[Batch]) -> float:
@@ -437,12 +488,12 @@ class Pipeline:
     def model_state(self) -> PipelineModelState:
         from llmtrain.distributed.pipeline_state import PipelineModelState
 
-        return PipelineModelState(self.stages, self.group)
+        return PipelineModelState(self.stages, self.group, gathers=self.gathers_state)
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> PipelineOptimizerState:
         from llmtrain.distributed.pipeline_state import PipelineOptimizerState
 
-        return PipelineOptimizerState(self.stages, optimizer, self.group)
+        return PipelineOptimizerState(self.stages, optimizer, self.group, gathers=self.gathers_state)
 
     def _schedule(self, purpose: str, n_microbatches: int, shape: tuple, loss_fn: WindowLoss) -> Any:
         """The schedule for this many micro-batches of this shape (torch infers the shapes it sends

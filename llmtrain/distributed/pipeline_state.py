@@ -5,6 +5,11 @@ part on the pipeline's first process (global rank 0 for the first pipeline; the 
 are collectives over the pipeline's processes. The stages are pipeline.py's StageModules (typed here
 as nn.Module: pipeline.py imports this module, not the other way round).
 
+Stages sharded by FSDP2 (pipeline with data parallel): their DTensors are gathered whole over the
+data-parallel shards first (a collective of every process), then only the pipeline at data-parallel
+position 0 (`gathers`) gathers them over its stages; the others return {} at once. Loading takes the
+whole state on every process and keeps each process's shard.
+
 The single-process order is rebuilt from the names: stages keep GPT's parameter names and register
 their pieces in GPT's order, so the stages' lists concatenated in stage order (a tied weight's second
 copy dropped) are the whole model's; and `build_optimizer`'s groups hold the parameters in that
@@ -59,8 +64,8 @@ def global_groups(stage_names: dict[int, list[str]], group_names: Iterable[list[
 class PipelineModelState:
     """The model's state in the plain full format (ShardedModelState's interface)."""
 
-    def __init__(self, stages: Sequence[nn.Module], group: ProcessGroup | None = None) -> None:
-        self.stages, self.group = list(stages), group
+    def __init__(self, stages: Sequence[nn.Module], group: ProcessGroup | None = None, gathers: bool = True) -> None:
+        self.stages, self.group, self.gathers = list(stages), group, gathers
 
     def parameters(self) -> Iterable[nn.Parameter]:
         seen: dict[int, nn.Parameter] = {}
@@ -69,7 +74,9 @@ class PipelineModelState:
         return list(seen.values())
 
     def state_dict(self) -> dict:
-        local = {s.stage_index: {k: v.detach().cpu() for k, v in s.state_dict().items()} for s in self.stages}
+        local = {s.stage_index: {k: _whole(v) for k, v in s.state_dict().items()} for s in self.stages}
+        if not self.gathers:
+            return {}
         gathered = _gather(local, self.group)
         if gathered is None:
             return {}
@@ -82,7 +89,13 @@ class PipelineModelState:
             missing = [k for k in own if k not in state]
             if missing:
                 raise KeyError(f"the state lacks {missing} (stage {stage.stage_index})")
-            stage.load_state_dict({k: state[k] for k in own})
+            own_state = {k: state[k] for k in own}
+            if _is_sharded(stage):  # each process keeps its shards of the whole tensors
+                from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+                set_model_state_dict(stage, own_state, options=StateDictOptions(full_state_dict=True))
+            else:
+                stage.load_state_dict(own_state)
 
 
 class PipelineOptimizerState:
@@ -92,8 +105,8 @@ class PipelineOptimizerState:
     weight's state is the first stage's (its copy's is the same: same gradients, same updates)."""
 
     def __init__(self, stages: Sequence[nn.Module], optimizer: torch.optim.Optimizer,
-                 group: ProcessGroup | None = None) -> None:
-        self.stages, self.optimizer, self.group = list(stages), optimizer, group
+                 group: ProcessGroup | None = None, gathers: bool = True) -> None:
+        self.stages, self.optimizer, self.group, self.gathers = list(stages), optimizer, group, gathers
         names: dict[int, str] = {}
         for stage in self.stages:
             for name, param in stage.named_parameters():
@@ -108,8 +121,10 @@ class PipelineOptimizerState:
         for names, group in zip(self.local_groups, opt.param_groups):
             for name, param in zip(names, group["params"]):
                 if param in opt.state:
-                    state[name] = {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v
+                    state[name] = {k: _whole(v) if isinstance(v, torch.Tensor) else v
                                    for k, v in opt.state[param].items()}
+        if not self.gathers:
+            return {}
         settings = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
         gathered = _gather((self.stage_names, self.local_groups, settings, state), self.group)
         if gathered is None:
@@ -135,10 +150,10 @@ class PipelineOptimizerState:
                    if i in state["state"]}
         local: dict[str, Any] = {"state": {}, "param_groups": []}
         position = 0
-        for g, names in enumerate(self.local_groups):
-            for offset, name in enumerate(names):
+        for g, (names, group) in enumerate(zip(self.local_groups, self.optimizer.param_groups)):
+            for offset, (name, param) in enumerate(zip(names, group["params"])):
                 if name in by_name:  # copies: stepping this optimizer must not step the caller's tensors
-                    local["state"][position + offset] = {k: v.clone() if isinstance(v, torch.Tensor) else v
+                    local["state"][position + offset] = {k: _like(v, param) if isinstance(v, torch.Tensor) else v
                                                          for k, v in by_name[name].items()}
             settings = {k: v for k, v in saved[g].items() if k != "params"}
             local["param_groups"].append({**_named(settings, names),
@@ -153,6 +168,31 @@ class PipelineOptimizerState:
             self._groups = global_groups({i: n for stage_names, _ in everyone for i, n in stage_names.items()},
                                          (local for _, local in everyone))
         return self._groups
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A detached CPU copy of `tensor`, whole: a DTensor (an FSDP2 shard) gathered over its mesh (a
+    collective of the processes sharing it: each calls this for the same tensors, in order)."""
+    full = getattr(tensor, "full_tensor", None)
+    return (full() if full is not None else tensor).detach().cpu()
+
+
+def _is_sharded(module: nn.Module) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in module.parameters())
+
+
+def _like(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """An optimizer state tensor of the whole model as `param` holds it: this process's shard where
+    the parameter is an FSDP2 DTensor and the value has its whole shape (moments); else a copy."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(param, DTensor) and value.shape == param.shape:
+        # src_data_rank=None: every process holds the whole value and cuts its own shard (no traffic)
+        return distribute_tensor(value.to(param.device, param.dtype), param.device_mesh, param.placements,
+                                 src_data_rank=None)
+    return value.clone()
 
 
 def _named(settings: dict, names: list[str]) -> dict:

@@ -23,10 +23,10 @@ from llmtrain.config.schema import Config
 from llmtrain.preflight.estimate import LayoutDegrees, layout_name
 
 KINDS = ("single", "ddp", "zero1", "fsdp", "hsdp", "tp", "fsdp+tp", "pp", "fsdp+pp")
-# The kinds `llmtrain train` runs, each with its preset (conf/parallel/<preset>.yaml); the other
-# (a pipeline with data parallel) is shown for comparison, marked NOT_TRAINABLE_NOTE, never recommended.
+# The kinds `llmtrain train` runs, each with its preset (conf/parallel/<preset>.yaml); a kind not
+# here would be shown for comparison, marked NOT_TRAINABLE_NOTE, never recommended.
 PRESETS = {"ddp": "ddp", "zero1": "zero1", "fsdp": "fsdp", "hsdp": "hsdp", "tp": "tp", "fsdp+tp": "fsdp_tp",
-           "pp": "pp"}
+           "pp": "pp", "fsdp+pp": "fsdp_pp"}
 TRAINABLE = frozenset({"single", *PRESETS})
 NOT_TRAINABLE_NOTE = "(not yet trainable by llmtrain train)"
 

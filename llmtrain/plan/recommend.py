@@ -225,7 +225,7 @@ def train_command(target: Target, rung: Rung, overrides: Sequence[str], config_d
         changes["parallel.dp_replicate"] = str(d.dp_replicate)
     if kind == "fsdp+tp":
         changes["parallel.dp_shard"] = str(d.dp_shard)
-    if kind == "pp":  # the stages, and the window's micro-batches the plan counted (the preset has 4)
+    if kind in ("pp", "fsdp+pp"):  # the stages, and the window's micro-batches the plan counted (the presets have 4)
         changes["parallel.pp"] = str(d.pp)
         changes["parallel.pp_microbatches"] = str(c.batching.accumulation)
     if d.tp > 1:

@@ -17,7 +17,7 @@ from llmtrain.config.derived import seq_len_of
 from llmtrain.core.console import default_console
 from llmtrain.plan.build import Plan
 from llmtrain.plan.cost import LayoutCost
-from llmtrain.plan.layouts import NOT_TRAINABLE_NOTE
+from llmtrain.plan.layouts import NOT_TRAINABLE_NOTE, PRESETS
 from llmtrain.preflight.estimate import format_bytes
 
 FITS_STYLE = {"yes": "green", "with ckpt": "green", "tight": "yellow", "no": "red"}
@@ -141,10 +141,11 @@ def footnotes(plan: Plan) -> list[str]:
     if "hsdp" in {c.layout.kind for c in plan.costs}:
         lines.append("hsdp: trainable (parallel=hsdp), never the recommendation: it keeps fsdp's all-gathers "
                      "inside each machine of several, and the plan does not know how many devices a machine has")
-    if "pp" in {c.layout.kind for c in plan.costs}:
-        lines.append("pp: trainable (parallel=pp, one pipeline, not yet with data parallel), never the "
-                     "recommendation: tensor parallel or sharding splits the same memory without a pipeline's "
-                     "idle bubble on these devices")
+    pipelines = [kind for kind in ("pp", "fsdp+pp") if kind in {c.layout.kind for c in plan.costs}]
+    if pipelines:
+        presets = ", ".join(f"parallel={PRESETS[kind]}" for kind in pipelines)
+        lines.append(f"{', '.join(pipelines)}: trainable ({presets}), never the recommendation: tensor parallel or "
+                     "sharding splits the same memory without a pipeline's idle bubble on these devices")
     # The reasons depend on the degree, not on the kind: one line per degree and reason
     by_degree: dict[tuple[str, str], list[str]] = {}
     for skip in plan.skipped:

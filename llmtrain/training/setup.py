@@ -333,18 +333,23 @@ def build_model(cfg: Config, vocab_size: int, runtime: Runtime, layout: Layout, 
         from llmtrain.distributed.tensor_parallel import apply_tensor_parallel
 
         apply_tensor_parallel(model, mesh["tp"], cfg.parallel.sequence_parallel)
-    if mesh is not None and degrees.dp_shard > 1:  # FSDP2: parameters split, gathered per block for its compute
-        shard_model(model, {Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}.get(runtime.precision.name),
-                    data_shard_mesh(mesh, degrees))
+    # Pipeline parallel: the stages are copied out of the whole model, then sharded (pipeline_train_module).
+    if mesh is not None and degrees.dp_shard > 1 and degrees.pp == 1:  # FSDP2: split, gathered per block
+        shard_model(model, compute_dtype(runtime), data_shard_mesh(mesh, degrees))
     # The forward/backward goes through DDP (gradients averaged over the replicas, once per window);
     # everything else (state dicts, evaluation, the monitor's hooks) uses the plain model inside.
     # FSDP2 and tensor parallel split the model in place: it is its own training module.
-    split = mesh is not None and (degrees.dp_shard > 1 or degrees.tp > 1)
+    split = mesh is not None and degrees.pp == 1 and (degrees.dp_shard > 1 or degrees.tp > 1)
     device = runtime.device
     replicas = mesh is not None and not split and degrees.dp_replicate > 1 and degrees.pp == 1
     train_model = (DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
                    if replicas else model)
     return Model(model, train_model, sharded=split, tensor_parallel=mesh is not None and degrees.tp > 1, mesh=mesh)
+
+
+def compute_dtype(runtime: Runtime) -> torch.dtype | None:
+    """FSDP2's compute copies' type: bf16/fp16 from the precision group (None: the parameters')."""
+    return {Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}.get(runtime.precision.name)
 
 
 def build_train_module(cfg: Config, model: Model, runtime: Runtime, layout: Layout) -> TrainModule:
@@ -353,7 +358,7 @@ def build_train_module(cfg: Config, model: Model, runtime: Runtime, layout: Layo
     device = runtime.device
     precision = build_precision(runtime.precision, device.type)
     if layout.pp > 1:
-        return pipeline_train_module(cfg, model, device, precision)
+        return pipeline_train_module(cfg, model, runtime, layout, precision)
     optimizer = build_optimizer(model.model, cfg.optim, device.type, fused_ok=not model.sharded)
     if cfg.parallel.zero1 and layout.distributed:
         optimizer = zero_redundancy(optimizer)
@@ -376,15 +381,22 @@ def build_train_module(cfg: Config, model: Model, runtime: Runtime, layout: Layo
                        params=[p for p in model.model.parameters() if p.requires_grad], precision=precision)
 
 
-def pipeline_train_module(cfg: Config, model: Model, device: torch.device, precision: NumericPrecision) -> TrainModule:
+def pipeline_train_module(cfg: Config, model: Model, runtime: Runtime, layout: Layout,
+                          precision: NumericPrecision) -> TrainModule:
     """Pipeline parallel: this process's stages (copies of the initialized model's pieces, under its
-    parameter names) and an optimizer over them; the window's forward/backward, clipping and
-    evaluation run through the pipeline's schedule, checkpoints through its views (whole, on rank 0)."""
+    parameter names), FSDP2-sharded over the data-parallel sub-mesh when there is one, and an
+    optimizer over them; the window's forward/backward, clipping and evaluation run through the
+    pipeline's schedule, checkpoints through its views (whole, on rank 0)."""
     from llmtrain.distributed.pipeline import Pipeline
 
-    pipeline = Pipeline(model.model, cfg.parallel.pp_schedule, group=model.mesh["pp"].get_group(), device=device,
-                        label_smoothing=cfg.optim.label_smoothing, autocast=precision.autocast)
-    optimizer = build_optimizer(pipeline.module, cfg.optim, device.type)
+    degrees, mesh = degrees_of(cfg, layout.world_size), model.mesh
+    data_mesh = data_shard_mesh(mesh, degrees) if degrees.dp_shard > 1 else None
+    # Every pipeline's global ranks, in stage order (the tied-weight groups are made for all of them).
+    pipelines = mesh.mesh.reshape(degrees.pp, -1).T.tolist()
+    pipeline = Pipeline(model.model, cfg.parallel.pp_schedule, group=mesh["pp"].get_group(), pipelines=pipelines,
+                        device=runtime.device, label_smoothing=cfg.optim.label_smoothing, autocast=precision.autocast,
+                        data_mesh=data_mesh, param_dtype=compute_dtype(runtime))
+    optimizer = build_optimizer(pipeline.module, cfg.optim, runtime.device.type, fused_ok=data_mesh is None)
     return TrainModule(model=pipeline.module, train_model=pipeline.module, optimizer=optimizer,
                        model_state=pipeline.model_state(), optimizer_state=pipeline.optimizer_state(optimizer),
                        sharded_files=False, params=pipeline.parameters(), precision=precision, pipeline=pipeline)
