@@ -127,6 +127,14 @@ def test_a_llama_family_model_trains_under_tensor_parallel_like_one_process(tmp_
         {"tp": TP, "tp_sp": [*TP, "parallel.sequence_parallel=true"]})
 
 
+def test_a_llama_family_model_trains_on_two_dimensional_meshes_like_one_process(tmp_path: Path) -> None:
+    """FSDP2 x tensor parallel (with sequence parallel) and FSDP2 x pipeline (4 layers in 2 stages,
+    the untied head on the last), 4 processes each, against one process."""
+    assert_layouts_train_like_one_process(
+        tmp_path, ["model=llama_tiny", "model.n_layer=4", "model.vocab_multiple=2", "model.block_size=32"],
+        {"fsdp_tp": FSDP_TP_4, "fsdp_pp": FSDP_PP_4})
+
+
 def test_every_pipeline_schedule_trains_a_llama_family_model_like_one_process(tmp_path: Path) -> None:
     """4 layers over 2 stages (interleaved: 4 stages, 2 per process, placed round-robin); the
     window's 4 micro-batches run through the schedule; the untied head on the last stage."""
