@@ -56,6 +56,55 @@ def _isolated_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytes
     monkeypatch.setenv("LLMTRAIN_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
 
 
+_PEAK_SCRIPT = """
+import json, sys
+import torch
+from llmtrain.config.hydra import config_from_dict
+from llmtrain.training.loop import train
+
+cfg = config_from_dict(json.loads(sys.argv[1]))
+torch.set_num_threads(2)
+{predict}
+train(cfg)
+# VmHWM, not ru_maxrss: the latter keeps the peak of the pre-exec fork, i.e. of the pytest process
+status = dict(line.split(":", 1) for line in open("/proc/self/status"))
+print(json.dumps({{"predicted": predicted, "measured": int(status["VmHWM"].split()[0]) * 1024}}))
+"""
+
+
+def predicted_and_measured_peak(out_dir: Path, overrides: dict[str, object], predict: str) -> tuple[float, float]:
+    """A two-step tiny run of `overrides` in a fresh interpreter (its peak is its own): `predict`
+    (Python lines that set `predicted` from `cfg`, run before training) and the measured peak RSS,
+    in bytes. Two steps reach the peak: the second runs forward and backward with the optimizer's
+    state, which the first creates. The data is prepared beforehand, as the estimates assume."""
+    import json
+
+    from llmtrain.config.schema import config_to_dict
+    from llmtrain.data import prepare_data
+
+    cfg = tiny_config(out_dir, **{"max_steps": 2, "schedule.warmup_steps": 1, **overrides})
+    prepare_data(cfg.data, log=lambda message: None)
+    proc = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT.format(predict=predict),
+                           json.dumps(config_to_dict(cfg))], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result["predicted"], result["measured"]
+
+
+def assert_optimizer_states_close(actual: dict, expected: dict, atol: float) -> None:
+    """Two optimizer state_dicts in the plain format: the same groups and settings, the same state
+    keys per parameter index, every state tensor within `atol` (a split run's views against one process)."""
+    import torch
+
+    assert actual["param_groups"] == expected["param_groups"]
+    assert sorted(actual["state"]) == sorted(expected["state"])
+    for index, state in expected["state"].items():
+        assert sorted(actual["state"][index]) == sorted(state)
+        for key, value in state.items():
+            torch.testing.assert_close(actual["state"][index][key], value, atol=atol, rtol=0,
+                                       msg=lambda m, where=(index, key): f"{where}: {m}")
+
+
 def tiny_config(out_dir: Path, **overrides: object) -> Config:
     """2 layers x 32 wide, context 32, char tokens of the shipped corpus; fp32 on CPU."""
     cfg = Config(

@@ -422,6 +422,13 @@ def test_pipeline_microbatches_set_the_micro_batch() -> None:
         validate(clash)
 
 
+def test_the_old_parallel_mode_key_on_the_command_line_names_the_presets() -> None:
+    from llmtrain.config.hydra import unknown_key_message
+
+    message = unknown_key_message("parallel.mode")
+    assert "replaced by the mesh degrees" in message and "parallel=single|ddp|zero1|fsdp" in message
+
+
 def test_a_saved_config_with_the_old_parallel_mode_reads_as_its_preset() -> None:
     from llmtrain.config.hydra import config_from_dict
     from llmtrain.config.schema import config_to_dict

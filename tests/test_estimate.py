@@ -3,8 +3,6 @@ the measured peak resident memory of real training runs."""
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -133,23 +131,6 @@ def test_largest_fitting_micro_batch_divides_the_global_batch() -> None:
 # predicted peak vs the measured peak of real runs (each in a fresh process)
 # ---------------------------------------------------------------------------------------------
 
-PEAK_SCRIPT = """
-import json, sys
-import torch
-from llmtrain.preflight.facts import gather_facts
-from llmtrain.config.hydra import config_from_dict
-from llmtrain.training.loop import train
-
-cfg = config_from_dict(json.loads(sys.argv[1]))
-torch.set_num_threads(2)
-facts = gather_facts(cfg, measure_compute=False)
-train(cfg)
-# VmHWM, not ru_maxrss: the latter keeps the peak of the pre-exec fork, i.e. of the pytest process
-status = dict(line.split(":", 1) for line in open("/proc/self/status"))
-peak = int(status["VmHWM"].split()[0]) * 1024
-print(json.dumps({"predicted": facts.memory.peak, "measured": peak}))
-"""
-
 PEAK_CONFIGS = {
     "4x128 micro 64 adamw": {"model.n_layer": 4, "model.n_embd": 128, "model.n_head": 4, "model.block_size": 256,
                              "micro_batch_size": 64, "global_batch_size": 64},
@@ -167,19 +148,13 @@ PEAK_CONFIGS = {
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/status and glibc behaviour: Linux")
 @pytest.mark.parametrize("name", sorted(PEAK_CONFIGS))
 def test_predicted_peak_within_25_percent_of_a_real_run(tmp_path: Path, name: str) -> None:
-    from llmtrain.config.schema import config_to_dict
-    from llmtrain.data import prepare_data
+    from .conftest import predicted_and_measured_peak
 
-    from .conftest import tiny_config
-
-    # Two steps reach the peak: the second runs forward and backward with the optimizer's state,
-    # which the first step creates (a third measured the same ratios, at half again the time).
-    cfg = tiny_config(tmp_path / "run", **{"max_steps": 2, "schedule.warmup_steps": 1, **PEAK_CONFIGS[name]})
-    prepare_data(cfg.data, log=lambda message: None)  # prepared beforehand, as the estimate assumes
-    proc = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, json.dumps(config_to_dict(cfg))], capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    predicted, measured = predicted_and_measured_peak(
+        tmp_path / "run", PEAK_CONFIGS[name],
+        "from llmtrain.preflight.facts import gather_facts\n"
+        "predicted = gather_facts(cfg, measure_compute=False).memory.peak")
+    result = {"predicted": predicted, "measured": measured}
     ratio = result["predicted"] / result["measured"]
     print(f"{name}: predicted {result['predicted'] / 2**20:.0f} MiB, measured {result['measured'] / 2**20:.0f} MiB, "
           f"ratio {ratio:.2f}")

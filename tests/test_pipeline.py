@@ -48,7 +48,7 @@ from llmtrain.engine.precision import NumericPrecision
 from llmtrain.engine.step import accumulate_window, count_tokens, evaluate, loss_sum
 from llmtrain.engine.timing import StepTimer
 from llmtrain.model import GPT
-from tests.conftest import gpt_like, llama_like
+from tests.conftest import assert_optimizer_states_close, gpt_like, llama_like
 
 GPT_LIKE = gpt_like("gpt_pp", n_layer=4)
 # its blocks recomputed in backward (activation checkpointing inside a stage)
@@ -187,7 +187,7 @@ def test_one_stage_views_are_the_model_and_optimizer_state_dicts(cfg: ModelConfi
     view = PipelineModelState([stage])
     state = view.state_dict()
     assert list(state) == list(model.state_dict())
-    _assert_optimizer_states(PipelineOptimizerState([stage], optimizers[1]).state_dict(),
+    assert_optimizer_states_close(PipelineOptimizerState([stage], optimizers[1]).state_dict(),
                              optimizers[0].state_dict(), atol=0.0)
     fresh = build_stage_module(GPT(cfg, VOCAB), 1, 0)
     fresh_optimizer = build_optimizer(RankModule([fresh]), OPTIM, "cpu")
@@ -356,7 +356,7 @@ def _check_training(cfg: ModelConfig, schedule: str) -> None:
         # measured: every weight within 1e-5 but the GPT-like q/k/v biases (3e-5): a key bias's gradient is
         # rounding noise that Adam scales up (tests/test_tensor_parallel.py's _assert_state_dicts)
         _assert_state_dicts(full, single.state_dict(), atol=1e-4)
-        _assert_optimizer_states(full_optimizer, optimizers[0].state_dict(), atol=1e-5)
+        assert_optimizer_states_close(full_optimizer, optimizers[0].state_dict(), atol=1e-5)
     else:
         assert full == {} and full_optimizer == {}
 
@@ -411,13 +411,3 @@ def _assert_state_dicts(actual: dict, expected: dict, atol: float) -> None:
     for key, value in expected.items():
         assert type(actual[key]) is torch.Tensor, key
         torch.testing.assert_close(actual[key], value, atol=atol, rtol=0, msg=lambda m, key=key: f"{key}: {m}")
-
-
-def _assert_optimizer_states(actual: dict, expected: dict, atol: float) -> None:
-    assert actual["param_groups"] == expected["param_groups"]
-    assert sorted(actual["state"]) == sorted(expected["state"])
-    for index, state in expected["state"].items():
-        assert sorted(actual["state"][index]) == sorted(state)
-        for key, value in state.items():
-            torch.testing.assert_close(actual["state"][index][key], value, atol=atol, rtol=0,
-                                       msg=lambda m, where=(index, key): f"{where}: {m}")

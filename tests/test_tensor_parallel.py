@@ -27,7 +27,7 @@ from llmtrain.distributed.tensor_parallel import (
     unpermute_qkv,
 )
 from llmtrain.model import GPT, CausalSelfAttention
-from tests.conftest import gpt_like, llama_like
+from tests.conftest import assert_optimizer_states_close, gpt_like, llama_like
 
 GPT_LIKE = gpt_like("gpt_tp", n_layer=2)
 LLAMA_LIKE = llama_like("llama_tp", n_layer=2)
@@ -265,7 +265,7 @@ def _check_against_one_process(cfg: ModelConfig, mesh: object, sequence_parallel
     full_optimizer = optimizer_view.state_dict()
     if dist.get_rank() == 0:
         _assert_state_dicts(full, single.state_dict(), atol=1e-4, cfg=cfg)
-        _assert_optimizer_states(full_optimizer, optimizers[0].state_dict(), atol=1e-5)
+        assert_optimizer_states_close(full_optimizer, optimizers[0].state_dict(), atol=1e-5)
     else:
         assert full == {} and full_optimizer == {}
 
@@ -309,13 +309,3 @@ def _assert_state_dicts(actual: dict, expected: dict, atol: float, cfg: ModelCon
             keep[keys] = False
             got, value = got[keep], value[keep]
         torch.testing.assert_close(got, value, atol=atol, rtol=0, msg=lambda m, key=key: f"{key}: {m}")
-
-
-def _assert_optimizer_states(actual: dict, expected: dict, atol: float) -> None:
-    assert actual["param_groups"] == expected["param_groups"]
-    assert sorted(actual["state"]) == sorted(expected["state"])
-    for index, state in expected["state"].items():
-        assert sorted(actual["state"][index]) == sorted(state)
-        for key, value in state.items():
-            torch.testing.assert_close(actual["state"][index][key], value, atol=atol, rtol=0,
-                                       msg=lambda m, where=(index, key): f"{where}: {m}")

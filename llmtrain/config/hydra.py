@@ -138,6 +138,9 @@ def unknown_key_message(full_key: str) -> str:
     fields = list(schema_fields(found[0])) if found else []
     close = _close_key(full_key)
     hint = f" Did you mean '{close}'?" if close else ""
+    if full_key == "parallel.mode":  # an older llmtrain's one key: its options are the presets now
+        hint = (f" It was replaced by the mesh degrees; its options are presets: parallel="
+                f"{'|'.join(str(mode) for mode in LEGACY_PARALLEL_MODES)} (e.g. parallel=fsdp).")
     where = f"under '{parent}'" if parent else "at the top level"
     valid = f" Valid keys {where}: {', '.join(fields)}." if fields else ""
     return f"Unknown config key '{full_key}'.{hint}{valid}"

@@ -23,12 +23,9 @@ from llmtrain.config.schema import Config
 from llmtrain.preflight.estimate import LayoutDegrees, layout_name
 
 KINDS = ("single", "ddp", "zero1", "fsdp", "hsdp", "tp", "fsdp+tp", "pp", "fsdp+pp")
-# The kinds `llmtrain train` runs, each with its preset (conf/parallel/<preset>.yaml); a kind not
-# here would be shown for comparison, marked NOT_TRAINABLE_NOTE, never recommended.
+# Every kind but `single` has its `llmtrain train` preset (conf/parallel/<preset>.yaml).
 PRESETS = {"ddp": "ddp", "zero1": "zero1", "fsdp": "fsdp", "hsdp": "hsdp", "tp": "tp", "fsdp+tp": "fsdp_tp",
            "pp": "pp", "fsdp+pp": "fsdp_pp"}
-TRAINABLE = frozenset({"single", *PRESETS})
-NOT_TRAINABLE_NOTE = "(not yet trainable by llmtrain train)"
 
 
 @dataclass(frozen=True)
@@ -38,10 +35,6 @@ class Layout:
     @property
     def kind(self) -> str:
         return layout_name(self.degrees)
-
-    @property
-    def trainable(self) -> bool:
-        return self.kind in TRAINABLE
 
     @property
     def degrees_text(self) -> str:

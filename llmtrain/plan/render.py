@@ -17,7 +17,7 @@ from llmtrain.config.derived import seq_len_of
 from llmtrain.core.console import default_console
 from llmtrain.plan.build import Plan
 from llmtrain.plan.cost import LayoutCost
-from llmtrain.plan.layouts import NOT_TRAINABLE_NOTE, PRESETS
+from llmtrain.plan.layouts import PRESETS
 from llmtrain.preflight.estimate import format_bytes
 
 FITS_STYLE = {"yes": "green", "with ckpt": "green", "tight": "yellow", "no": "red"}
@@ -57,8 +57,7 @@ def _table(title: str) -> Table:
 def _layout_cell(plan: Plan, c: LayoutCost) -> str:
     chosen = plan.recommendation.rung
     marker = "-> " if chosen is not None and chosen.cost is c else ""
-    return escape("\n".join([marker + c.layout.kind, c.layout.degrees_text]
-                             + ([] if c.layout.trainable else [NOT_TRAINABLE_NOTE])))
+    return escape("\n".join([marker + c.layout.kind, c.layout.degrees_text]))
 
 
 def _communication_cell(plan: Plan, c: LayoutCost) -> str:
