@@ -20,8 +20,8 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
+from llmtrain.checkpointing import run_block
 from llmtrain.config.schema import (
     HeadInit,
     MlpKind,
@@ -354,11 +354,8 @@ class GPT(nn.Module):
                 x = block(x, rope, layer, start)
             cache.length = start + T
             return x
-        for block in self.blocks:
-            if self.cfg.activation_checkpointing and self.training:
-                x = checkpoint(block, x, rope, use_reentrant=False)
-            else:
-                x = block(x, rope)
+        for index, block in enumerate(self.blocks):
+            x = run_block(block, x, rope, index, self.cfg, self.training)  # checkpointed as the config asks
         return x
 
     def new_cache(self, capacity: int | None = None) -> KVCache:

@@ -99,7 +99,7 @@ def test_memory_warns_near_the_budget_and_suggests_a_fitting_micro_batch(tmp_pat
     row = run_check(cfg, measure_compute=False).row("memory")
     assert row.status is Status.FAIL
     assert "micro_batch_size=" in row.fix and "keeps the global batch 128" in row.fix
-    assert "activation_checkpointing=true" in row.fix
+    assert "activation_checkpointing=full" in row.fix
 
 
 def test_train_mode_check_catches_an_evaluate_that_leaves_eval_mode(tmp_path: Path, monkeypatch) -> None:

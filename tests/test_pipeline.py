@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from llmtrain.config.parallel_limits import pipeline_problems
-from llmtrain.config.schema import ModelConfig, OptimConfig, PositionEncoding
+from llmtrain.config.schema import ActivationCheckpointing, ModelConfig, OptimConfig, PositionEncoding
 from llmtrain.data.sampler import IGNORE_INDEX
 from llmtrain.distributed.pipeline import (
     COUNTED_ELSEWHERE,
@@ -52,7 +52,8 @@ from tests.conftest import assert_optimizer_states_close, gpt_like, llama_like
 
 GPT_LIKE = gpt_like("gpt_pp", n_layer=4)
 # its blocks recomputed in backward (activation checkpointing inside a stage)
-LLAMA_LIKE = llama_like("llama_pp", n_layer=4, activation_checkpointing=True)
+# op checkpointing on every other block: the stages pick their blocks by the index in the whole model
+LLAMA_LIKE = llama_like("llama_pp", n_layer=4, activation_checkpointing=ActivationCheckpointing.op, checkpoint_every=2)
 VOCAB = 64
 MICRO, SEQ, N_MICRO = 2, 8, 4  # sequences per micro-batch, their length, micro-batches per step
 STEPS = 20

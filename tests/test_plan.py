@@ -19,9 +19,9 @@ from llmtrain.plan.layouts import PRESETS, Layout, enumerate_layouts
 from llmtrain.plan.recommend import ladder, plan_costs, recommend
 from llmtrain.plan.target import Target
 from llmtrain.plan.units import parse_devices, parse_memory
+from llmtrain.preflight.activations import activation_bytes_per_token
 from llmtrain.preflight.estimate import (
     LayoutDegrees,
-    activation_bytes_per_token,
     estimate_layout,
     estimate_memory,
     model_shape,
@@ -62,10 +62,13 @@ def test_fsdp_divides_weights_gradients_and_optimizer_state_by_the_shard_count()
                              accumulation=1)
     fsdp = estimate_layout(t.cfg, shape, VOCAB, "cuda", Precision.bf16, LayoutDegrees(dp_shard=8), micro_batch_size=8,
                            accumulation=1)
-    block = shape.largest_block_params
-    # the shard, plus the gathered blocks (two in bf16) and one block's gradients in fp32
-    assert fsdp.weights == pytest.approx(single.weights / 8 + 2 * block * 2, rel=1e-6, abs=4 * shape.n_buffer_elements)
-    assert fsdp.gradients == pytest.approx(single.gradients / 8 + 4 * block)
+    block, root = shape.largest_block_params, shape.outside_params
+    # the shard, plus what is gathered whole in bf16: two blocks and the root unit (embeddings, final
+    # norm, tied head: held from its forward to the end of backward); their gradients in fp32
+    assert fsdp.weights == pytest.approx(single.weights / 8 + 2 * (2 * block + root), rel=1e-6,
+                                         abs=4 * shape.n_buffer_elements)
+    assert fsdp.gradients == pytest.approx(single.gradients / 8 + 4 * (block + root))
+    assert fsdp.early_gradients == 4 * root  # the root unit's, first in backward
     assert fsdp.optimizer == pytest.approx(single.optimizer / 8)
     assert fsdp.activations == single.activations  # the same micro-batch: sharding keeps every activation
     # an accumulation window holds the reduce-scatter: every rank keeps whole fp32 gradients until its end
@@ -110,8 +113,11 @@ def test_pipeline_stages_divide_the_layers_and_keep_the_micro_batches_in_flight(
     blocks = shape.n_layers * shape.largest_block_params
     assert pp.weights == pytest.approx(one.weights - blocks * 4 * 3 / 4)  # 3 of 4 stages' blocks elsewhere
     assert pp.gradients == pytest.approx(one.gradients - blocks * 4 * 3 / 4)
-    # 1F1B: the first stage keeps 4 micro-batches of its 3 layers: as many block activations as 12 layers of one
-    assert pp.activations == pytest.approx(one.activations)
+    # 1F1B: the first stage keeps 4 micro-batches of its 3 layers (as many block activations as 12
+    # layers of one), the last one micro-batch and the head's: the first is the heavier here
+    per_token = activation_bytes_per_token(t.cfg, Precision.bf16, "cuda")
+    assert pp.activations == pytest.approx(4 * 1024 * 12 * per_token["block"])
+    assert pp.activations < one.activations
     uneven = estimate_layout(t.cfg, shape, VOCAB, "cuda", Precision.bf16, LayoutDegrees(pp=5), micro_batch_size=4,
                              accumulation=8)
     assert uneven.weights == pytest.approx(one.weights - blocks * 4 * (12 - 3) / 12)  # ceil(12 / 5) = 3 layers
@@ -257,7 +263,7 @@ def test_every_trainable_layouts_command_composes_as_train_would() -> None:
     assert kinds == {"ddp", "zero1", "fsdp", "hsdp", "tp", "fsdp+tp", "pp", "fsdp+pp"}
     assert "llmtrain train model=gpt2 model.n_head=8 model.vocab_size=50304 precision=bf16 parallel=tp " \
            "parallel.nproc=8 parallel.tp=8 parallel.sequence_parallel=true" in commands
-    assert any("parallel=fsdp parallel.nproc=8 model.activation_checkpointing=true" in c for c in commands)
+    assert any("parallel=fsdp parallel.nproc=8 model.activation_checkpointing=full" in c for c in commands)
     for command in commands:
         composed = compose_config(command.split()[2:])  # raises ConfigError on a key or degree train refuses
         assert composed.parallel.nproc == 8, command

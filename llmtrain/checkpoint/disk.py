@@ -74,6 +74,11 @@ def describe_write_error(err: BaseException, where: Path, needed: int | None, su
 def tensor_bytes(tree: Any) -> int:
     """Bytes of the tensors in a (nested) state dict: what saving it writes, give or take a little."""
     if isinstance(tree, torch.Tensor):
+        inner = getattr(tree, "__tensor_flatten__", None)
+        if inner is not None and type(tree) is not torch.Tensor:
+            # a tensor subclass (torchao's 8-/4-bit optimizer state): the tensors it is stored as
+            # (codes, block scales), not its float appearance
+            return sum(tensor_bytes(getattr(tree, name)) for name in inner()[0])
         return tree.numel() * tree.element_size()
     if isinstance(tree, dict):
         return sum(tensor_bytes(value) for value in tree.values())

@@ -93,8 +93,15 @@ class Checkpoint:
 
             read_shards_into(self.path / SHARDS, model_state.model, optimizer_state.optimizer, self.shards)
             return
+        from llmtrain.engine.optim import dequantized, requantize_state
+
+        # torchao's low-bit moments: FSDP2 splits a whole state across its ranks as floats only, and
+        # a sharded checkpoint read whole hands them over as floats; either way they are quantized again.
+        to_shards = isinstance(optimizer_state, ShardedOptimizerState)
         model_state.load_state_dict(self.model)
-        optimizer_state.load_state_dict(self.optimizer)
+        optimizer_state.load_state_dict(dequantized(self.optimizer) if to_shards else self.optimizer)
+        if self.sharded or to_shards:
+            requantize_state(getattr(optimizer_state, "optimizer", optimizer_state))
 
 
 def step_dir_name(step: int) -> str:

@@ -32,7 +32,8 @@ from llmtrain.checkpoint.layout import (
     checkpoint_root,
 )
 from llmtrain.checkpoint.shards import SHARDS
-from llmtrain.core.errors import CheckpointError
+from llmtrain.config.schema import LOW_BIT_OPTIMIZERS
+from llmtrain.core.errors import CheckpointError, ConfigError
 from llmtrain.core.files import TRAINER_STATE
 from llmtrain.engine.repairs import check_repairs
 from llmtrain.engine.state import TrainState
@@ -275,6 +276,7 @@ def load_checkpoint(path: Path, device: torch.device | str = "cpu", verify_files
             raise CheckpointError(f"{path}: {MANIFEST} is missing or unreadable ({err})") from None
     trainer = _trainer_state(path)
     sharded = isinstance(manifest, dict) and manifest.get("layout") == "sharded"
+    _allow_low_bit_state(path, trainer["config"])
     opt = _torch_file(path, "optimizer.pt", device)
     keys = ("shards", "scaler") if sharded else ("optimizer", "scaler")
     _expect(isinstance(opt, dict) and all(k in opt for k in keys), path, "optimizer.pt",
@@ -301,6 +303,23 @@ def load_checkpoint(path: Path, device: torch.device | str = "cpu", verify_files
         return Checkpoint(path, (model, optimizer), opt["scaler"], rng, trainer, device=device)
     except TypeError as err:  # TrainState(**state): a value of the wrong kind
         raise CheckpointError(f"{path}: trainer_state.json cannot be used ({err})") from None
+
+
+def _allow_low_bit_state(path: Path, config: dict) -> None:
+    """A checkpoint of optim=adamw8bit/4bit holds torchao's quantized optimizer-state tensors; importing
+    torchao.optim adds exactly those types to torch.load's weights_only allowlist (nothing that can
+    run code). Without torchao the state cannot be read, which is no damage to the checkpoint."""
+    optim = config.get("optim")
+    name = optim.get("name") if isinstance(optim, dict) else None
+    if name not in {n.value for n in LOW_BIT_OPTIMIZERS}:
+        return
+    try:
+        from llmtrain.engine.optim import import_torchao_optim
+
+        import_torchao_optim()
+    except ImportError:
+        raise ConfigError(f"{path} holds the optimizer state of optim={name} (torchao's quantized moments), and the "
+                          "torchao package is not installed; pip install 'llmtrain[ao]' to resume from it.") from None
 
 
 def read_model_weights(path: Path) -> dict[str, torch.Tensor]:

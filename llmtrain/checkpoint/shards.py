@@ -34,6 +34,7 @@ import torch.distributed as dist
 SHARDS = "shards"
 ERROR_KEY = "<error>"  # in a gathered dict of file hashes: a rank could not hash its share
 _MODEL, _OPTIMIZER = "model/", "optimizer/"
+_QUANTIZED_RATIO = 8  # float32 bytes over a 4-bit moment's stored bytes (4-bit codes), the smallest state written
 
 
 def _sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
@@ -232,6 +233,10 @@ def _metadata_problem(metadata: Any, folder: Path) -> str | None:
         if problem:
             return f"its tensor {key!r} {problem}"
         wanted = math.prod(meta.size) * meta.properties.dtype.itemsize
+        if key.startswith(_OPTIMIZER):
+            # torchao's 8-/4-bit moments (optim=adamw8bit/4bit) are stored as their codes and block
+            # scales: at least an eighth of the float32 bytes the metadata gives their shape.
+            wanted = -(-wanted // _QUANTIZED_RATIO)
         if wanted > stored.get(key, 0):
             return (f"its tensor {key!r} claims {wanted:,} bytes of data, more than the {stored.get(key, 0):,} bytes "
                     "stored for it")

@@ -53,8 +53,8 @@ def config_from_dict(data: dict) -> Config:
 def migrate_config_dict(data: Any) -> Any:
     """A saved config (config.yaml, a checkpoint's) in today's keys: `report: true` (report was a
     boolean before it had its own keys) becomes `report: {enabled: true}`, `threads: null` (what
-    auto was called before it had a name) `threads: auto`, and `parallel.mode` the mesh degrees of
-    its preset. A copy; anything else as it was."""
+    auto was called before it had a name) `threads: auto`, `parallel.mode` the mesh degrees of its
+    preset, and `model.activation_checkpointing: true/false` full/none. A copy; anything else as it was."""
     if not isinstance(data, dict):
         return data
     data = dict(data)
@@ -68,7 +68,23 @@ def migrate_config_dict(data: Any) -> Any:
         mode = parallel.pop("mode")
         parallel.update(LEGACY_PARALLEL_MODES.get(mode, {}))
         data["parallel"] = parallel
+    if isinstance(data.get("model"), dict):
+        data["model"] = migrate_model_dict(data["model"])
     return data
+
+
+def migrate_model_dict(model: Any) -> Any:
+    """A saved model section in today's keys: `activation_checkpointing: true/false` (a boolean before it
+    had modes) becomes full/none. A copy; anything else as it was."""
+    if not isinstance(model, dict) or not isinstance(model.get("activation_checkpointing"), bool):
+        return model
+    model = dict(model)
+    model["activation_checkpointing"] = LEGACY_CHECKPOINTING[model["activation_checkpointing"]]
+    return model
+
+
+# model.activation_checkpointing's old boolean values as today's modes.
+LEGACY_CHECKPOINTING = {True: "full", False: "none"}
 
 
 # parallel.mode (an older llmtrain's one key) as the degrees of today's presets.
@@ -83,7 +99,7 @@ def model_config_from_dict(data: dict) -> ModelConfig:
     from omegaconf.errors import OmegaConfBaseException
 
     try:
-        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), data))
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), migrate_model_dict(data)))
     except OmegaConfBaseException as err:
         raise ConfigError(describe_omegaconf_error(err)) from None
 
@@ -246,6 +262,11 @@ def _value_type_message(key: str, value: Any, typed: tuple[Any, bool, Any] | Non
     or_null = " or null" if optional else ""
     example = f", e.g. {key}={_shown(default).strip(chr(39))}" if default is not None else ""
     names = enum_names(tp)
+    if key == "model.activation_checkpointing" and isinstance(value, bool):  # its spelling before it had modes
+        return (f"{seen}, but it takes a mode now, not true/false: none (what false meant), full (what true meant: "
+                f"each checkpointed block keeps only its input and is recomputed whole in backward) or op (it keeps "
+                f"the matmul and attention outputs and recomputes the elementwise ops), e.g. "
+                f"{key}={LEGACY_CHECKPOINTING[value]}; model.checkpoint_every=k checkpoints every k-th block.")
     if names:
         close = difflib.get_close_matches(str(value), names, n=1)
         hint = f" Did you mean '{close[0]}'?" if close else ""

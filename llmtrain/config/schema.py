@@ -40,6 +40,12 @@ class MlpKind(str, Enum):
     swiglu = "swiglu"
 
 
+class ActivationCheckpointing(str, Enum):
+    none = "none"  # every block keeps what autograd saves
+    full = "full"  # a checkpointed block keeps only its input and is recomputed whole in backward
+    op = "op"  # a checkpointed block also keeps its matmul and attention outputs; the elementwise ops are recomputed
+
+
 # A plain string field (OmegaConf matches enums by member name, and "normal_0.02" is no name).
 INIT_SCHEMES = ("normal_0.02", "xavier", "kaiming")
 
@@ -61,6 +67,15 @@ class OptimizerName(str, Enum):
     adam = "adam"
     sgd = "sgd"
     adafactor = "adafactor"
+    adamw8bit = "adamw8bit"  # torchao's AdamW8bit: moments in 8 bits (the `ao` extra)
+    adamw4bit = "adamw4bit"  # torchao's AdamW4bit: moments in 4 bits (the `ao` extra)
+
+
+# AdamW with its moments quantized block-wise by torchao: AdamW (decoupled weight decay, betas, eps)
+# in every respect but the state's bytes.
+LOW_BIT_OPTIMIZERS = (OptimizerName.adamw8bit, OptimizerName.adamw4bit)
+# The optimizers with Adam's moments: betas and eps apply, the LR defaults follow the width.
+ADAM_FAMILY = (OptimizerName.adamw, OptimizerName.adam, *LOW_BIT_OPTIMIZERS)
 
 
 class ScheduleName(str, Enum):
@@ -197,7 +212,13 @@ class ModelConfig:
         None, "MLP hidden width in units; overrides mlp_ratio (and swiglu's 2/3 rule); null: from mlp_ratio.")
     rope_theta: float = _f(10000.0, "position=rope: the base of the rotation frequencies (longer contexts use larger).")
     norm_eps: float | None = _f(None, "Epsilon of every norm layer; null: 1e-5 for layernorm, 1e-6 for rmsnorm.")
-    activation_checkpointing: bool = _f(False, "Recompute each block in backward to save memory.")
+    activation_checkpointing: ActivationCheckpointing = _f(
+        ActivationCheckpointing.none, "Recompute blocks in backward to save memory: none; full (a block keeps only its "
+        "input, the whole block is recomputed: least memory, about a third more compute); op (a block keeps its "
+        "matmul and attention outputs, the elementwise ops are recomputed: saves less, costs less than full).")
+    checkpoint_every: int = _f(
+        1, "activation_checkpointing=full|op: checkpoint the blocks whose index (from 0) is a multiple of this: 1 "
+        "every block, 2 every other one (blocks 0, 2, 4, ...), trading memory for compute in between.")
     init: str = _f("normal_0.02", "Weight init: normal_0.02, xavier or kaiming.")
     init_std: float = _f(0.02, "Standard deviation of the normal init.")
     residual_init: ResidualInit = _f(
@@ -213,19 +234,23 @@ class ModelConfig:
 
 @dataclass
 class OptimConfig:
-    name: OptimizerName = _f(OptimizerName.adamw, "adamw, adam, sgd or adafactor.")
+    name: OptimizerName = _f(
+        OptimizerName.adamw, "adamw, adam, sgd, adafactor, or adamw8bit / adamw4bit (AdamW with 8-/4-bit moments "
+        "from torchao: pip install 'llmtrain[ao]').")
     lr: float | None = _f(
         None, "Peak learning rate (after warmup); null takes the default for this optimizer and model width "
-        "(adam/adamw: 3e-3 x min(1, 128 / n_embd), sgd 0.1, adafactor 1e-2).")
+        "(adam/adamw/adamw8bit/adamw4bit: 3e-3 x min(1, 128 / n_embd), sgd 0.1, adafactor 1e-2).")
     weight_decay: float = _f(
-        0.1, "Weight decay on matrices, never on biases or norms (decoupled for adamw, L2 for adam/sgd).")
+        0.1, "Weight decay on matrices, never on biases or norms (decoupled for adamw, adamw8bit and adamw4bit; L2 "
+        "for adam/sgd).")
     decay_embeddings: bool = _f(True, "Apply weight decay to embedding tables too (and to a head tied to them).")
-    beta1: float = _f(0.9, "Adam beta1, first-moment decay (adam, adamw).")
-    beta2: float = _f(0.95, "Adam beta2, second-moment decay (adam, adamw).")
-    eps: float = _f(1e-8, "Adam epsilon (adam, adamw).")
+    beta1: float = _f(0.9, "Adam beta1, first-moment decay (adam, adamw, adamw8bit, adamw4bit).")
+    beta2: float = _f(0.95, "Adam beta2, second-moment decay (adam, adamw, adamw8bit, adamw4bit).")
+    eps: float = _f(1e-8, "Adam epsilon (adam, adamw, adamw8bit, adamw4bit).")
     momentum: float = _f(0.9, "SGD momentum.")
     nesterov: bool = _f(False, "SGD Nesterov momentum.")
-    fused: bool | None = _f(None, "Fused kernel (adam, adamw); null uses it where torch supports it.")
+    fused: bool | None = _f(None, "Fused kernel (adam, adamw); null uses it where torch supports it. adamw8bit/4bit "
+                            "compile their own step: null or false.")
     clip_grad_norm: float | None = _f(1.0, "Clip the global gradient norm to this; null disables.")
     clip_grad_value: float | None = _f(None, "Clip each gradient element to +-value; excludes clip_grad_norm.")
     label_smoothing: float = _f(

@@ -28,6 +28,7 @@ from llmtrain.config.parallel_limits import PIPELINE_SCHEDULES, pipeline_problem
 from llmtrain.config.schema import (
     ALARM_NAMES,
     INIT_SCHEMES,
+    LOW_BIT_OPTIMIZERS,
     MAPPING_KEYS,
     CheckpointConfig,
     CheckpointFormat,
@@ -251,6 +252,9 @@ def _validate_model(m: ModelConfig) -> None:
             f"RoPE needs an even head dimension; n_embd/n_head = {m.n_embd // m.n_head}.",
         )
     _require(0.0 <= m.dropout < 1.0, f"'model.dropout' is {m.dropout}; valid range is 0 <= dropout < 1.")
+    _require(m.checkpoint_every >= 1,
+             f"'model.checkpoint_every' is {m.checkpoint_every}; use a positive integer: 1 checkpoints every block, k "
+             "the blocks whose index is a multiple of k (model.activation_checkpointing=full|op; none ignores it).")
     _require(
         m.init in INIT_SCHEMES,
         f"'model.init' is '{m.init}'; valid init schemes: {', '.join(INIT_SCHEMES)}.",
@@ -302,6 +306,37 @@ def _validate_optim(cfg: Config) -> None:
     )
     for key, value in [("optim.clip_grad_norm", o.clip_grad_norm), ("optim.clip_grad_value", o.clip_grad_value)]:
         _require(value is None or value > 0, f"'{key}' is {value}; use a positive threshold or null to disable.")
+    if o.name in LOW_BIT_OPTIMIZERS:
+        _validate_low_bit(cfg)
+
+
+def _validate_low_bit(cfg: Config) -> None:
+    """torchao's 8-/4-bit AdamW: installed, and in a layout whose parameters it can step (plain
+    tensors, or FSDP2's evenly sharded DTensors)."""
+    name, p = cfg.optim.name.value, cfg.parallel
+    _require(importlib.util.find_spec("torchao") is not None,
+             f"optim.name is {name}, which is torchao's low-bit AdamW, but the torchao package is not installed; "
+             "pip install 'llmtrain[ao]' (or pip install torchao), or use optim=adamw.")
+    _require(not cfg.optim.fused,
+             f"optim.fused=true, but {name} has no fused kernel: torchao compiles its own step; set optim.fused=null "
+             "(or false), or use optim=adamw for the fused kernel.")
+    # Measured with torch 2.13 and torchao 0.18: under tensor parallel the first checkpoint fails (gathering
+    # the quantized state needs aten.split, which torchao's state types lack); under pipeline parallel
+    # training and saving work but a resume fails (loading the stages' state needs aten.clone).
+    _require(p.tp == 1,
+             f"optim.name is {name}, which llmtrain cannot run under tensor parallel (parallel.tp={p.tp}): gathering "
+             "torchao's quantized optimizer state of split weights for a checkpoint fails; use optim=adamw, or shard "
+             "with parallel=fsdp instead.")
+    _require(p.pp == 1,
+             f"optim.name is {name}, which llmtrain cannot run under pipeline parallel (parallel.pp={p.pp}): its "
+             "checkpoints save, but torchao's quantized optimizer state cannot be loaded back into the stages, so the "
+             "run could never resume; use optim=adamw, or shard with parallel=fsdp instead.")
+    # FSDP2 gathering the quantized state whole for full files leaves unfinished collectives in it
+    # (AsyncCollectiveTensor), which torch.load(weights_only=True) refuses: every checkpoint unreadable.
+    _require(degrees_of(cfg).dp_shard == 1 or cfg.checkpoint.format is not CheckpointFormat.full,
+             f"optim.name is {name} with checkpoint.format=full under FSDP2 (parallel.dp_shard>1): gathering "
+             "torchao's quantized optimizer state into whole files writes checkpoints that cannot be loaded; use "
+             "checkpoint.format=auto (each rank writes its own shards, which resume exactly), or optim=adamw.")
 
 
 def _validate_schedule(s: ScheduleConfig, global_batch_size: int) -> None:

@@ -40,8 +40,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
+from llmtrain.checkpointing import run_block
 from llmtrain.config.parallel_limits import PIPELINE_SCHEDULES, pipeline_virtual_stages
 from llmtrain.data.sampler import IGNORE_INDEX
 
@@ -148,11 +148,8 @@ class StageModule(nn.Module):
             if self.is_first:
                 x = self._embed(x)
             rope = (self.rope_cos, self.rope_sin) if self.rope_cos is not None else None
-            for block in self.blocks.values():
-                if self.cfg.activation_checkpointing and self.training:
-                    x = checkpoint(block, x, rope, use_reentrant=False)
-                else:
-                    x = block(x, rope)
+            for index, block in self.blocks.items():  # keyed by the block's index in the whole model
+                x = run_block(block, x, rope, int(index), self.cfg, self.training)
             if self.is_last:
                 x = self.lm_head(self.norm_f(x))
         return x

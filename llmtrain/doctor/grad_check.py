@@ -1,4 +1,4 @@
-"""`llmtrain doctor grad-check`: gradients with activation checkpointing on and off, in fp32 and under
+"""`llmtrain doctor grad-check`: gradients with each activation checkpointing mode and without, in fp32 and under
 autocast, and accumulated over micro-batches as the train loop does against the whole batch at once."""
 
 from __future__ import annotations
@@ -9,11 +9,13 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from rich.console import Console
 
-from llmtrain.config.schema import Config, Precision
+from llmtrain.checkpointing import CheckpointPlan
+from llmtrain.config.schema import ActivationCheckpointing, Config, Precision
 from llmtrain.core.findings import Finding, Status
 from llmtrain.data.sampler import IGNORE_INDEX
 from llmtrain.doctor.bench import (
@@ -32,6 +34,7 @@ from llmtrain.doctor.bench import (
     write_json,
 )
 from llmtrain.engine.precision import autocast_factory, native_bf16, with_scaler
+from llmtrain.engine.step import Batch
 
 # ---------------------------------------------------------------------------------------------
 # grad-check
@@ -54,14 +57,14 @@ class GradCheckResult:
 def run_grad_check(
     cfg: Config, out_dir: Path, console: Console, build_model: ModelFactory | None = None
 ) -> GradCheckResult:
-    """(a) activation checkpointing on = off, (b) autocast close to fp32, (c) micro-batch accumulation
+    """(a) each activation checkpointing mode = none, (b) autocast close to fp32, (c) micro-batch accumulation
     as the train loop does it = the whole batch at once."""
     start = time.perf_counter()
     out_dir = prepare_out_dir(out_dir)
     bench = make_bench(cfg, console, build_model)
     console.print(f"[bold]doctor grad-check[/]: {cfg.model.name}, micro-batch {cfg.micro_batch_size} x {bench.seq_len} "
                   f"tokens, global batch {cfg.global_batch_size}, dropout {cfg.model.dropout:g}")
-    checks = [check_activation_checkpointing(bench), check_autocast(bench), *check_accumulation(bench)]
+    checks = [*check_activation_checkpointing(bench), check_autocast(bench), *check_accumulation(bench)]
     result = GradCheckResult(all(c.passed for c in checks), checks, time.perf_counter() - start)
     render_checks(checks, console, "grad-check")
     write_json(out_dir / "grad-check.json", result_record("grad-check", result))
@@ -69,46 +72,92 @@ def run_grad_check(
     return result
 
 
-def check_activation_checkpointing(bench: Bench) -> Check:
-    """Same weights, same batch and the same RNG seed before each forward (so the same dropout
-    masks: checkpointing replays the RNG state when it recomputes); fp32."""
-    plain = bench.model(activation_checkpointing=False)
-    ckpt = bench.model(activation_checkpointing=True)
-    ckpt.load_state_dict(plain.state_dict())
+def checkpointing_plans(bench: Bench) -> list[CheckpointPlan]:
+    """The checkpointing modes grad-check compares with none: full and op on every block, and the
+    config's own (with its checkpoint_every) where that is neither."""
+    plans = [CheckpointPlan(ActivationCheckpointing.full), CheckpointPlan(ActivationCheckpointing.op)]
+    own = CheckpointPlan.of(bench.cfg.model)
+    return plans + [own] if own.enabled and own not in plans else plans
+
+
+def check_activation_checkpointing(bench: Bench) -> list[Check]:
+    """Each checkpointing mode (checkpointing_plans) against none: same weights, same batch and the
+    same RNG seed before each forward (so the same dropout masks: checkpointing replays the RNG state
+    when it recomputes); fp32. Each reports the activation memory it keeps against none's."""
+    plain = bench.model(activation_checkpointing=ActivationCheckpointing.none)
     batch = bench.batch(bench.cfg.micro_batch_size)
-    grads, saved, losses = [], [], []
-    for model in (plain, ckpt):
-        torch.manual_seed(bench.seed)
-        with saved_activation_bytes() as counter:
-            losses.append(backward(model, [batch], bench.device))
-        saved.append(counter["bytes"])
-        grads.append(gradients(model))
-    diff = compare_gradients(grads[1], grads[0])
-    info = (f"worst parameter {diff.worst_param} ({diff.worst_rel_diff:.2e}); loss {losses[0]:.6f} off, "
-            f"{losses[1]:.6f} on; tensors saved for backward {saved[0] / 2**20:.1f} MiB off, "
-            f"{saved[1] / 2**20:.1f} MiB on")
-    if saved[1] >= saved[0]:  # not a wrong gradient, but the memory the user asked for is not saved
-        info += " -- checkpointing saved NO memory: the model ignores model.activation_checkpointing"
+    reference = _checkpointing_run(plain, batch, bench)
+    checks = []
+    for plan in checkpointing_plans(bench):
+        model = bench.model(activation_checkpointing=plan.mode, checkpoint_every=plan.every)
+        model.load_state_dict(plain.state_dict())
+        checks.append(_compare_checkpointing(plan, reference, _checkpointing_run(model, batch, bench)))
+    return checks
+
+
+def _checkpointing_run(model: torch.nn.Module, batch: Batch, bench: Bench) -> tuple[dict, int, float]:
+    """(gradients, activation bytes kept at the end of the forward, loss) of one micro-batch."""
+    torch.manual_seed(bench.seed)
+    with live_activation_bytes(model) as counter:
+        loss = backward(model, [batch], bench.device)
+    return gradients(model), counter["bytes"], loss
+
+
+def _compare_checkpointing(plan: CheckpointPlan, reference: tuple[dict, int, float],
+                           checked: tuple[dict, int, float]) -> Check:
+    diff = compare_gradients(checked[0], reference[0])
+    kept, plain = checked[1], reference[1]
+    saved = 1 - kept / plain if plain else 0.0
+    info = (f"worst parameter {diff.worst_param} ({diff.worst_rel_diff:.2e}); loss {reference[2]:.6f} none, "
+            f"{checked[2]:.6f} {plan.mode.value}; activations kept for backward {plain / 2**20:.1f} MiB none, "
+            f"{kept / 2**20:.1f} MiB {plan.label} ({saved:.0%} saved)")
+    if kept >= plain:  # not a wrong gradient, but the memory the user asked for is not saved
+        info += (f" -- {plan.label} saved NO memory: the model ignores model.activation_checkpointing (a custom "
+                 "model should run its blocks through llmtrain.checkpointing.run_block)")
     return Check(Finding(
-        "activation checkpointing on = off", Status.of(diff.finite and diff.rel_diff <= CHECKPOINT_TOL),
+        f"activation checkpointing {plan.label} = none", Status.of(diff.finite and diff.rel_diff <= CHECKPOINT_TOL),
         f"rel. diff {diff.rel_diff:.2e}", criterion=f"<= {CHECKPOINT_TOL:g} (fp32, same RNG)", details=[info],
         fix="the checkpointed path computes something else than the plain one: an argument not passed through "
         "checkpoint() (positions, RoPE tables, masks), a stateful forward (a counter, a cache) that changes when "
-        "recomputed, or the RNG not replayed (preserve_rng_state=False with dropout)",
-    ), {"gradients": diff.as_dict(), "losses": losses, "saved_activation_bytes": saved})
+        "recomputed, the RNG not replayed (preserve_rng_state=False with dropout), or (op only) an op whose saved "
+        "output is modified in place afterwards",
+    ), {"mode": plan.mode.value, "checkpoint_every": plan.every, "gradients": diff.as_dict(),
+        "losses": [reference[2], checked[2]], "activation_bytes": [plain, kept], "saved_fraction": saved})
 
 
 @contextlib.contextmanager
-def saved_activation_bytes() -> Iterator[dict[str, int]]:
-    """Bytes of the tensors autograd saves for backward inside the block (the activation memory)."""
+def live_activation_bytes(model: torch.nn.Module) -> Iterator[dict[str, int]]:
+    """Bytes of the tensors created inside the block that are still alive when `model`'s forward
+    returns: what autograd keeps for backward (and, under op checkpointing, the saved op outputs,
+    which autograd's saved-tensor hooks never see), plus the output itself. Every op's output
+    storage is tracked by a weak reference; the parameters are created before, so never counted."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    outputs: list[tuple[int, Any, int]] = []
     counter = {"bytes": 0}
 
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        counter["bytes"] += tensor.numel() * tensor.element_size()
-        return tensor
+    class Outputs(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            out = func(*args, **(kwargs or {}))
+            for tensor in tree_leaves(out):
+                if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
+                    storage = tensor.untyped_storage()
+                    outputs.append((storage.data_ptr(), storage._weak_ref(), storage.nbytes()))
+            return out
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        yield counter
+    def at_forward_end(*_: object) -> None:
+        alive = {ptr: size for ptr, ref, size in outputs if not torch.UntypedStorage._expired(ref)}
+        counter["bytes"] = sum(alive.values())  # by address: views and aliases of one storage count once
+
+    handle = model.register_forward_hook(at_forward_end)
+    try:
+        with Outputs():
+            yield counter
+    finally:
+        handle.remove()
+        for _, ref, _ in outputs:
+            torch.UntypedStorage._free_weak_ref(ref)
 
 
 def check_autocast(bench: Bench) -> Check:

@@ -27,7 +27,7 @@ from llmtrain.doctor.bench import (
     prepare_out_dir,
     write_json,
 )
-from llmtrain.engine.optim import build_optimizer, clip_gradients
+from llmtrain.engine.optim import build_optimizer, clip_gradients, set_lr
 from llmtrain.engine.precision import build_precision
 
 # ---------------------------------------------------------------------------------------------
@@ -114,7 +114,7 @@ def _sweep(
     for step in range(steps):
         lr = min_lr * (max_lr / min_lr) ** (step / (steps - 1))
         for group in optimizer.param_groups:
-            group["lr"] = lr
+            set_lr(group, lr)
         window = [sampler.next_batch() for _ in range(accum)]
         loss = backward(model, window, device, precision, cfg.optim.label_smoothing)
         precision.unscale(optimizer)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
+import warnings
+from typing import Any
 
 import torch
 from torch import nn
 
 from llmtrain.config.derived import default_lr
-from llmtrain.config.schema import OptimConfig, OptimizerName
+from llmtrain.config.schema import LOW_BIT_OPTIMIZERS, OptimConfig, OptimizerName
 from llmtrain.distributed.wrapping import local_value
 
 log = logging.getLogger(__name__)
@@ -43,6 +45,10 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device_type: str,
     if cfg.name is OptimizerName.adafactor:
         # Adafactor's own defaults for its two epsilons (the Adam-style optim.eps does not apply).
         return torch.optim.Adafactor(groups, lr=lr)
+    if cfg.name in LOW_BIT_OPTIMIZERS:
+        # torchao's default block sizes (256 for 8-bit, 128 for 4-bit); no fused flag: it compiles its own step.
+        cls = low_bit_optimizer_class(cfg.name)
+        return cls(groups, lr=lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
     cls = torch.optim.AdamW if cfg.name is OptimizerName.adamw else torch.optim.Adam
     kwargs = dict(lr=lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
     # Fused kernels step ~3x faster on CPU here and are the fastest path on CUDA.
@@ -54,6 +60,81 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device_type: str,
             if cfg.fused:
                 log.warning("fused %s unavailable here (%s); using the default implementation", cls.__name__, err)
     return cls(groups, **kwargs)
+
+
+def set_lr(group: dict, lr: float) -> None:
+    """Set a parameter group's LR in the form its optimizer holds it: torchao's low-bit optimizers
+    keep it as a 0-d tensor (their compiled step reads it without recompiling) and refuse a float
+    there, so it is filled in place; every other optimizer holds a float."""
+    current = group.get("lr")
+    if isinstance(current, torch.Tensor):
+        current.fill_(lr)
+    else:
+        group["lr"] = lr
+
+
+def low_bit_optimizer_class(name: OptimizerName) -> type[torch.optim.Optimizer]:
+    """torchao's AdamW8bit or AdamW4bit, imported on first use (torchao is the optional `ao` extra;
+    config validation refuses these optimizers without it)."""
+    optim = import_torchao_optim()
+    return optim.AdamW8bit if name is OptimizerName.adamw8bit else optim.AdamW4bit
+
+
+def import_torchao_optim() -> Any:
+    """torchao.optim; importing it also registers its optimizer-state tensor types with torch.load's
+    weights_only allowlist, which loading a checkpoint of these optimizers needs. Its import logs a
+    warning for each C++ extension it cannot load (CUDA kernels for formats llmtrain does not use)
+    and its first step warns about AOT caching; neither concerns the optimizer, so both are hushed."""
+    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        import torchao.optim as optim
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+    warnings.filterwarnings("ignore", message=r".*does not implement _stable_hash_for_caching")
+    return optim
+
+
+def requantize_state(optimizer: torch.optim.Optimizer) -> None:
+    """Put float moments back into torchao's quantized form, in place: a sharded checkpoint read whole
+    (in one process, checkpoint/shards.py read_full) hands them over dequantized, and a low-bit
+    optimizer would otherwise keep them in float32 for the rest of the run. Requantizing the signed
+    first moment is not bit-exact (within the quantization step); anything else is left as it is."""
+    new_buffer = getattr(optimizer, "_new_buffer", None)
+    if new_buffer is None or not type(optimizer).__module__.startswith("torchao."):
+        return
+    for param, state in optimizer.state.items():
+        for key, signed in (("exp_avg", True), ("exp_avg_sq", False), ("max_exp_avg_sq", False)):
+            value = state.get(key)
+            if not isinstance(value, torch.Tensor) or _is_quantized(value):
+                continue
+            quantized = new_buffer(param, signed)
+            if _is_quantized(quantized):
+                target = _local(quantized)
+                target.copy_(_local(value).to(target.device))
+                state[key] = quantized
+
+
+def dequantized(state_dict: dict) -> dict:
+    """An optimizer state_dict with torchao's quantized moments as float tensors (a shallow copy): torch
+    splits float tensors across FSDP2's ranks, not torchao's types (`requantize_state` undoes it)."""
+    state = {index: {key: value.dequantize() if _is_quantized(value) else value for key, value in entries.items()}
+             for index, entries in state_dict.get("state", {}).items()}
+    return {**state_dict, "state": state}
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard; any other tensor itself."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if to_local is not None else tensor
+
+
+def _is_quantized(tensor: torch.Tensor) -> bool:
+    """torchao's quantized optimizer state (OptimState8bit/4bit: codes and block scales), sharded or not."""
+    return hasattr(_local(tensor), "codes")
 
 
 def _default_lr_for(model: nn.Module, cfg: OptimConfig) -> float:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llmtrain.config.schema import Config, OptimizerName
+from llmtrain.config.schema import ADAM_FAMILY, Config, OptimizerName
 
 WARMUP_RESTART = "warmup_restart_step"  # not a config key: the step the repaired warmup began at
 
@@ -34,7 +34,7 @@ class Knob:
     on_config: bool = True  # False: the config keeps its value (the LR: lr_factor; the warmup: warmup_ramp)
 
 
-_ADAM = (OptimizerName.adam, OptimizerName.adamw)
+_ADAM = ADAM_FAMILY  # eps and beta2 are group settings of torchao's 8-/4-bit AdamW too
 KNOBS: dict[str, Knob] = {
     "optim.lr": Knob("optim", "lr", "lr", on_config=False),
     "optim.clip_grad_norm": Knob("optim", "clip_grad_norm", "clip"),

@@ -90,7 +90,7 @@ _KINDS = (
             "Pre-LN lets the gradient flow straight through the residual path: model.norm_position=pre",
             "Check that each block's output contains its input",
             "Fewer layers (e.g. model.n_layer=4) to see whether it improves",
-            "Rule out checkpointing: compare gradients with model.activation_checkpointing=false",
+            "Rule out checkpointing: compare gradients with model.activation_checkpointing=none",
         ),
         seed_ref="5.2; 7.2; 3.4; 2.3",
     ),

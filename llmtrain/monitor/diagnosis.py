@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmtrain.config.derived import default_lr, init_gain, resolved_warmup_steps, sane_lr_range
-from llmtrain.config.schema import Config, NormPosition, ResidualInit
+from llmtrain.config.schema import ADAM_FAMILY, Config, NormPosition, ResidualInit
 from llmtrain.core.findings import Finding
 from llmtrain.model_tensors import model_tensors
 
@@ -207,11 +207,15 @@ def clip_too_tight(f: RunFacts, s: Signals) -> Score:
     return (0.9 if ratio >= CLIP_TIGHT_RATIO else 0.3), evidence
 
 
+# RunFacts.optimizer is optim.name's value; torchao's 8-/4-bit AdamW divide by sqrt(v) + eps alike.
+_ADAM_NAMES = tuple(name.value for name in ADAM_FAMILY)
+
+
 def eps_too_large(f: RunFacts, s: Signals) -> Score:
     """Adam divides each update by sqrt(v) + eps, where sqrt(v) is about a gradient element's size:
     an epsilon as large as that element shrinks every update, whatever the LR says. The element's
     size is estimated from the largest recent (clipped) gradient norm spread over the parameters."""
-    if f.optimizer not in ("adam", "adamw") or f.n_params <= 0 or not math.isfinite(s.grad_norm_peak):
+    if f.optimizer not in _ADAM_NAMES or f.n_params <= 0 or not math.isfinite(s.grad_norm_peak):
         return None
     norm = s.grad_norm_peak if f.clip is None else min(s.grad_norm_peak, f.clip)
     element = norm / math.sqrt(f.n_params)
@@ -233,7 +237,7 @@ BETA2_LOW = 0.9
 def beta2_too_low(f: RunFacts, s: Signals) -> Score:
     """A short second-moment average follows each batch's gradient size: after a few batches of small
     gradients the denominator is small, and the next ordinary gradient makes an outsized update."""
-    if f.optimizer not in ("adam", "adamw") or f.beta2 >= BETA2_LOW:
+    if f.optimizer not in _ADAM_NAMES or f.beta2 >= BETA2_LOW:
         return None
     steps = 1 / max(1e-9, 1 - f.beta2)
     return (0.8 if f.beta2 < 0.5 else 0.6), (f"Adam beta2 {f.beta2:g} averages the squared gradients over only "

@@ -22,6 +22,7 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from llmtrain.config.schema import ActivationCheckpointing
 from llmtrain.plan.cost import LayoutCost, cost
 from llmtrain.plan.layouts import PRESETS, enumerate_layouts
 from llmtrain.plan.target import Target
@@ -232,8 +233,12 @@ def train_command(target: Target, rung: Rung, overrides: Sequence[str], config_d
         changes["parallel.tp"] = str(d.tp)
         if d.sequence_parallel != (kind == "fsdp+tp"):  # the fsdp_tp preset has it on, the tp one off
             changes["parallel.sequence_parallel"] = str(d.sequence_parallel).lower()
-    if rung.checkpointing != cfg.model.activation_checkpointing:
-        changes["model.activation_checkpointing"] = str(rung.checkpointing).lower()
+    # A rung's checkpointing is full on every block (its memory was estimated so), or none.
+    mode = ActivationCheckpointing.full if rung.checkpointing else ActivationCheckpointing.none
+    if mode is not cfg.model.activation_checkpointing:
+        changes["model.activation_checkpointing"] = mode.value
+    if rung.checkpointing and cfg.model.checkpoint_every != 1:
+        changes["model.checkpoint_every"] = "1"
     if c.batching.changed:
         changes["global_batch_size"] = str(c.batching.global_batch)
     if rung.smaller_micro:

@@ -13,12 +13,8 @@ and the peak is reached at the start of a backward pass. Gradients are part of i
 micro-batch of an accumulation window on (they persist across the window); with one micro-batch per
 step they are created while activations are freed, so only the larger of the two counts.
 
-Activations are counted per token from what each op saves for backward (validated against
-autograd's own saved-tensor hooks in the tests): per block the norm inputs and outputs, q/k/v and
-the attention output, the MLP's hidden pre- and post-activation, dropout masks, and the full
-(T x T) attention weights when the attention falls back to its math kernel (dropout on CPU). With
-activation checkpointing only each block's input is kept, plus the block being recomputed in
-backward, the gradients of its activations and the recompute's temporaries (about three blocks).
+Activations are counted per token from what each op saves for backward, with and without activation
+checkpointing: preflight/activations.py.
 
 Per-device layouts (`LayoutDegrees`; `estimate_layout` is the one estimate, `estimate_memory` its
 named layouts, the single device among them with every degree 1): DDP holds everything (and its
@@ -45,19 +41,17 @@ from pathlib import Path
 
 import torch
 
+from llmtrain.checkpointing import CheckpointPlan
 from llmtrain.config.derived import accumulation_steps, micro_batch_size_of, seq_len_of, total_steps
 from llmtrain.config.schema import (
+    CheckpointFormat,
     Config,
-    MlpKind,
-    NormKind,
-    NormPosition,
     OptimizerName,
-    PositionEncoding,
     Precision,
 )
-from llmtrain.model import mlp_width
 from llmtrain.model_tensors import model_tensors
 from llmtrain.monitor.probes import matmul_peak_flops, rss_mb
+from llmtrain.preflight.activations import activation_bytes_per_token, checkpoint_plan, checkpointed_activations
 
 MB = 2**20
 LAYOUTS = ("single", "ddp", "zero1", "fsdp")  # the named layouts of estimate_memory (the check's per-rank line)
@@ -85,13 +79,13 @@ class ModelShape:
     n_params: int  # unique parameters (tied weights once)
     n_matmul_params: int  # weights of Linear layers: the ones autocast casts
     n_embedding_params: int  # token + position tables
-    optimizer_state_elements: int
+    optimizer_state_elements: float  # float32 elements (low-bit state: its bytes / 4)
     flops_per_token: float
     largest_block_params: int
     n_layers: int
     n_buffer_elements: int = 0  # RoPE's tables: held whole by every rank, never trained
     block_matmul_params: int = 0  # one block's Linear weights: what tensor parallelism splits
-    block_optimizer_state_elements: int = 0  # one block's share of optimizer_state_elements
+    block_optimizer_state_elements: float = 0  # one block's share of optimizer_state_elements
     n_vocab_params: int = 0  # the token embedding and an untied head: what tensor parallelism splits by rows
 
     @property
@@ -138,76 +132,32 @@ def model_shape(cfg: Config, vocab_size: int) -> ModelShape:
     )
 
 
-def optimizer_state_elements(cfg: Config, shape: tuple[int, ...]) -> int:
-    """Elements of optimizer state one parameter of this shape carries."""
+# torchao's low-bit AdamW (torchao/optim/adam.py, subclass_8bit.py, subclass_4bit.py): a moment of a
+# tensor of at least 4096 elements that its block size divides is quantized: 8 or 4 bits a value, one
+# float32 scale per block (256 values for 8-bit, 128 for 4-bit) and a float32 lookup table per tensor
+# (256 or 16 entries). Smaller tensors keep float32 moments.
+LOW_BIT_MIN_ELEMENTS = 4096
+LOW_BIT_LAYOUT = {OptimizerName.adamw8bit: (8, 256, 256), OptimizerName.adamw4bit: (4, 128, 16)}  # bits, block, table
+
+
+def optimizer_state_elements(cfg: Config, shape: tuple[int, ...]) -> float:
+    """Optimizer state one parameter of this shape carries, in float32 elements (callers count 4
+    bytes each): a low-bit optimizer's quantized moments as their bytes / 4."""
     n = math.prod(shape)
     name = cfg.optim.name
     if name in (OptimizerName.adamw, OptimizerName.adam):
         return 2 * n  # first and second moments
+    if name in LOW_BIT_LAYOUT:
+        bits, block, table = LOW_BIT_LAYOUT[name]
+        if n < LOW_BIT_MIN_ELEMENTS or n % block:
+            return 2 * n
+        return 2 * (n * bits / 8 + 4 * (n // block + table)) / 4
     if name is OptimizerName.sgd:
         return n if cfg.optim.momentum > 0 else 0
     # Adafactor: a matrix keeps one row and one column of factored second moments; a vector all of it.
     if len(shape) >= 2:
         return math.prod(shape[:-1]) + math.prod(shape[:-2]) * shape[-1]
     return n
-
-
-def activation_bytes_per_token(cfg: Config, precision: Precision, device_type: str) -> dict[str, float]:
-    """Bytes autograd saves per token: one block (`block`), the part of it inside attention and the
-    MLP that tensor parallelism splits (`block_split`: everything but the norms and the residual
-    stream's dropout masks), a checkpointed block's input (`block_input`), and the embedding + head
-    (`head`, `head_transient`)."""
-    m = cfg.model
-    C, T, H = m.n_embd, seq_len_of(cfg), m.n_head
-    low = precision in (Precision.bf16, Precision.fp16)
-    a = 2 if low else 4  # matmul outputs (and the casts of norm outputs) under autocast
-    r = 4  # the residual stream stays fp32
-    hidden = mlp_width(m)
-    has_dropout = m.dropout > 0
-    norm_stats = 4 if m.norm is NormKind.rmsnorm else 8  # rstd (+ mean for LayerNorm), fp32, per token
-
-    # q, k, v (one storage) and the output (laid out (B, T, H, D), so the projection's input is a view
-    # of it), plus the log-sum-exp per head.
-    attention = 4 * C * a + 4 * H
-    if m.position is PositionEncoding.rope:
-        # rotate-half makes new q and k in fp32 (the fp32 cos/sin tables promote them), and SDPA
-        # keeps contiguous (and, under autocast, low-precision) copies of them: measured 16 bytes
-        # per channel in fp32, 14 under autocast.
-        attention += 14 * C if low else 16 * C
-    if has_dropout and device_type == "cpu":
-        # SDPA's fused CPU kernel has no dropout, so the math kernel runs (in fp32): it keeps the
-        # softmax weights, the dropout mask and the dropped weights, (T x T) per head, instead of
-        # the log-sum-exp, and its own copies of q/k/v (measured net: +3 channels under autocast,
-        # -2 fp32 channels in fp32, where the residual dropout masks are views it shares).
-        # A sliding window (model.sliding_window) does not shrink this: the math path materializes
-        # every (T x T) score, softmax weight and dropout-mask entry per head and zeroes the ones
-        # outside the window (a mask masks, it does not skip), so T, not min(T, window), counts here.
-        # The fused kernels keep the log-sum-exp per query either way; the band mask itself is one
-        # (T x T) bool tensor, shared by every layer and sequence. Measured with autograd's saved
-        # tensors (4x128, T 64, window 16): the same bytes per token with and without a window, on
-        # both kernels.
-        attention += 12 * H * T - 4 * H + (3 * C * a if low else -2 * C * 4)
-    mlp = (4 if m.mlp is MlpKind.swiglu else 2) * a * hidden  # MLP pre/post activation (gated: 4 tensors)
-    block = (
-        2 * (r * C + norm_stats)  # both norms keep their input
-        + 2 * a * C  # ... and their output (cast) feeds a matmul, which keeps it
-        + attention
-        + mlp
-        + (2 * C * a if has_dropout else 0)  # residual dropout masks (same dtype as the branch output)
-    )
-    V = cfg.model.vocab_size or 256
-    # final norm in/out, log-softmax output, targets; the embedding dropout mask (fp32 stream)
-    head = a * C + 4 * V + 8 + (4 * C if has_dropout else 0) + (4 * C if m.position is PositionEncoding.rope else 0)
-    if m.norm_position is not NormPosition.post:  # post-LN blocks end normalized: no final norm
-        head += r * C + norm_stats
-    # Backward of the loss: the gradient of the log-softmax input and of the logits (plus, under
-    # autocast, the low-precision one): measured 3x the logits' fp32 size with the saved output.
-    head_transient = 4 * V * 2 + (a * V if low else 0)
-    # Tensor parallelism (Megatron-style, without sequence parallelism) splits the heads and the MLP's
-    # hidden units: q/k/v, the attention output, its kernel's state and the MLP activations. The
-    # norms and the residual stream (and its dropout masks) stay whole on every rank.
-    return {"block": block, "block_split": attention + mlp, "block_input": r * C, "head": head,
-            "head_transient": head_transient}
 
 
 @dataclass(frozen=True)
@@ -265,10 +215,12 @@ class MemoryEstimate:
     allocator_slack: float
     per_sequence: float  # activation + transient bytes one more sequence of a micro-batch adds
     degrees: LayoutDegrees = field(default_factory=LayoutDegrees)
-    checkpointing: bool = False  # activation checkpointing: each block recomputed in backward
+    checkpointing: CheckpointPlan = field(default_factory=CheckpointPlan)  # which blocks are recomputed in backward
     # The part of `gradients` held the whole run: DDP's buckets, allocated when the model is wrapped.
     # The rest, the parameters' own gradients, is created during backward as activations are freed.
     gradient_buckets: float = 0.0
+    host_gather: float = 0.0  # the first process's whole-model copy for files (whole_model_gather)
+    early_gradients: float = 0.0  # the head's gradients (fsdp: the root unit's), created first in backward
 
     @property
     def working(self) -> float:
@@ -281,10 +233,16 @@ class MemoryEstimate:
     @property
     def peak(self) -> float:
         working = self.working
+        # Backward frees activations as it creates gradients, except the head's (fsdp: the root
+        # unit's), which come first, while every activation is still held.
         grads_alongside = self.gradients if self.accumulating else self.gradient_buckets + max(
-            0.0, self.gradients - self.gradient_buckets - working)
-        return (self.weights + self.optimizer + self.autocast_weights + working + grads_alongside
-                + self.runtime + self.data)
+            self.early_gradients, self.gradients - self.gradient_buckets - working)
+        training = (self.weights + self.optimizer + self.autocast_weights + working + grads_alongside
+                    + self.runtime + self.data)
+        # A save comes after a step: its gradients freed, but on CPU their memory stays with the
+        # process (glibc keeps the freed heap), and the gathered copy comes on top.
+        saving = self.weights + self.optimizer + self.gradients + self.runtime + self.data + self.host_gather
+        return max(training, saving) if self.host_gather else training
 
     def rows(self) -> list[tuple[str, float]]:
         return [
@@ -295,6 +253,7 @@ class MemoryEstimate:
              (self.allocator_slack - 1) * self.activations),
             ("runtime (Python, torch)", self.runtime),
             ("data pages", self.data),
+            *([("whole-model copy for files (first process)", self.host_gather)] if self.host_gather else []),
         ]
 
 
@@ -317,13 +276,15 @@ def estimate_memory(
 
 def estimate_layout(
     cfg: Config, shape: ModelShape, vocab_size: int, device_type: str, precision: Precision,
-    degrees: LayoutDegrees = LayoutDegrees(), checkpointing: bool | None = None, micro_batch_size: int | None = None,
+    degrees: LayoutDegrees = LayoutDegrees(), checkpointing: CheckpointPlan | bool | None = None,
+    micro_batch_size: int | None = None,
     accumulation: int | None = None, runtime_bytes: float = 0.0, data_bytes: float = 0.0,
 ) -> MemoryEstimate:
     """Memory of one device in the layout `degrees`, each data-parallel rank taking micro-batches of
     `micro_batch_size` sequences, `accumulation` of them per optimizer step (both by default from
     the config, over degrees.data_parallel ranks); `checkpointing` None: the config's
-    model.activation_checkpointing. With every degree 1 this is the single-device estimate.
+    model.activation_checkpointing and checkpoint_every, True/False (a plan's rung): full on every
+    block, or none. With every degree 1 this is the single-device estimate.
 
     Pipeline stages are taken at their heaviest: ceil(layers / pp) blocks, the embedding table (the
     first stage's) and the head with the logits (the last stage's, holding the table too when tied),
@@ -333,7 +294,7 @@ def estimate_layout(
     dp = d.data_parallel
     micro = micro_batch_size or micro_batch_size_of(cfg, dp)
     accum = accumulation if accumulation is not None else max(1, cfg.global_batch_size // (micro * dp))
-    ckpt = cfg.model.activation_checkpointing if checkpointing is None else checkpointing
+    ckpt = checkpoint_plan(cfg, checkpointing)
     T = seq_len_of(cfg)
     per_token = activation_bytes_per_token(_with_vocab(cfg, vocab_size), precision, device_type)
     low = precision in (Precision.bf16, Precision.fp16)
@@ -342,18 +303,23 @@ def estimate_layout(
 
     weights = 4.0 * share.params
     grads = 4.0 * share.params
+    root = share.params - share.layers * block  # outside the blocks: embeddings, final norm, head
+    head = 4.0 * vocab_size * cfg.model.n_embd / d.tp  # the head's gradient: first in backward
     buckets = 0.0
     opt = 4.0 * share.optimizer_state_elements
     autocast = 2.0 * share.matmul_params if low else 0.0
     if d.dp_shard > 1:
         # Sharded fp32 master weights, gradients and state; about two blocks gathered at a time
         # (the current one and the prefetched next) in the compute dtype, plus one block's gradients.
-        gathered = 2 * block * (2 if low else 4)
+        # The root unit (embeddings, final norm, head: distributed/wrapping.py) stays gathered from
+        # its forward to the end of backward, and its gradients are reduce-scattered last.
+        gathered = (2 * block + root) * (2 if low else 4)
         weights = weights / d.dp_shard + gathered
         opt = opt / d.dp_shard
         autocast = 0.0  # the gathered copies already are in the compute dtype
+        head = 4.0 * root  # the root unit's gradients, whole until its reduce-scatter at the end
         if accum == 1:
-            grads = grads / d.dp_shard + 4.0 * block
+            grads = grads / d.dp_shard + 4.0 * (block + root)
         # else: an accumulation window holds FSDP's reduce-scatter until its last micro-batch
         # (engine/step.py), and until then every rank keeps its unsharded gradients, in fp32 (FSDP2
         # accumulates them in the reduce dtype): as many as without sharding.
@@ -370,15 +336,12 @@ def estimate_layout(
     block_input = per_token["block_input"]
     if d.sequence_parallel:
         block_act, block_input = per_token["block"] / d.tp, block_input / d.tp
-    if ckpt:
-        # every block's input, plus, in backward, the block being recomputed, the gradients of its
-        # activations and the recompute's own temporaries: about three blocks' worth (measured
-        # 3.3-3.6x on CPU for 4 and 6 blocks of 384 wide), for the one micro-batch in backward
-        kept, recomputing = share.layers * block_input, 3 * block_act
-    else:
-        kept, recomputing = share.layers * block_act, 0.0
+    kept, recomputing = checkpointed_activations(ckpt, share.layers, block_act, block_input, per_token, d.tp, d.pp,
+                                                 device_type)
     in_flight = min(d.pp, accum)  # a pipeline stage keeps the micro-batches it has not run backward on
-    per_sequence_act = T * (in_flight * kept + recomputing + per_token["head"])
+    # the heavier of a pipeline's first stage (micro-batches in flight, no head) and its last (one,
+    # and the head's); without stages both terms are the one device's
+    per_sequence_act = T * (max(in_flight * kept, kept + per_token["head"]) + recomputing)
     per_sequence_transient = T * per_token["head_transient"]
     slack = ALLOCATOR_SLACK.get(device_type, DEFAULT_ALLOCATOR_SLACK)
     return MemoryEstimate(
@@ -387,7 +350,29 @@ def estimate_layout(
         loss_transients=micro * per_sequence_transient, runtime=runtime_bytes, data=data_bytes,
         accumulating=accum > 1, allocator_slack=slack, per_sequence=per_sequence_act * slack + per_sequence_transient,
         degrees=d, checkpointing=ckpt, gradient_buckets=buckets,
+        host_gather=whole_model_gather(cfg, shape, d) if device_type == "cpu" else 0.0, early_gradients=head,
     )
+
+
+def whole_model_gather(cfg: Config, shape: ModelShape, d: LayoutDegrees) -> float:
+    """Bytes the first process gathers to write whole-model files when the layout splits the model:
+    the final weights (for `sample` and `export`), and under full-format checkpoints (tensor or
+    pipeline parallel, or fsdp with checkpoint.format=full) the weights and optimizer state at every
+    save, tensor parallel's q/k/v rows reordered in a copy of each (the weight and each moment).
+    These land in host memory: part of the device's only on CPU. A pipeline's first process already
+    holds its own stage, counted once (about 1/pp of the whole)."""
+    if d.dp_shard == 1 and d.tp == 1 and d.pp == 1:
+        return 0.0  # every process holds the whole model: the files are written from it, no copy
+    weights, state = 4.0 * shape.n_params, 4.0 * shape.optimizer_state_elements
+    full_files = d.tp > 1 or d.pp > 1 or cfg.checkpoint.format is CheckpointFormat.full
+    saves = cfg.checkpoint.final or cfg.checkpoint.every_steps or cfg.checkpoint.every_minutes
+    gathered = weights + (state if full_files and saves else 0.0)
+    if d.tp > 1:
+        m = cfg.model
+        kv_width = m.n_embd * (m.n_kv_head or m.n_head) // m.n_head
+        qkv = shape.n_layers * m.n_embd * (m.n_embd + 2 * kv_width)
+        gathered += 4.0 * qkv * (1 + (2 if full_files and saves else 0))
+    return gathered * (1 - 1 / d.pp) if d.pp > 1 else gathered
 
 
 @dataclass(frozen=True)

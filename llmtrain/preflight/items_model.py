@@ -16,6 +16,7 @@ from llmtrain.config.derived import (
     init_gain,
 )
 from llmtrain.config.schema import (
+    ActivationCheckpointing,
     Config,
     HeadInit,
     NormPosition,
@@ -84,7 +85,7 @@ def verify_train_eval_modes(cfg: Config) -> list[str]:
     small.n_embd = 16 * small.n_head
     small.n_kv_head, small.intermediate_size, small.init_from = None, None, None
     small.dropout = max(cfg.model.dropout, 0.1)  # something to switch on and off
-    small.activation_checkpointing = False
+    small.activation_checkpointing = ActivationCheckpointing.none
     # The mode switching is under test, not the init: a zero head or zero residual branches would
     # make every output equal whether dropout is on or not.
     small.init, small.init_std, small.residual_init = "normal_0.02", 0.02, ResidualInit.scaled

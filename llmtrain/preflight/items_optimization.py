@@ -19,8 +19,8 @@ from llmtrain.config.derived import (
     world_size_of,
 )
 from llmtrain.config.schema import (
+    ADAM_FAMILY,
     Config,
-    OptimizerName,
 )
 from llmtrain.core.findings import Finding, Status
 from llmtrain.engine.schedule import final_lr, held_lr_text
@@ -115,7 +115,7 @@ def check_learning_rate(cfg: Config, facts: Facts) -> Finding:
     scaled = f", {cfg.schedule.lr_scaling.value}-scaled from {cfg.optim.lr:g}" if lr != cfg.optim.lr else ""
     seen = f"{lr:g} ({name}{scaled})"
     why = "Too high diverges (NaN after warmup); too low stalls. The sane range depends on the optimizer and the width."
-    adam_like = cfg.optim.name in (OptimizerName.adamw, OptimizerName.adam)
+    adam_like = cfg.optim.name in ADAM_FAMILY
     # The fix is what optim.lr=null would give (the same function sets the default), undoing lr_scaling.
     fix = f"optim.lr={round_lr(default_lr(cfg.optim.name, cfg.model.n_embd) * cfg.optim.lr / lr)}"
     if (adam_like and lr >= 0.05) or (not adam_like and lr >= 10 * high):

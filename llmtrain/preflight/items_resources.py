@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 
 from llmtrain.config.schema import (
+    ActivationCheckpointing,
     Config,
     OptimizerName,
     Precision,
@@ -45,23 +46,28 @@ def memory_fixes(cfg: Config, facts: Facts) -> str:
     if micro is not None and micro < cfg.micro_batch_size:
         accum = cfg.global_batch_size // micro
         fixes.append(f"micro_batch_size={micro} (accumulation {accum} keeps the global batch {cfg.global_batch_size})")
-    if not cfg.model.activation_checkpointing:
-        alt = copy.deepcopy(cfg)
-        alt.model.activation_checkpointing = True
+    if (cfg.model.activation_checkpointing, cfg.model.checkpoint_every) != (ActivationCheckpointing.full, 1):
+        alt = copy.deepcopy(cfg)  # the most it saves: every block keeps only its input
+        alt.model.activation_checkpointing, alt.model.checkpoint_every = ActivationCheckpointing.full, 1
         peak = estimate_memory(alt, facts.shape, facts.vocab_size, facts.device.type, facts.precision, **common).peak
-        fixes.append(f"model.activation_checkpointing=true (peak {format_bytes(peak)})")
+        every = " model.checkpoint_every=1" if cfg.model.checkpoint_every != 1 else ""
+        fixes.append(f"model.activation_checkpointing=full{every} (peak {format_bytes(peak)})")
     if cfg.optim.name in (OptimizerName.adamw, OptimizerName.adam):
         fixes.append(f"optim=adafactor (factored state: {format_bytes(mem.optimizer)} -> "
-                     f"{format_bytes(_adafactor_state_bytes(cfg, facts))})")
+                     f"{format_bytes(_state_bytes_with(cfg, facts, OptimizerName.adafactor))})")
+    if cfg.optim.name is OptimizerName.adamw:  # the same AdamW, its moments in 8 bits (a GPU saving, not a CPU one)
+        fixes.append(f"optim=adamw8bit (8-bit moments: {format_bytes(mem.optimizer)} -> "
+                     f"{format_bytes(_state_bytes_with(cfg, facts, OptimizerName.adamw8bit))}; "
+                     "pip install 'llmtrain[ao]')")
     if facts.device.type == "cuda" and facts.precision is Precision.fp32:
         fixes.append("precision=auto (halves activations)")
     fixes.append("or shard weights/state across devices (ZeRO/FSDP)")
     return "; ".join(fixes)
 
 
-def _adafactor_state_bytes(cfg: Config, facts: Facts) -> float:
+def _state_bytes_with(cfg: Config, facts: Facts, name: OptimizerName) -> float:
     alt = copy.deepcopy(cfg)
-    alt.optim.name = OptimizerName.adafactor
+    alt.optim.name = name
     return 4.0 * model_shape(alt, facts.vocab_size).optimizer_state_elements
 
 

@@ -14,7 +14,7 @@ from llmtrain.config.derived import (
     micro_batch_size_derived,
     resolved_warmup_steps,
 )
-from llmtrain.config.schema import Config, Precision, SeqLenKeep
+from llmtrain.config.schema import LOW_BIT_OPTIMIZERS, Config, Precision, SeqLenKeep
 from llmtrain.engine.schedule import final_lr, held_lr_text, lr_at
 from llmtrain.engine.state import TrainState
 from llmtrain.preflight.estimate import ComputeEstimate, estimate_compute, format_seconds
@@ -31,6 +31,7 @@ def print_banner(context: Context, plan: Plan, module: TrainModule, state: Train
     optimizer, seq_len, resumed = module.optimizer, plan.seq_len, context.resume_from is not None
     accum, total_steps, peak_lr = plan.accumulation_steps, plan.total_steps, plan.effective_lr
     estimate = run_estimate(context)
+    compiles = cfg.optim.name in LOW_BIT_OPTIMIZERS  # torchao compiles its optimizer step on first use
     scaled = "" if peak_lr == cfg.optim.lr else (
         f" -> {peak_lr:g} ({cfg.schedule.lr_scaling.value} scaling from batch {cfg.schedule.reference_batch_size} "
         f"to {cfg.global_batch_size})")
@@ -52,7 +53,8 @@ def print_banner(context: Context, plan: Plan, module: TrainModule, state: Train
                       f"{plan.total_micro_batches * cfg.micro_batch_size * seq_len * layout.dp_size:,} tokens"),
             *([("time", time_text(estimate, total_steps - state.step, total_steps))] if estimate else []),
             ("optimizer", f"{cfg.optim.name.value} lr {describe_lr(cfg)}{scaled}, {type(optimizer).__name__}"
-                          f"{' (fused)' if optimizer.defaults.get('fused') else ''}"),
+                          f"{' (fused)' if optimizer.defaults.get('fused') else ''}"
+                          f"{'; its step compiles during step 1 (once: ~30-40 s on CPU)' if compiles else ''}"),
             ("device", f"{device}, {runtime.precision.name.value}"
                        f"{' (auto)' if cfg.precision.name is Precision.auto else ''}, "
                        f"{threads_text(runtime.threads, layout.world_size, runtime.threads_reason)}, "

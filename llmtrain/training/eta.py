@@ -33,8 +33,12 @@ class StepClock:
     """Step durations in, seconds per step and time left out. `clock` is injectable (tests)."""
 
     def __init__(self, total_steps: int, estimate_s: float | None = None,
-                 clock: Callable[[], float] = time.perf_counter, recent: int = RECENT_STEPS) -> None:
+                 clock: Callable[[], float] = time.perf_counter, recent: int = RECENT_STEPS,
+                 first_step_compiles: bool = False) -> None:
         self.total_steps, self.estimate_s, self.clock = total_steps, estimate_s, clock
+        # The first step compiles the optimizer's step (optim=adamw8bit/4bit: ~40 s on CPU): its time
+        # says nothing of the steps after it, so until a second step ends the ETA is the estimate's.
+        self.first_step_compiles = first_step_compiles
         self.recent: deque[float] = deque(maxlen=recent)
         self.begin(0)
 
@@ -74,7 +78,8 @@ class StepClock:
         before that the first step's time, or the estimate, not measured (None: nothing to go by)."""
         if self.recent:
             return sum(self.recent) / len(self.recent), True
-        return (self.first_s if self.first_s is not None else self.estimate_s), False
+        first = None if self.first_step_compiles else self.first_s
+        return (first if first is not None else self.estimate_s), False
 
     def remaining_s(self) -> float | None:
         per_step, _ = self.per_step()

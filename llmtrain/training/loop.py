@@ -49,6 +49,7 @@ from llmtrain.core import files
 from llmtrain.core.errors import Interrupted, RunStopped
 from llmtrain.core.files import Kind
 from llmtrain.distributed.layout import all_reduce_sum, barrier, broadcast_from_main, end_process_group, layout_from_env
+from llmtrain.engine.optim import set_lr as set_group_lr
 from llmtrain.engine.repairs import lr_factor
 from llmtrain.engine.schedule import lr_at
 from llmtrain.engine.state import TrainResult, TrainState
@@ -163,7 +164,7 @@ def set_lr(run: Run, step: int, state: TrainState) -> tuple[float, float]:
         lr_schedule *= lr_factor(state.repairs, step, cfg.optim.lr or 0.0)
     lr = lr_schedule * state.lr_scale
     for group in run.module.optimizer.param_groups:
-        group["lr"] = lr
+        set_group_lr(group, lr)
     return lr_schedule, lr
 
 
@@ -213,7 +214,7 @@ def health_verdict(run: Run, state: TrainState, step: int, finite: bool, loss: t
     if not (finite and monitor.is_check(step)):
         monitor.skip_check()
         return Outcome(Decision.APPLY, state)
-    alarms = monitor.check(step, loss, grad_norm, run.module.optimizer.param_groups[0]["lr"], lr_schedule,
+    alarms = monitor.check(step, loss, grad_norm, float(run.module.optimizer.param_groups[0]["lr"]), lr_schedule,
                            state.tokens + window_tokens, run.module.precision.loss_scale())
     alarms = broadcast_from_main(alarms, run.context.layout)  # every rank acts on rank 0's verdicts
     return run.loop.recovery.on_alarms(alarms, state)

@@ -12,7 +12,7 @@ from rich.markup import escape
 
 from llmtrain.checkpoint.layout import Checkpoint
 from llmtrain.checkpoint.policy import Checkpointer, RankAgreement, SavedObjects
-from llmtrain.config.schema import Precision
+from llmtrain.config.schema import LOW_BIT_OPTIMIZERS, Precision
 from llmtrain.core.files import Kind
 from llmtrain.distributed.cores import CoreMeter
 from llmtrain.distributed.layout import all_reduce_sum, broadcast_from_main, local_world_size
@@ -71,7 +71,8 @@ def build_loop_parts(context: Context, plan: Plan, module: TrainModule, batches:
     stages = SeqLenStages(stages=plan.seq_len_stages, sampler=batches.train, dashboard=dashboard, metrics=metrics,
                           processes_per_step=plan.accumulation_steps * layout.dp_size)
     estimate = run_estimate(context)
-    eta = StepClock(plan.total_steps, estimate.step_seconds if estimate else None)
+    eta = StepClock(plan.total_steps, estimate.step_seconds if estimate else None,
+                    first_step_compiles=cfg.optim.name in LOW_BIT_OPTIMIZERS)
     runtime = context.runtime
     # Rank 0 speaks for the run: it alone watches tokens/s, and measures how busy the cores are for the warning's words.
     slowdown = (SlowdownWatch(warn, metrics, runtime.threads, CoreMeter(),

@@ -49,8 +49,9 @@ def memory(records: Records) -> Verdict:
         why = "little headroom" if share > MEMORY_HEADROOM_WARN else "memory grew steadily (leak alarm)"
         return Verdict("memory", Finding(
             question, WARN, f"{why}: peak {peak:,.0f} of {total:,.0f} MB ({share:.0%}) on {device}. A longer sequence "
-            "or a larger batch may not fit: activation checkpointing (model.activation_checkpointing=true), a smaller "
-            "micro_batch_size with accumulation, or bf16 cut it.", details=details), ["memory.png"])
+            "or a larger batch may not fit: activation checkpointing (model.activation_checkpointing=full, or op for "
+            "less recompute), a smaller micro_batch_size with accumulation, or bf16 cut it.", details=details),
+            ["memory.png"])
     return Verdict("memory", Finding(
         question, OK, f"peak {peak:,.0f} of {total:,.0f} MB ({share:.0%}) on {device}; {total - peak:,.0f} MB "
         "headroom.", details=details), ["memory.png"])
