@@ -134,6 +134,14 @@ def test_a_gpt_model_trains_under_every_model_parallel_layout_like_one_process(t
          "interleaved": [*PP, "parallel.pp_schedule=interleaved_1f1b"], "fsdp_tp": FSDP_TP_4, "fsdp_pp": FSDP_PP_4})
 
 
+def test_clipping_by_value_under_split_layouts_clips_like_one_process(tmp_path: Path) -> None:
+    """optim.clip_grad_value clamps each gradient element: tensor-parallel shards, pipeline stages
+    and FSDP2 shards of a stage clamp their own elements, as one process clamps all of them."""
+    assert_layouts_train_like_one_process(
+        tmp_path, ["model.n_layer=4", "optim.clip_grad_norm=null", "optim.clip_grad_value=0.01"],
+        {"tp": TP, "fsdp_pp": FSDP_PP_4})
+
+
 def test_a_llama_family_model_trains_under_tensor_parallel_like_one_process(tmp_path: Path) -> None:
     """Grouped-query attention (4 query heads sharing 2 key/value heads, 1 of each per rank), RoPE,
     RMSNorm, SwiGLU, an untied head; the vocabulary padded to a multiple of tp."""
