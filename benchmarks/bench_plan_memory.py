@@ -4,6 +4,7 @@ processes under fsdp, tp and pp, and 3 under tp (tp3, for smollm_135m's 9 heads)
 
     python benchmarks/bench_plan_memory.py                                  # every model x layout
     python benchmarks/bench_plan_memory.py --models gpt2 --layouts single,fsdp --seq 512 --json out.json
+    python benchmarks/bench_plan_memory.py --models gpt2 --layouts fsdp,tp,pp --seq 128 --override model.n_layer=2
 
 Each case is a 2-step run (the second step holds the optimizer's state, so it reaches the peak) of
 the model at its own shape with a vocabulary of 50,304 (GPT-2's, padded) unless the model sets its
@@ -63,7 +64,7 @@ with open(os.path.join(args["out"], f"peak{record['rank']}.json"), "w") as f:
 """
 
 
-def run_case(model: str, layout: str, seq: int | None, micro: int, workdir: Path) -> dict:
+def run_case(model: str, layout: str, seq: int | None, micro: int, workdir: Path, extra: list[str]) -> dict:
     nproc, layout_overrides, degrees = LAYOUTS[layout]
     out = workdir / f"{model}_{layout}"
     out.mkdir(parents=True, exist_ok=True)
@@ -79,6 +80,7 @@ def run_case(model: str, layout: str, seq: int | None, micro: int, workdir: Path
         overrides.append(f"model.vocab_size={GPT2_VOCAB}")
     if seq is not None:
         overrides.append(f"model.block_size={seq}")
+    overrides += extra
     threads = max(1, (os.cpu_count() or 2) // nproc)
     payload = json.dumps({"overrides": overrides, "devices": nproc, "degrees": degrees, "threads": threads,
                           "out": str(out)})
@@ -106,13 +108,15 @@ def main() -> None:
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
     parser.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: the model's context)")
     parser.add_argument("--micro", type=int, default=1, help="sequences per micro-batch")
+    parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                        help="a further override of every case (repeatable), e.g. model.n_layer=2")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     results = []
     with tempfile.TemporaryDirectory(prefix="bench_plan_memory_") as tmp:
         for model in args.models.split(","):
             for layout in args.layouts.split(","):
-                result = run_case(model, layout, args.seq, args.micro, Path(tmp))
+                result = run_case(model, layout, args.seq, args.micro, Path(tmp), args.override)
                 results.append(result)
                 if "error" in result:
                     print(f"{model:12} {layout:7} FAILED: {' | '.join(result['error'])}", flush=True)

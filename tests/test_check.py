@@ -99,7 +99,7 @@ def test_memory_warns_near_the_budget_and_suggests_a_fitting_micro_batch(tmp_pat
     row = run_check(cfg, measure_compute=False).row("memory")
     assert row.status is Status.FAIL
     assert "micro_batch_size=" in row.fix and "keeps the global batch 128" in row.fix
-    assert "activation_checkpointing=full" in row.fix
+    assert "(peak " in row.fix and "preset=memory_saver applies the first" in row.fix  # tests/test_memory_savers.py
 
 
 def test_train_mode_check_catches_an_evaluate_that_leaves_eval_mode(tmp_path: Path, monkeypatch) -> None:
@@ -147,6 +147,7 @@ def test_presets_compose_together_and_command_line_wins() -> None:
     cfg = compose_config(["preset=[stable,fast]", "optim.clip_grad_norm=2.0"])
     assert cfg.precision.name is Precision.auto and cfg.optim.fused is True and cfg.optim.clip_grad_norm == 2.0
     assert compose_config(["preset=memory_saver", "micro_batch_size=8"]).micro_batch_size == 8
+    assert compose_config(["preset=memory_saver", "memory_saver=false"]).memory_saver is False
 
 
 def test_stable_preset_passes_every_item() -> None:

@@ -207,6 +207,14 @@ def test_option_composes_converts_and_builds(group: str, option: str, tmp_path: 
 
         assert cfg.eval.tasks == [] and parse_task_specs(cfg.eval.tasks) == []
         assert cfg.eval.batch_size >= 1 and cfg.eval.truncate
+    elif group == "finetune":
+        from llmtrain.lora import apply_lora
+
+        model = GPT(TINY_MODEL, vocab_size=32)
+        if option == "lora":
+            assert apply_lora(model, cfg.finetune) > 0
+            assert cfg.optim.lr == 2e-4  # the adapters' default LR, not the width's
+        assert any(p.requires_grad for p in model.parameters())
     else:
         assert group == "parallel"
         p = cfg.parallel

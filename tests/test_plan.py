@@ -68,7 +68,7 @@ def test_fsdp_divides_weights_gradients_and_optimizer_state_by_the_shard_count()
     assert fsdp.weights == pytest.approx(single.weights / 8 + 2 * (2 * block + root), rel=1e-6,
                                          abs=4 * shape.n_buffer_elements)
     assert fsdp.gradients == pytest.approx(single.gradients / 8 + 4 * (block + root))
-    assert fsdp.early_gradients == 4 * root  # the root unit's, first in backward
+    assert fsdp.early_gradients == 3 * 4 * root  # the root unit's, first in backward (three copies)
     assert fsdp.optimizer == pytest.approx(single.optimizer / 8)
     assert fsdp.activations == single.activations  # the same micro-batch: sharding keeps every activation
     # an accumulation window holds the reduce-scatter: every rank keeps whole fp32 gradients until its end

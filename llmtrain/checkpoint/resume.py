@@ -20,6 +20,8 @@ SHAPE_KEYS = (
     "model.intermediate_size", "model.rope_theta", "model.norm_eps", "model.norm_position",
     "data.source", "data.path", "data.tokenizer", "data.bpe_vocab_size", "data.text_field", "data.sampling",
     "data.hf_name", "data.hf_config", "data.hf_split", "optim.name", "optim.decay_embeddings",
+    # what trains, and the adapters' shapes and meaning (their saved scaling is alpha / rank)
+    "finetune.method", "finetune.rank", "finetune.alpha", "finetune.targets",
 )
 
 

@@ -46,6 +46,10 @@ def validate_overrides(
             from llmtrain.preflight.check import CheckFailed, run_check
             from llmtrain.preflight.render import check_command_line, render_refusal
 
+            if cfg.memory_saver:  # the check judges the config train will run: with the preset's saver applied
+                from llmtrain.preflight.savers import apply_memory_saver
+
+                cfg = apply_memory_saver(cfg)[0]
             report = run_check(cfg, measure_compute=False)
             if report.failures and not cfg.allow_check_failures:
                 from llmtrain.core.console import default_console

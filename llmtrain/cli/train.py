@@ -251,8 +251,11 @@ def _run_task(node, describe: Callable[[Path], None]) -> float | None:
     from llmtrain.config.hydra import to_config
     from llmtrain.hf.init import apply_init_from, explicit_keys
 
+    applied: dict[str, str] = {}  # the memory_saver preset's overrides, once applied: part of the run's config
+
     def resume_hint(run_dir: object) -> str:
         overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith(("hydra.run.dir=", "out_dir="))]
+        overrides += [f"{key}={value}" for key, value in applied.items()]
         command = shlex.join(["llmtrain", "train", *overrides, f"hydra.run.dir={run_dir}"])
         return f"To resume exactly where it stopped, run:\n  {command}"
 
@@ -261,6 +264,7 @@ def _run_task(node, describe: Callable[[Path], None]) -> float | None:
         cfg = to_config(node, resolve=lambda c: apply_init_from(c, explicit_keys(HydraConfig.get().overrides.task)))
         if cfg.out_dir is None:
             cfg.out_dir = HydraConfig.get().runtime.output_dir
+        cfg = _apply_memory_saver(cfg, applied)  # before any rank starts: every rank gets the same config
         if cfg.parallel.nproc > 1 and not os.environ.get("WORLD_SIZE"):
             return _train_on_local_ranks(cfg, resume_hint, describe)
         from llmtrain.training.loop import train
@@ -277,6 +281,21 @@ def _run_task(node, describe: Callable[[Path], None]) -> float | None:
     if result.val_losses:
         return result.final_val_loss
     return result.train_losses[max(result.train_losses)] if result.train_losses else None
+
+
+def _apply_memory_saver(cfg: Config, applied: dict[str, str]) -> Config:
+    """memory_saver=true (preset=memory_saver): the config with the cheapest saver that fits this
+    device applied (preflight/savers.py), and its one line printed; the overrides go into `applied`
+    for the resume command. Under torchrun, rank 0 prints."""
+    if not cfg.memory_saver:
+        return cfg
+    from llmtrain.preflight.savers import apply_memory_saver
+
+    cfg, line, overrides = apply_memory_saver(cfg)
+    applied.update(overrides)
+    if line and os.environ.get("RANK", "0") == "0":
+        print(line, flush=True)
+    return cfg
 
 
 def _train_on_local_ranks(cfg: Config, resume_hint: Callable[[object], str],

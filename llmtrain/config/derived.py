@@ -8,6 +8,7 @@ import math
 import os
 from dataclasses import dataclass
 
+from llmtrain.config.finetune import LORA_ADAM_LR, is_lora
 from llmtrain.config.schema import (
     Config,
     DataConfig,
@@ -207,6 +208,21 @@ def default_lr(name: OptimizerName, n_embd: int) -> float:
     return ADAM_LR_AT_WIDTH_128 * min(1.0, 128 / n_embd)
 
 
+def run_default_lr(cfg: Config) -> float:
+    """optim.lr=null's LR for this run: LoRA adapters' own (config/finetune.py LORA_ADAM_LR, for the
+    Adam family; SGD and Adafactor keep their fixed defaults), else `default_lr` for the width."""
+    if is_lora(cfg) and cfg.optim.name not in FIXED_DEFAULT_LR:
+        return LORA_ADAM_LR
+    return default_lr(cfg.optim.name, cfg.model.n_embd)
+
+
+def run_lr_range(cfg: Config) -> tuple[float, float]:
+    """`sane_lr_range` around this run's default (LoRA's adapters: around LORA_ADAM_LR)."""
+    if is_lora(cfg) and cfg.optim.name not in FIXED_DEFAULT_LR:
+        return LORA_ADAM_LR / 30, LORA_ADAM_LR * 3
+    return sane_lr_range(cfg.optim.name, cfg.model.n_embd)
+
+
 def init_gain(m: ModelConfig) -> float:
     """Fan-in x weight variance of the init: a layer's output variance on unit-variance inputs
     (far above 1 explodes layer by layer, far below vanishes). The pre-flight check and the health
@@ -233,7 +249,7 @@ def resolve_lr(cfg: Config) -> None:
     when the config is validated after a change of width or optimizer; an explicit one is kept."""
     if cfg.optim.lr is not None and not lr_defaulted(cfg):
         return
-    cfg.optim.lr = default_lr(cfg.optim.name, cfg.model.n_embd)
+    cfg.optim.lr = run_default_lr(cfg)
     setattr(cfg.optim, _LR_DEFAULT, cfg.optim.lr)
 
 
@@ -249,6 +265,8 @@ def describe_lr(cfg: Config) -> str:
     lr = f"{cfg.optim.lr:g}"
     if not lr_defaulted(cfg):
         return lr
+    if is_lora(cfg) and cfg.optim.name not in FIXED_DEFAULT_LR:
+        return f"{lr} (default for LoRA adapters with {cfg.optim.name.value}; set optim.lr to choose)"
     width = f" at width {cfg.model.n_embd}" if cfg.optim.name not in FIXED_DEFAULT_LR else ""
     return f"{lr} (default for {cfg.optim.name.value}{width}; set optim.lr to choose)"
 
@@ -290,7 +308,7 @@ def effective_lr(cfg: Config) -> float:
     """The peak LR the run uses: optim.lr, scaled with the global batch when schedule.lr_scaling asks
     (seed 003 §3: linear, batch xk -> lr xk; sqrt, lr x sqrt(k))."""
     s = cfg.schedule
-    lr = cfg.optim.lr if cfg.optim.lr is not None else default_lr(cfg.optim.name, cfg.model.n_embd)
+    lr = cfg.optim.lr if cfg.optim.lr is not None else run_default_lr(cfg)
     if s.lr_scaling is LRScaling.none or s.reference_batch_size is None:
         return lr
     ratio = cfg.global_batch_size / s.reference_batch_size

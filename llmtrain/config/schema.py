@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from llmtrain.config.finetune import FinetuneConfig, FinetuneMethod  # noqa: F401 - part of the schema
+
 
 def _f(default: Any, doc: str) -> Any:
     """A dataclass field with a one-line doc."""
@@ -357,8 +359,7 @@ class ParallelConfig:
     dp_shard: int = _f(
         1, "Data-parallel shards: parameters, gradients and optimizer state split across this many processes "
         "(FSDP2, each block gathered only for its own compute). -1: the processes the other degrees leave.")
-    tp: int = _f(
-        1, "Tensor-parallel degree: each block's attention heads and MLP columns (and the embedding and head "
+    tp: int = _f(1, "Tensor-parallel degree: each block's attention heads and MLP columns (and the embedding and head "
         "over the vocabulary) split across this many processes, which read the same batch.")
     zero1: bool = _f(
         False, "ZeRO-1: with replicas only (dp_replicate > 1, nothing sharded), split the optimizer state across "
@@ -366,8 +367,7 @@ class ParallelConfig:
     sequence_parallel: bool = _f(
         False, "tp > 1: also split the norms' and residual activations along the sequence across the "
         "tensor-parallel processes (less activation memory, same numbers).")
-    pp: int = _f(
-        1, "Pipeline-parallel degree: the model's layers split into this many stages, one per process (two "
+    pp: int = _f(1, "Pipeline-parallel degree: the model's layers split into this many stages, one per process (two "
         "under interleaved_1f1b), the window's micro-batches flowing through them; with dp_shard > 1 each stage is "
         "FSDP2-sharded over the data-parallel processes.")
     pp_schedule: str = _f(
@@ -501,6 +501,7 @@ class Config:
     monitor: MonitorConfig = _f(MonitorConfig(), "Health monitor: bands, windows and actions.")
     eval: EvalConfig = _f(
         EvalConfig(), "Evaluation tasks (held-out perplexity, multiple choice, lm-evaluation-harness).")
+    finetune: FinetuneConfig = _f(FinetuneConfig(), "What trains: every weight, or LoRA adapters on frozen weights.")
     tensorboard: bool = _f(
         False, "Also write every metric as TensorBoard scalars to RUN_DIR/tensorboard (extra: tensorboard).")
     wandb: WandbMode = _f(
@@ -514,12 +515,15 @@ class Config:
         False, "Deterministic algorithms only (torch.use_deterministic_algorithms): bitwise repeatable, maybe slower.")
     flush_denormal: bool = _f(
         True, "CPU: flush subnormal floats (< 1.2e-38) to zero; subnormal arithmetic can make steps several times "
-        "slower."
-    )
+        "slower.")
     compile: CompileMode = _f(
         CompileMode.off, "torch.compile each block: off, on, or auto (CUDA only; on CPU it costs ~30 s, gains "
         "nothing).")
     allow_check_failures: bool = _f(False, "Train even when the pre-flight check (llmtrain check) reports FAIL rows.")
+    memory_saver: bool = _f(
+        False, "When the predicted peak memory does not fit this device, apply the cheapest saver that does (a "
+        "smaller micro-batch, activation checkpointing, 8-bit AdamW, ...; llmtrain check lists them) before the run "
+        "starts, and say which; preset=memory_saver sets it.")
     max_steps: int | None = _f(1000, "Optimizer steps to run (ignored when max_tokens is set).")
     max_tokens: int | None = _f(None, "Train on this many tokens instead; the last step may be partial.")
     micro_batch_size: int | None = _f(

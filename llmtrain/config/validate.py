@@ -24,6 +24,7 @@ from llmtrain.config.derived import (
     world_size_of,
 )
 from llmtrain.config.eval_tasks import parse_task_specs  # standard library only: the config package stays torch-free
+from llmtrain.config.finetune import validate_finetune
 from llmtrain.config.parallel_limits import PIPELINE_SCHEDULES, pipeline_problems, tensor_parallel_problems
 from llmtrain.config.schema import (
     ALARM_NAMES,
@@ -89,6 +90,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _validate_sinks(cfg)
     _validate_resume_and_threads(cfg)
     _validate_eval(cfg.eval)
+    validate_finetune(cfg, degrees_of(cfg, world_size * cfg.parallel.tp * cfg.parallel.pp).dp_shard)
 
 
 def validate_model(m: ModelConfig) -> None:

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmtrain.config.derived import default_lr, init_gain, resolved_warmup_steps, sane_lr_range
+from llmtrain.config.derived import init_gain, resolved_warmup_steps, run_default_lr, run_lr_range
 from llmtrain.config.schema import ADAM_FAMILY, Config, NormPosition, ResidualInit
 from llmtrain.core.findings import Finding
 from llmtrain.model_tensors import model_tensors
@@ -550,7 +550,7 @@ def run_facts(cfg: Config, check_rows: list[Finding], *, peak_lr: float, total_s
     """The configuration's side of the evidence, with the pre-flight check's fixes (`check_rows`:
     the rows of the check the run passed; their `item` and `fix`)."""
     m, o = cfg.model, cfg.optim
-    low, high = sane_lr_range(o.name, m.n_embd)
+    low, high = run_lr_range(cfg)
     init_std = m.init_std if m.init == "normal_0.02" else math.nan
     fixes = {row.item: row.fix for row in check_rows if row.fix}
     return RunFacts(
@@ -562,6 +562,6 @@ def run_facts(cfg: Config, check_rows: list[Finding], *, peak_lr: float, total_s
         bias=m.bias, clip=o.clip_grad_norm, shuffled=cfg.data.shuffle or cfg.data.sampling.value == "epoch",
         weight_decay=o.weight_decay, eps=o.eps, n_params=model_tensors(m, vocab_size).n_params, momentum=o.momentum,
         label_smoothing=o.label_smoothing, dropout=m.dropout, beta2=o.beta2, tokens_per_step=tokens_per_step,
-        default_lr=default_lr(o.name, m.n_embd),
+        default_lr=run_default_lr(cfg),
         fp16_without_scaler=fp16_without_scaler, baseline=baseline,
         chance=math.log(vocab_size) if vocab_size > 1 else math.nan, fixes=fixes)

@@ -11,6 +11,7 @@ from llmtrain.plan.cost import LayoutCost
 from llmtrain.plan.layouts import KINDS, Skipped
 from llmtrain.plan.recommend import Recommendation, plan_costs, recommend
 from llmtrain.plan.target import Target, resolve_target
+from llmtrain.preflight.savers import SHARDING_DEVICES, EstimateBasis, Saver, memory_savers, predicted_peak
 
 
 @dataclass(frozen=True)
@@ -19,6 +20,9 @@ class Plan:
     costs: tuple[LayoutCost, ...]  # every possible layout, in the order of layouts.KINDS
     skipped: tuple[Skipped, ...]
     recommendation: Recommendation
+    # what makes the config fit one device of the target, when it does not as given (preflight/savers.py:
+    # the check's memory row lists the same); (config's peak on one device, the savers)
+    one_device: tuple[float, tuple[Saver, ...]] | None = None
 
     def shown(self) -> list[LayoutCost]:
         """One layout per kind for the table: of a mix's degrees (hsdp, fsdp+tp, fsdp+pp), the
@@ -47,7 +51,20 @@ class Plan:
 
 def make_plan(target: Target, overrides: Sequence[str] = (), config_dir: str | None = None) -> Plan:
     costs, skipped = plan_costs(target)
-    return Plan(target, tuple(costs), tuple(skipped), recommend(target, costs, overrides, config_dir))
+    return Plan(target, tuple(costs), tuple(skipped), recommend(target, costs, overrides, config_dir),
+                one_device_savers(target))
+
+
+def one_device_savers(target: Target) -> tuple[float, tuple[Saver, ...]] | None:
+    """The config's peak on one device of the target and the savers that would make it fit there, as
+    the check's memory row gives them; None when it fits as given."""
+    basis = EstimateBasis(target.vocab_size, target.device_type, target.precision, target.runtime_bytes,
+                          target.data_bytes, max(SHARDING_DEVICES, target.devices) if target.device_type == "cuda"
+                          else 0)
+    peak = predicted_peak(target.cfg, basis)
+    if peak <= target.budget:
+        return None
+    return peak, tuple(memory_savers(target.cfg, basis, target.budget))
 
 
 def plan_config(cfg: Config, devices: int | None = None, device_memory: float | None = None,

@@ -169,3 +169,18 @@ def render_plan(plan: Plan, console: Console | None = None) -> None:
         console.print(f"  {escape(r.command)}", highlight=False, soft_wrap=True)
     for line in r.alternatives:
         console.print(f"  {escape(line)}", highlight=False, soft_wrap=True)
+    for line in saver_lines(plan):
+        console.print(escape(line), highlight=False, soft_wrap=True)
+
+
+def saver_lines(plan: Plan) -> list[str]:
+    """What makes the config fit one device of the target (preflight/savers.py, as `llmtrain check`'s
+    memory row lists them), cheapest first, each as the overrides that apply it; none when it fits."""
+    if plan.one_device is None:
+        return []
+    peak, savers = plan.one_device
+    t = plan.target
+    head = (f"on one device the config needs {format_bytes(peak)}, above {format_bytes(t.budget)}; "
+            + ("what makes it fit, cheapest first (preset=memory_saver applies the first):" if savers and savers[0].fits
+               else "nothing makes it fit; the nearest:"))
+    return [head, *(f"  {s.command}  peak {format_bytes(s.peak)}; {s.cost}" for s in savers)]

@@ -43,12 +43,14 @@ import torch
 
 from llmtrain.checkpointing import CheckpointPlan
 from llmtrain.config.derived import accumulation_steps, micro_batch_size_of, seq_len_of, total_steps
+from llmtrain.config.finetune import is_lora
 from llmtrain.config.schema import (
     CheckpointFormat,
     Config,
     OptimizerName,
     Precision,
 )
+from llmtrain.lora import adapter_shapes
 from llmtrain.model_tensors import model_tensors
 from llmtrain.monitor.probes import matmul_peak_flops, rss_mb
 from llmtrain.preflight.activations import activation_bytes_per_token, checkpoint_plan, checkpointed_activations
@@ -87,6 +89,9 @@ class ModelShape:
     block_matmul_params: int = 0  # one block's Linear weights: what tensor parallelism splits
     block_optimizer_state_elements: float = 0  # one block's share of optimizer_state_elements
     n_vocab_params: int = 0  # the token embedding and an untied head: what tensor parallelism splits by rows
+    # finetune=lora: the adapters, beside n_params, and the only parameters with gradients and optimizer
+    # state (optimizer_state_elements is then theirs)
+    adapter_params: int = 0
 
     @property
     def outside_params(self) -> int:
@@ -112,6 +117,10 @@ def model_shape(cfg: Config, vocab_size: int) -> ModelShape:
     block_state = sum(optimizer_state_elements(cfg, shape) for shape in tensors.block.values())
     state = sum(optimizer_state_elements(cfg, shape) for shape in tensors.unique_outside().values())
     state += cfg.model.n_layer * block_state
+    adapters = adapter_shapes(cfg.model, cfg.finetune, vocab_size) if is_lora(cfg) else {}
+    if adapters:  # the frozen weights carry no optimizer state: only the adapters do (a block's: block 0's)
+        block_state = sum(optimizer_state_elements(cfg, s) for n, s in adapters.items() if n.startswith("blocks.0."))
+        state = sum(optimizer_state_elements(cfg, shape) for shape in adapters.values())
     return ModelShape(
         n_params=tensors.n_params,
         n_matmul_params=cfg.model.n_layer * tensors.block_matmul_params
@@ -129,6 +138,7 @@ def model_shape(cfg: Config, vocab_size: int) -> ModelShape:
         block_optimizer_state_elements=block_state,
         n_vocab_params=sum(math.prod(tensors.outside[name]) for name in tensors.unique_outside()
                            if name in ("wte.weight", "lm_head.weight")),
+        adapter_params=sum(math.prod(shape) for shape in adapters.values()),
     )
 
 
@@ -308,6 +318,10 @@ def estimate_layout(
     buckets = 0.0
     opt = 4.0 * share.optimizer_state_elements
     autocast = 2.0 * share.matmul_params if low else 0.0
+    if shape.adapter_params:  # LoRA (one device or DDP): gradients for the adapters only
+        weights += 4.0 * shape.adapter_params
+        grads = 4.0 * shape.adapter_params
+        head = min(head, grads)
     if d.dp_shard > 1:
         # Sharded fp32 master weights, gradients and state; about two blocks gathered at a time
         # (the current one and the prefetched next) in the compute dtype, plus one block's gradients.
@@ -317,7 +331,10 @@ def estimate_layout(
         weights = weights / d.dp_shard + gathered
         opt = opt / d.dp_shard
         autocast = 0.0  # the gathered copies already are in the compute dtype
-        head = 4.0 * root  # the root unit's gradients, whole until its reduce-scatter at the end
+        # The root unit's gradients end backward whole, three times over: the head's, the tied
+        # embedding's own (summed into it), and the copy FSDP2 reduce-scatters (measured on gloo: a
+        # transient of 3-4x the unit's fp32 size at the end of backward).
+        head = 3 * 4.0 * root
         if accum == 1:
             grads = grads / d.dp_shard + 4.0 * (block + root)
         # else: an accumulation window holds FSDP's reduce-scatter until its last micro-batch

@@ -140,6 +140,10 @@ def check_vocabulary(cfg: Config, facts: Facts) -> Finding:
 def check_token_budget(cfg: Config, facts: Facts) -> Finding:
     steps = total_steps(cfg)
     tokens = steps * cfg.global_batch_size * seq_len_of(cfg)
+    if facts.shape.adapter_params:
+        return Finding("token budget", Status.NA, f"{tokens:,} tokens for {facts.shape.adapter_params:,} LoRA adapter "
+                       "parameters", f"~{TOKENS_PER_PARAM} tokens per parameter is a rule for training a model from "
+                       "scratch, not for fine-tuning adapters.")
     n = facts.parameters.without_embeddings
     per_param = facts.parameters.tokens_per_param(tokens)
     seen = f"{tokens:,} tokens for {n:,} parameters {WITHOUT_EMBEDDINGS} = {per_param:.1f} tokens/param"

@@ -8,16 +8,17 @@ from __future__ import annotations
 
 from llmtrain.config.derived import (
     accumulation_steps,
-    default_lr,
     effective_lr,
     lr_defaulted,
     resolved_warmup_steps,
-    sane_lr_range,
+    run_default_lr,
+    run_lr_range,
     schedule_steps,
     seq_len_of,
     total_steps,
     world_size_of,
 )
+from llmtrain.config.finetune import is_lora
 from llmtrain.config.schema import (
     ADAM_FAMILY,
     Config,
@@ -105,7 +106,7 @@ def check_effective_batch(cfg: Config, facts: Facts) -> Finding:
 
 def suggested_lr(cfg: Config) -> tuple[float, float]:
     """(low, high) sane peak LRs for the optimizer and, for Adam-like ones, the model width."""
-    return sane_lr_range(cfg.optim.name, cfg.model.n_embd)
+    return run_lr_range(cfg)
 
 
 def check_learning_rate(cfg: Config, facts: Facts) -> Finding:
@@ -117,11 +118,11 @@ def check_learning_rate(cfg: Config, facts: Facts) -> Finding:
     why = "Too high diverges (NaN after warmup); too low stalls. The sane range depends on the optimizer and the width."
     adam_like = cfg.optim.name in ADAM_FAMILY
     # The fix is what optim.lr=null would give (the same function sets the default), undoing lr_scaling.
-    fix = f"optim.lr={round_lr(default_lr(cfg.optim.name, cfg.model.n_embd) * cfg.optim.lr / lr)}"
+    fix = f"optim.lr={round_lr(run_default_lr(cfg) * cfg.optim.lr / lr)}"
     if (adam_like and lr >= 0.05) or (not adam_like and lr >= 10 * high):
         return Finding("learning rate", Status.FAIL, seen + " - diverges", why, fix)
     if lr > high or lr < low:
-        width = f" for a {cfg.model.n_embd}-wide model" if adam_like else ""
+        width = " for LoRA adapters" if is_lora(cfg) else f" for a {cfg.model.n_embd}-wide model" if adam_like else ""
         return Finding("learning rate", Status.WARN, f"{seen} outside {low:.1g}-{high:.1g}{width}", why, fix)
     return Finding("learning rate", Status.PASS, seen, why)
 

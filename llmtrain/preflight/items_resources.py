@@ -6,23 +6,13 @@ preflight/check.py lists them in the order the table shows."""
 
 from __future__ import annotations
 
-import copy
-
-from llmtrain.config.schema import (
-    ActivationCheckpointing,
-    Config,
-    OptimizerName,
-    Precision,
-)
+from llmtrain.config.schema import Config, Precision
 from llmtrain.core.findings import Finding, Status
-from llmtrain.preflight.estimate import (
-    estimate_memory,
-    format_bytes,
-    format_seconds,
-    largest_fitting_micro_batch,
-    model_shape,
-)
+from llmtrain.preflight.estimate import format_bytes, format_seconds
 from llmtrain.preflight.facts import MEMORY_WARN_FRACTION, Facts
+from llmtrain.preflight.savers import EstimateBasis, memory_savers
+
+SAVERS_SHOWN = 4  # the row names the cheapest few; `llmtrain plan` lists every one
 
 
 def check_memory(cfg: Config, facts: Facts) -> Finding:
@@ -36,39 +26,20 @@ def check_memory(cfg: Config, facts: Facts) -> Finding:
 
 
 def memory_fixes(cfg: Config, facts: Facts) -> str:
-    """Overrides that bring the peak under the budget, each with its predicted peak."""
+    """The savers that bring the peak within the margin (preflight/savers.py), cheapest first, each
+    as its overrides with its predicted peak and cost; the nearest one when none does."""
     budget = facts.memory_budget * MEMORY_WARN_FRACTION
-    mem = facts.memory
-    common = dict(runtime_bytes=mem.runtime, data_bytes=mem.data)
-    fixes = []
-    micro = largest_fitting_micro_batch(cfg, facts.shape, facts.vocab_size, facts.device.type, facts.precision,
-                                        budget, **common)
-    if micro is not None and micro < cfg.micro_batch_size:
-        accum = cfg.global_batch_size // micro
-        fixes.append(f"micro_batch_size={micro} (accumulation {accum} keeps the global batch {cfg.global_batch_size})")
-    if (cfg.model.activation_checkpointing, cfg.model.checkpoint_every) != (ActivationCheckpointing.full, 1):
-        alt = copy.deepcopy(cfg)  # the most it saves: every block keeps only its input
-        alt.model.activation_checkpointing, alt.model.checkpoint_every = ActivationCheckpointing.full, 1
-        peak = estimate_memory(alt, facts.shape, facts.vocab_size, facts.device.type, facts.precision, **common).peak
-        every = " model.checkpoint_every=1" if cfg.model.checkpoint_every != 1 else ""
-        fixes.append(f"model.activation_checkpointing=full{every} (peak {format_bytes(peak)})")
-    if cfg.optim.name in (OptimizerName.adamw, OptimizerName.adam):
-        fixes.append(f"optim=adafactor (factored state: {format_bytes(mem.optimizer)} -> "
-                     f"{format_bytes(_state_bytes_with(cfg, facts, OptimizerName.adafactor))})")
-    if cfg.optim.name is OptimizerName.adamw:  # the same AdamW, its moments in 8 bits (a GPU saving, not a CPU one)
-        fixes.append(f"optim=adamw8bit (8-bit moments: {format_bytes(mem.optimizer)} -> "
-                     f"{format_bytes(_state_bytes_with(cfg, facts, OptimizerName.adamw8bit))}; "
-                     "pip install 'llmtrain[ao]')")
+    savers = memory_savers(cfg, EstimateBasis.of_facts(facts), budget)
+    shown = savers[:SAVERS_SHOWN]
+    fixes = [s.describe() for s in shown]
+    if not savers or not savers[0].fits:
+        nearest = f"nothing fits {format_bytes(budget)}; nearest: " if savers else "nothing here fits: "
+        fixes = [nearest + (fixes[0] if fixes else "a smaller model, or a device with more memory")]
+    if len(savers) > len(shown):
+        fixes.append(f"{len(savers) - len(shown)} more: llmtrain plan lists them")
     if facts.device.type == "cuda" and facts.precision is Precision.fp32:
         fixes.append("precision=auto (halves activations)")
-    fixes.append("or shard weights/state across devices (ZeRO/FSDP)")
-    return "; ".join(fixes)
-
-
-def _state_bytes_with(cfg: Config, facts: Facts, name: OptimizerName) -> float:
-    alt = copy.deepcopy(cfg)
-    alt.optim.name = name
-    return 4.0 * model_shape(alt, facts.vocab_size).optimizer_state_elements
+    return "; ".join(fixes) + " (preset=memory_saver applies the first)" * bool(savers and savers[0].fits)
 
 
 def check_run_time(cfg: Config, facts: Facts) -> Finding | None:

@@ -62,3 +62,8 @@ def parameter_counts(tensors: ModelTensors) -> ParameterCounts:
     positions = table("wpe.weight")
     return ParameterCounts(tensors.n_params, tensors.n_params - positions,
                            tensors.n_params - positions - table("wte.weight"))
+
+
+def trainable_text(trainable: int, total: int) -> str:
+    """'12,288 trainable parameters (1.41% of 871,168)': a LoRA run's adapters against the whole model."""
+    return f"{trainable:,} trainable parameters ({trainable / max(1, total):.2%} of {total:,})"

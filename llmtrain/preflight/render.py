@@ -15,7 +15,7 @@ from llmtrain.core.findings import Column, Status, badge, render_lines, render_t
 from llmtrain.preflight.check import CheckReport
 from llmtrain.preflight.estimate import format_bytes, format_seconds
 from llmtrain.preflight.facts import TOKENS_PER_PARAM, Facts
-from llmtrain.preflight.parameters import WITHOUT_EMBEDDINGS
+from llmtrain.preflight.parameters import WITHOUT_EMBEDDINGS, trainable_text
 
 # ---------------------------------------------------------------------------------------------
 # Output
@@ -76,6 +76,9 @@ def estimate_summary(facts: Facts) -> str:
     lines = [f"[bold]memory per process[/] ({facts.device}, {facts.precision.value}, micro-batch "
              f"{mem.micro_batch_size}; {facts.data_note}):"]
     lines += [f"  {name:<40} {format_bytes(value):>12}" for name, value in mem.rows() if value]
+    if facts.shape.adapter_params:
+        adapters = trainable_text(facts.shape.adapter_params, facts.shape.n_params + facts.shape.adapter_params)
+        lines.append(f"  (LoRA: gradients and optimizer state for the {adapters} only)")
     lines.append(f"  {'predicted peak':<40} {format_bytes(mem.peak):>12}   budget {format_bytes(facts.memory_budget)} "
                  f"({facts.memory_source})")
     if facts.fitting_micro_batch is None:

@@ -30,6 +30,7 @@ from llmtrain.core.errors import CheckpointError, ConfigError, UserError
 from llmtrain.core.files import CONFIG, FINAL_WEIGHTS, TOKENIZER
 from llmtrain.core.readers import UnreadableFile, read_json, require_regular_file
 from llmtrain.data.tokenizers import Tokenizer, load_tokenizer
+from llmtrain.lora import merged_state_dict
 from llmtrain.model import GPT, uninitialized
 from llmtrain.model_tensors import check_stored, model_tensors
 from llmtrain.preflight.estimate import available_memory, format_bytes
@@ -43,7 +44,8 @@ def newest_weights(run_dir: Path, warn: Callable[[str], None] | None = None,
                    model: ModelConfig | None = None) -> dict[str, torch.Tensor]:
     """The newest weights of a run (a CPU state_dict): model.pt of a finished run, unless a
     checkpoint is newer (a run extended and interrupted later), else its newest good checkpoint's
-    (an interrupted run), whole even when the checkpoint is sharded. Whatever cannot be read
+    (an interrupted run), whole even when the checkpoint is sharded; a LoRA run's with its adapters
+    merged into the weights (lora.py merged_state_dict). Whatever cannot be read
     (model.pt or a checkpoint), and with `model` (the run's config) whatever is not exactly that
     model's weights with finite values, is passed over with a warning; with nothing left: UserError."""
     warn = warn or (lambda message: print(f"llmtrain: warning: {message}", file=sys.stderr))
@@ -51,6 +53,8 @@ def newest_weights(run_dir: Path, warn: Callable[[str], None] | None = None,
     final_problem: list[str] = []  # empty: model.pt not tried yet
 
     def usable(weights: dict[str, torch.Tensor], where: Path) -> dict[str, torch.Tensor]:
+        # A LoRA run's weights (frozen base + adapters + their scalings): the merged plain model.
+        weights = merged_state_dict(weights)
         if model is not None:
             try:
                 check_weights_fit(model, weights, str(where), "config.yaml")

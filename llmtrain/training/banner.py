@@ -14,12 +14,23 @@ from llmtrain.config.derived import (
     micro_batch_size_derived,
     resolved_warmup_steps,
 )
+from llmtrain.config.finetune import is_lora
 from llmtrain.config.schema import LOW_BIT_OPTIMIZERS, Config, Precision, SeqLenKeep
 from llmtrain.engine.schedule import final_lr, held_lr_text, lr_at
 from llmtrain.engine.state import TrainState
+from llmtrain.lora import trainable_count
 from llmtrain.preflight.estimate import ComputeEstimate, estimate_compute, format_seconds
+from llmtrain.preflight.parameters import trainable_text
 from llmtrain.training.parts import Context, TrainModule
 from llmtrain.training.plan import Plan
+
+
+def lora_text(cfg: Config, module: TrainModule) -> str:
+    """The banner's finetune row: the adapters, and what trains of the built model."""
+    f = cfg.finetune
+    trainable, total = trainable_count(module.model)
+    return (f"LoRA rank {f.rank}, alpha {f.alpha:g} (scaling {f.alpha / f.rank:g}) on {', '.join(f.targets)}: "
+            f"{trainable_text(trainable, total)}, every other weight frozen")
 
 
 def print_banner(context: Context, plan: Plan, module: TrainModule, state: TrainState) -> None:
@@ -41,6 +52,7 @@ def print_banner(context: Context, plan: Plan, module: TrainModule, state: Train
             # the check's counts: the same numbers, under the same names, as `llmtrain check` and the report
             ("parameters", check.facts.parameters.text()
                            + (f", weights from {cfg.model.init_from}" if cfg.model.init_from and not resumed else "")),
+            *([("finetune", lora_text(cfg, module))] if is_lora(cfg) else []),
             ("batch", f"{cfg.global_batch_size} sequences x {seq_len} tokens = {plan.tokens_per_step:,} tokens/step"),
             *([("seq_len stages", describe_stages(plan.seq_len_stages, accum * layout.dp_size,
                                                   cfg.data.seq_len_keep))]

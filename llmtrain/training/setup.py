@@ -47,6 +47,7 @@ from torch.nn.parallel import DistributedDataParallel
 from llmtrain.checkpoint.write import remove_stale_temps
 from llmtrain.config.derived import degrees_of, seq_len_of, seq_len_stages, total_steps
 from llmtrain.config.eval_tasks import VALIDATION, parse_task_specs
+from llmtrain.config.finetune import is_lora
 from llmtrain.config.hydra import command_line_of_this_run
 from llmtrain.config.parallel_limits import tensor_parallel_problems
 from llmtrain.config.schema import (
@@ -91,6 +92,7 @@ from llmtrain.evaluation.scoring import random_states_kept
 from llmtrain.evaluation.tasks import Task, TaskSource, read_tasks
 from llmtrain.hf.folder import load_weights
 from llmtrain.hf.init import apply_init_from, open_folder
+from llmtrain.lora import apply_lora
 from llmtrain.metrics.dashboard import Dashboard
 from llmtrain.model import GPT, uninitialized
 from llmtrain.monitor.probes import matmul_peak_flops
@@ -324,6 +326,10 @@ def build_model(cfg: Config, vocab_size: int, runtime: Runtime, layout: Layout, 
         model = folder_model(cfg.model, vocab_size, runtime.device)
     else:
         model = new_model(cfg.model, vocab_size, runtime.device)
+    if is_lora(cfg):
+        # After the folder's weights, before compiling and wrapping: DDP registers only the adapters'
+        # gradients; a resume restores base and adapters from the checkpoint.
+        apply_lora(model, cfg.finetune)
     if cfg.compile is CompileMode.on or (cfg.compile is CompileMode.auto and runtime.device.type == "cuda"):
         for block in model.blocks:  # in place, per block: parameter names (and checkpoints) stay the same
             block.compile()

@@ -131,7 +131,7 @@ def test_torchrun_world_size_is_used(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_explicit_micro_batch_keeps_the_strict_check() -> None:
     with pytest.raises(ConfigError, match=r"'global_batch_size' \(16\).*\(16 x 2 = 32\)"):
         compose_config(["parallel=ddp", "parallel.nproc=2", "micro_batch_size=16"])
-    cfg = compose_config(["preset=memory_saver"])  # a preset's micro-batch is explicit too
+    cfg = compose_config(["micro_batch_size=4"])
     assert (cfg.micro_batch_size, accumulation_steps(cfg), micro_batch_size_derived(cfg)) == (4, 4, False)
 
 

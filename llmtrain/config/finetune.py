@@ -1,0 +1,101 @@
+"""The `finetune` group: what trains (every weight, or LoRA adapters on frozen weights), its keys'
+dataclass and their checks. Kept beside schema.py, which holds the root `Config` that includes it
+(schema.py re-exports these names). No torch."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from llmtrain.core.errors import ConfigError
+
+# The functions below take a schema.py `Config`, typed Any: schema.py imports this module.
+Config = Any
+
+
+class FinetuneMethod(str, Enum):
+    full = "full"
+    lora = "lora"
+
+
+# The projections LoRA adapters can go on, named by what they are: the attention's fused q/k/v
+# projection (three adapters, one per q, k and v), its output projection, the MLP's projections
+# (gate, up and down), and the LM head.
+LORA_TARGETS = ("attn_qkv", "attn_out", "mlp", "head")
+DEFAULT_LORA_TARGETS = ["attn_qkv", "attn_out"]  # torchtune's default: q, k, v and the attention output
+
+# optim.lr=null under LoRA with an Adam-family optimizer: the adapters' LR, whatever the width. The
+# value of litgpt's LoRA recipes (config_hub/finetune/*/lora.yaml) and of the QLoRA paper for models
+# up to 13B (torchtune's LoRA recipes use 3e-4; peft's examples 1e-4 to 3e-4). A full-training LR
+# shrinks with the width because every weight moves; an adapter starts at zero and its update is
+# scaled by alpha / rank instead, so the usual practice keeps one value across sizes.
+LORA_ADAM_LR = 2e-4
+
+
+def _f(default: Any, doc: str) -> Any:
+    """A dataclass field with a one-line doc (schema.py's helper; this module cannot import it)."""
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": doc})
+    return field(default=default, metadata={"help": doc})
+
+
+@dataclass
+class FinetuneConfig:
+    method: FinetuneMethod = _f(
+        FinetuneMethod.full, "What trains: full (every weight) or lora (low-rank adapters beside the frozen weights "
+        "of finetune.targets; usually with model.init_from).")
+    rank: int = _f(8, "lora: the rank r of each adapter (A is r x in, B is out x r).")
+    alpha: float = _f(16.0, "lora: the adapters' output is scaled by alpha / rank.")
+    dropout: float = _f(0.0, "lora: dropout on each adapter's input (0 <= dropout < 1).")
+    targets: list[str] = _f(
+        DEFAULT_LORA_TARGETS, "lora: the projections that get adapters: attn_qkv (q, k and v, one adapter each), "
+        "attn_out, mlp (gate, up, down) and head.")
+
+
+def is_lora(cfg: Config) -> bool:
+    """Whether the run trains LoRA adapters (a config from before the group has none: full)."""
+    finetune = getattr(cfg, "finetune", None)
+    return finetune is not None and finetune.method == FinetuneMethod.lora  # == : a str too (a config built in code)
+
+
+def validate_finetune(cfg: Config, shards: int) -> None:
+    """The finetune keys, and what LoRA cannot run with in this version (`shards`: the run's FSDP
+    degree, parallel.dp_shard resolved); ConfigError, one paragraph."""
+    f = cfg.finetune
+    if f.method != FinetuneMethod.lora:
+        return
+    where = "finetune.method=lora"
+    _require(isinstance(f.rank, int) and f.rank >= 1,
+             f"'finetune.rank' is {f.rank}; use a positive adapter rank (typical: 8, 16, 64).")
+    _require(0 < f.alpha < math.inf, f"'finetune.alpha' is {f.alpha}; use a finite number > 0 (the adapters' "
+             "output is scaled by alpha / rank; typical: twice the rank, e.g. 16 for rank 8).")
+    _require(0.0 <= f.dropout < 1.0, f"'finetune.dropout' is {f.dropout}; valid range is 0 <= dropout < 1 (0 "
+             "switches it off).")
+    unknown = [t for t in f.targets if t not in LORA_TARGETS]
+    _require(not unknown, f"'finetune.targets' has {', '.join(map(repr, unknown))}; valid targets: "
+             f"{', '.join(LORA_TARGETS)} (e.g. finetune.targets=[attn_qkv,attn_out,mlp]).")
+    _require(bool(f.targets), f"'finetune.targets' is empty, so {where} would train nothing; name at least one of "
+             f"{', '.join(LORA_TARGETS)} (the default: [attn_qkv,attn_out]).")
+    _require(len(set(f.targets)) == len(f.targets),
+             f"'finetune.targets' ({', '.join(f.targets)}) names a target twice; name each once.")
+    _require("head" not in f.targets or not cfg.model.tie_weights,
+             "'finetune.targets' has head, but model.tie_weights=true shares the head with the token embedding, and "
+             "an adapter on it would untie them (the merged export would hold two tables); drop head from "
+             "finetune.targets, or train a model with model.tie_weights=false.")
+    p = cfg.parallel
+    split = [f"parallel.{key}={value}" for key, value in (("tp", p.tp), ("pp", p.pp)) if value != 1]
+    _require(not split, f"{where} does not run under tensor or pipeline parallel yet ({', '.join(split)}): the "
+             "adapters are not split over the ranks. A LoRA run's frozen weights need no gradients or optimizer "
+             "state, so one device or parallel=ddp usually fits; use one of those.")
+    _require(shards == 1 and not p.zero1,
+             f"{where} does not run with FSDP or ZeRO-1 yet ({shards} data-parallel shards, parallel.zero1="
+             f"{str(p.zero1).lower()}): their sharded checkpoints of frozen weights beside trainable adapters are "
+             "untested. The frozen weights need no gradients or optimizer state, so one device or parallel=ddp "
+             "usually fits; use one of those.")
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
