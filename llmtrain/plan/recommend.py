@@ -10,9 +10,13 @@ how many devices a machine has; its row shows what it would take):
     3. tensor parallel, fsdp+tp (fewest ways first), then with        an all-reduce of activations four times a
        activation checkpointing                                       layer: within one machine's fast links
 
-The first rung whose peak fits within the margin (Target.budget) is recommended; with nothing there,
-the first that fits with a smaller micro-batch (accumulation keeping the global batch); then the
-first within a device's whole memory, marked tight; with nothing at all, the device count that
+The first rung whose peak fits within the margin (Target.budget) is recommended, unless it
+recomputes or splits layers (2 or 3) where a data-parallel rung without checkpointing fits at a
+smaller micro-batch (accumulation keeping the global batch): the same maths for a few percent of
+step time in smaller matmuls, against a third more compute or an all-reduce per layer (the order
+preflight/savers.py gives `llmtrain check`'s memory row too); the chosen rung is then the
+alternative. With nothing within the margin, the first that fits with a smaller micro-batch; then
+the first within a device's whole memory, marked tight; with nothing at all, the device count that
 would fit.
 """
 
@@ -91,6 +95,9 @@ def recommend(target: Target, costs: Sequence[LayoutCost], overrides: Sequence[s
     the device count that would fit."""
     rungs = ladder(costs)
     if (chosen := first_fit(rungs, target.budget)) is not None:
+        smaller = _cheaper_at_a_smaller_micro_batch(target, rungs, chosen)
+        if smaller is not None:
+            return _smaller_instead(target, rungs, chosen, smaller, overrides, config_dir)
         return _recommendation(target, rungs, chosen, True, overrides, config_dir)
     if (smaller := smaller_micro_batch(target, rungs)) is not None:
         leanest = min(rungs, key=lambda rung: rung.peak)
@@ -124,13 +131,36 @@ def _recommendation(target: Target, rungs: Sequence[Rung], chosen: Rung, fits: b
         sentences.append(_batch_change(target, chosen.cost))
     alternatives = []
     if chosen.checkpointing or chosen.cost.layout.kind in TENSOR_PARALLEL:
-        # activations are what does not fit: a smaller micro-batch may do with a simpler layout
+        # tight: activations are what does not fit, and a smaller micro-batch may do with a simpler layout
         if (smaller := smaller_micro_batch(target, rungs[:at])) is not None:
             alternatives.append(f"or {smaller.label} ({format_bytes(smaller.peak)} per device; accumulation "
                                 f"{smaller.cost.batching.accumulation} keeps the global batch): "
                                 f"{train_command(target, smaller, overrides, config_dir)}")
     command = train_command(target, chosen, overrides, config_dir)
     return Recommendation(chosen, fits, "; ".join(sentences) + ".", command, tuple(alternatives))
+
+
+def _cheaper_at_a_smaller_micro_batch(target: Target, rungs: Sequence[Rung], chosen: Rung) -> Rung | None:
+    """Where `chosen` recomputes (activation checkpointing) or splits layers (tensor parallel): the
+    first data-parallel rung below it without checkpointing that fits at a smaller micro-batch."""
+    if not (chosen.checkpointing or chosen.cost.layout.kind in TENSOR_PARALLEL):
+        return None
+    plain = [rung for rung in rungs[:rungs.index(chosen)] if not rung.checkpointing]
+    return smaller_micro_batch(target, plain)
+
+
+def _smaller_instead(target: Target, rungs: Sequence[Rung], chosen: Rung, smaller: Rung, overrides: Sequence[str],
+                     config_dir: str | None) -> Recommendation:
+    b = smaller.cost.batching
+    as_given = next(r for r in rungs if r.cost.layout == smaller.cost.layout and not r.checkpointing)
+    cost_of_chosen = "a third more compute" if chosen.checkpointing else "an all-reduce of activations per layer"
+    reason = (f"{smaller.label}: {_fit_text(target, smaller)}; at the micro-batch the config gives it needs "
+              f"{format_bytes(as_given.peak)}, and accumulation of {b.accumulation} micro-batches keeps the global "
+              f"batch, for a few percent of step time where {chosen.label} would cost {cost_of_chosen}.")
+    alternative = (f"or {chosen.label} at the micro-batch the config gives ({format_bytes(chosen.peak)} per device): "
+                   f"{train_command(target, chosen, overrides, config_dir)}")
+    return Recommendation(smaller, True, reason, train_command(target, smaller, overrides, config_dir),
+                          (alternative,))
 
 
 def _fit_text(target: Target, rung: Rung) -> str:
