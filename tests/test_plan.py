@@ -222,6 +222,20 @@ def test_recommends_fsdp_when_only_sharding_fits() -> None:
     assert r.command == "llmtrain train model=gpt2_medium parallel=fsdp parallel.nproc=8"
 
 
+def test_a_smaller_micro_batch_is_recommended_over_activation_checkpointing_when_both_fit() -> None:
+    cfg = gpt2_like(n_layer=24, n_embd=1024, n_head=16)  # GPT-2 medium's shape
+    cfg.global_batch_size = 16
+    t = target(cfg, 1, 24 * GiB)
+    rungs = ladder(plan_costs(t)[0])
+    assert rungs[0].peak > t.budget >= rungs[1].peak and rungs[1].checkpointing  # checkpointing alone fits
+    r = recommend(t, plan_costs(t)[0], ["model=gpt2_medium"])
+    assert r.fits and r.rung.smaller_micro and not r.rung.checkpointing and r.rung.peak <= t.budget
+    assert r.rung.cost.batching.micro * r.rung.cost.batching.accumulation == 16  # the global batch kept
+    assert r.command == f"llmtrain train model=gpt2_medium micro_batch_size={r.rung.cost.batching.micro}"
+    assert r.alternatives and "single with activation checkpointing" in r.alternatives[0]
+    assert "a third more compute" in r.reason
+
+
 def test_recommends_tensor_parallel_when_fsdps_activations_do_not_fit() -> None:
     # two wide layers over 8192 tokens: activations, not weights, fill the device; micro-batch 1 cannot shrink
     cfg = Config(model=ModelConfig(n_layer=2, n_head=32, n_embd=4096, block_size=8192, vocab_size=256))
