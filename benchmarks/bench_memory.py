@@ -24,10 +24,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peaks import run_ranks  # noqa: E402 - benchmarks/ is not a package
 
 BASE = ["model.n_layer=6", "model.n_embd=256", "model.n_head=4", "model.block_size=256", "model.vocab_size=50304",
         "micro_batch_size=16", "global_batch_size=16", "max_steps=2", "schedule.warmup_steps=1", "eval_interval=0",
@@ -70,11 +72,6 @@ if launched:  # torchrun starts the processes: parallel.nproc stays 1
     overrides = [o for o in overrides if not o.startswith("parallel.nproc=")]
 cfg = compose_config([*args["base"], *overrides])
 train(cfg)
-status = dict(line.split(":", 1) for line in open("/proc/self/status"))
-record = {"rank": int(os.environ.get("RANK", 0)), "predicted": predicted,
-          "measured": int(status["VmHWM"].split()[0]) * 1024}
-with open(os.path.join(args["out"], f"peak{record['rank']}.json"), "w") as f:
-    json.dump(record, f)
 """
 
 
@@ -84,16 +81,10 @@ def run_case(name: str, workdir: Path) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     base = [*BASE, f"out_dir={out / 'run'}"]
     threads = max(1, (os.cpu_count() or 2) // nproc)
-    payload = json.dumps({"base": base, "saver": saver, "threads": threads, "out": str(out)})
-    script = out / "rank.py"
-    script.write_text(_RANK_SCRIPT)
-    cmd = [sys.executable, str(script), payload] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(script),
-        payload]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
-    if proc.returncode != 0:
-        return {"case": name, "error": proc.stderr.strip().splitlines()[-5:]}
-    ranks = [json.loads(p.read_text()) for p in sorted(out.glob("peak*.json"))]
+    payload = {"base": base, "saver": saver, "threads": threads, "out": str(out)}
+    ranks = run_ranks(_RANK_SCRIPT, payload, nproc, out)
+    if isinstance(ranks, str):
+        return {"case": name, "error": [ranks]}
     measured = max(r["measured"] for r in ranks)
     predicted = ranks[0]["predicted"]
     return {"case": name, "overrides": saver, "processes": nproc, "predicted": predicted, "measured": measured,

@@ -21,10 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peaks import run_ranks  # noqa: E402 - benchmarks/ is not a package
 
 MODELS = ("gpt2", "gpt2_medium", "smollm_135m")
 # layout name -> (processes, the overrides that select it, the plan degrees it corresponds to)
@@ -56,11 +58,6 @@ match = [c for c in plan.costs
          if all(getattr(c.layout.degrees, k) == wanted.get(k, 1) for k in ("dp_replicate", "dp_shard", "tp", "pp"))]
 predicted = match[0].plain.peak if match else None
 train(cfg)
-status = dict(line.split(":", 1) for line in open("/proc/self/status"))
-record = {"rank": int(os.environ.get("RANK", 0)), "predicted": predicted,
-          "measured": int(status["VmHWM"].split()[0]) * 1024}
-with open(os.path.join(args["out"], f"peak{record['rank']}.json"), "w") as f:
-    json.dump(record, f)
 """
 
 
@@ -82,19 +79,10 @@ def run_case(model: str, layout: str, seq: int | None, micro: int, workdir: Path
         overrides.append(f"model.block_size={seq}")
     overrides += extra
     threads = max(1, (os.cpu_count() or 2) // nproc)
-    payload = json.dumps({"overrides": overrides, "devices": nproc, "degrees": degrees, "threads": threads,
-                          "out": str(out)})
-    script = out / "rank.py"
-    script.write_text(_RANK_SCRIPT)
-    if nproc == 1:
-        cmd = [sys.executable, str(script), payload]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               str(script), payload]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
-    if proc.returncode != 0:
-        return {"model": model, "layout": layout, "error": proc.stderr.strip().splitlines()[-5:]}
-    ranks = [json.loads(p.read_text()) for p in sorted(out.glob("peak*.json"))]
+    payload = {"overrides": overrides, "devices": nproc, "degrees": degrees, "threads": threads, "out": str(out)}
+    ranks = run_ranks(_RANK_SCRIPT, payload, nproc, out)
+    if isinstance(ranks, str):
+        return {"model": model, "layout": layout, "error": [ranks]}
     measured = max(r["measured"] for r in ranks)
     predicted = ranks[0]["predicted"]
     return {"model": model, "layout": layout, "processes": nproc, "seq": seq, "micro": micro,
