@@ -184,6 +184,36 @@ def merged_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     return merged
 
 
+def adapter_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The adapters of a LoRA state dict (A, B and each layer's scaling): what a LoRA run changed."""
+    return {name: tensor for name, tensor in state.items() if ADAPTER_MARK in name}
+
+
+class AdapterState:
+    """The state view of an adapted model whose frozen weights come from a folder (model.init_from):
+    `state_dict()` holds the adapters alone (A, B, scalings), so a checkpoint and model.pt hold what
+    the run changed, not a copy of the base. `load_state_dict` takes such a state (the base weights,
+    loaded from the folder and frozen, stay as they are) or a whole one (base + adapters, as
+    checkpoints held before adapter-only ones; loaded whole)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return adapter_state(self.model.state_dict())
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        if any(ADAPTER_MARK not in name for name in state):
+            self.model.load_state_dict(state)
+            return
+        expected = set(self.state_dict())
+        missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
+        if missing or extra:  # RuntimeError, as load_state_dict raises: the resume turns it into a refusal
+            raise RuntimeError(f"the adapters do not fit this model (missing: {', '.join(missing[:3]) or 'none'}; "
+                               f"unexpected: {', '.join(extra[:3]) or 'none'})")
+        self.model.load_state_dict(state, strict=False)
+
+
 def trainable_count(model: nn.Module) -> tuple[int, int]:
     """(trainable, total) unique parameters of a built model (tied weights once)."""
     unique = {id(p): p for p in model.parameters()}

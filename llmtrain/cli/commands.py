@@ -58,6 +58,9 @@ def prepare_command(args: list[str]) -> None:
         f"  tokenizer {m['tokenizer']}, vocabulary {m['vocab_size']:,}; unigram entropy "
         f"{m['unigram_entropy_nats']:.4f} nats/token (the loss to beat)"
     )
+    if (chat := m.get("chat_template")) and not data.built:  # a build logged it already, while formatting
+        console.print(f"  formatted with the chat template {escape(chat['file'])}; the first example as the model "
+                      f"sees it, »trained on«, the rest masked:\n{escape(chat['first_example'])}")
     if listed := m.get("degenerate_files"):  # what the pre-flight check of `llmtrain train` will warn about
         from llmtrain.data.quality import describe
 
@@ -205,18 +208,21 @@ def export_command(args: list[str]) -> None:
     parser = argparse.ArgumentParser(
         prog="llmtrain export", description="Export a run's weights for inference: in llmtrain's own format "
         "(model.safetensors, model_config.json, tokenizer.json; `llmtrain sample` reads it), or as a Hugging Face "
-        "folder that transformers loads with no llmtrain code (GPT-2- and Llama-style models).",
+        "folder that transformers loads with no llmtrain code (GPT-2- and Llama-style models), or a LoRA run's "
+        "adapters as peft's adapter folder.",
         epilog="examples: llmtrain export outputs/2024-05-01/12-00-00\n"
-        "          llmtrain export outputs/2024-05-01/12-00-00 --format hf --out my-model",
+        "          llmtrain export outputs/2024-05-01/12-00-00 --format hf --out my-model\n"
+        "          llmtrain export outputs/2024-05-01/12-00-00 --format peft --out my-adapter",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("run_dir", type=Path, help="run directory written by `llmtrain train` (or an export)")
     parser.add_argument("--out", type=Path, default=None,
                         help="output folder: new, empty, or a previous export (replaced whole); any other folder is "
-                        "refused (default: RUN_DIR/export, or RUN_DIR/export-hf for --format hf)")
-    parser.add_argument("--format", choices=("llmtrain", "hf"), default="llmtrain",
-                        help="llmtrain (default) or hf: config.json, model.safetensors, generation_config.json and "
-                        "tokenizer files for transformers' from_pretrained")
+                        "refused (default: RUN_DIR/export, RUN_DIR/export-hf or RUN_DIR/export-peft)")
+    parser.add_argument("--format", choices=("llmtrain", "hf", "peft"), default="llmtrain",
+                        help="llmtrain (default); hf: config.json, model.safetensors, generation_config.json and "
+                        "tokenizer files for transformers' from_pretrained; peft: a LoRA run's adapter_config.json "
+                        "and adapter_model.safetensors (and tokenizer files) for peft's PeftModel.from_pretrained")
     opts = parser.parse_args(args)
 
     from llmtrain.core.errors import UserError
@@ -230,7 +236,22 @@ def export_command(args: list[str]) -> None:
         print(f"exported to {out}: model.safetensors, model_config.json, tokenizer.json "
               f"(sample it: llmtrain sample {out})")
         return
+    if opts.format == "peft":
+        _print_peft_export(out)
+        return
     _print_hf_export(out)
+
+
+def _print_peft_export(out: Path) -> None:
+    """What a peft export wrote and the lines that load it onto its base."""
+    import json
+
+    base = json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"]
+    print(f"exported to {out} as a peft LoRA adapter for {base}: adapter_config.json, adapter_model.safetensors "
+          f"({(out / 'adapter_model.safetensors').stat().st_size / 1e6:.2f} MB), tokenizer files\n"
+          "load it with transformers and peft:\n"
+          "  from peft import PeftModel\n  from transformers import AutoModelForCausalLM\n"
+          f"  model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({base!r}), {str(out)!r})")
 
 
 def _print_hf_export(out: Path) -> None:

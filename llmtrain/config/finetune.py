@@ -60,6 +60,13 @@ def is_lora(cfg: Config) -> bool:
     return finetune is not None and finetune.method == FinetuneMethod.lora  # == : a str too (a config built in code)
 
 
+def adapter_checkpoints(cfg: Any) -> bool:
+    """Whether the run's checkpoints and model.pt hold its adapters alone: a LoRA run on a folder's
+    weights (model.init_from), which a resume or a reader loads again from the folder. A LoRA run
+    from scratch keeps whole-model files: its frozen base exists nowhere else."""
+    return is_lora(cfg) and cfg.model.init_from is not None
+
+
 def validate_finetune(cfg: Config, shards: int) -> None:
     """The finetune keys, and what LoRA cannot run with in this version (`shards`: the run's FSDP
     degree, parallel.dp_shard resolved); ConfigError, one paragraph."""

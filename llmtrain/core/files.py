@@ -6,7 +6,9 @@ A run dir (`out_dir`, by default Hydra's `outputs/<date>/<time>`):
     tokenizer.json     the tokenizer the data was encoded with; a resume must match it
     metrics.jsonl      one JSON record per line, appended (a resumed run continues the file)
     events.jsonl       the health monitor's alarms and actions (also in metrics.jsonl)
-    model.pt           the final weights (the unwrapped model's state dict), for sample/export
+    model.pt           the final weights (the unwrapped model's state dict), for sample/export; a
+                       LoRA run on a model.init_from folder keeps its adapters alone there
+    lora_base.json     such a run's base: the folder's path and the sha256 of its weights
     checkpoints/       step_NNNNNNNN/ folders and `latest` (see checkpoint/layout.py)
     report.md, report.html, report/   the post-run review (`llmtrain report`)
     eval.json          `llmtrain eval`'s results per task (and harness-TASK.json, the harness's own)
@@ -31,6 +33,7 @@ TOKENIZER = "tokenizer.json"
 METRICS = "metrics.jsonl"
 EVENTS = "events.jsonl"
 FINAL_WEIGHTS = "model.pt"
+LORA_BASE = "lora_base.json"  # a LoRA run's base folder and its weights' sha256 (hf/lora_base.py)
 CHECKPOINTS = "checkpoints"
 TRAINER_STATE = "trainer_state.json"  # inside a checkpoint folder
 REPORT_MD = "report.md"
@@ -43,7 +46,7 @@ TENSORBOARD = "tensorboard"
 
 # What each name must be when it exists: a run dir whose `checkpoints` is a file would look like a
 # run with no checkpoints (and restart from step 0) until its first save failed.
-FILES = (CONFIG, TOKENIZER, METRICS, EVENTS, FINAL_WEIGHTS, REPORT_MD, REPORT_HTML, EVAL_RESULTS, JOB_LOG)
+FILES = (CONFIG, TOKENIZER, METRICS, EVENTS, FINAL_WEIGHTS, LORA_BASE, REPORT_MD, REPORT_HTML, EVAL_RESULTS, JOB_LOG)
 FOLDERS = (CHECKPOINTS, REPORT_PLOTS, HYDRA_SUBDIR, TENSORBOARD)
 
 

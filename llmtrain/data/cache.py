@@ -21,6 +21,7 @@ import numpy as np
 from llmtrain.config.schema import DataConfig, DataSource, DecodeErrors, TokenizerKind
 from llmtrain.core.files import TOKENIZER  # the same file name in the data cache as in a run dir
 from llmtrain.core.readers import UnreadableFile, read_json
+from llmtrain.data.chat_template import TEMPLATE_FILE, ChatTemplate, checked, find_template
 from llmtrain.data.corpus import (
     SourceFile,
     fingerprint,
@@ -117,6 +118,8 @@ def location(cfg: DataConfig) -> tuple[list[SourceFile], Path]:
     if cfg.tokenizer is TokenizerKind.pretrained:
         # The tokens are the folder's: its tokenizer.json's content and end-of-text id, not its path.
         identity["pretrained"] = pretrained_identity(cfg)
+        if template := chat_template(cfg):  # a changed template (or its tokens) renders other text
+            identity["chat_template_sha256"] = template.sha256
     if decoded := decoded_files(cfg, files):  # a cache built when such a file was read as UTF-8 is not reused
         identity["decoded_from"] = decoded
     key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
@@ -166,6 +169,27 @@ def pretrained_identity(cfg: DataConfig) -> dict:
     tokenizer = pretrained_tokenizer(cfg)
     content = hashlib.sha256(Path(cfg.tokenizer_dir or "").expanduser().joinpath("tokenizer.json").read_bytes())
     return {"tokenizer_sha256": content.hexdigest(), "eos_id": tokenizer.eos_id}
+
+
+def chat_template(cfg: DataConfig) -> ChatTemplate | None:
+    """data=instruct with a folder's tokenizer: the folder's chat template, compiled and tried on a
+    probe conversation (ConfigError when it is broken); None otherwise, or when the folder has none
+    (llmtrain's own format is used then). Read once per process while the folder's files stay
+    unchanged."""
+    if cfg.source is not DataSource.instruct or cfg.tokenizer is not TokenizerKind.pretrained:
+        return None
+    tokenizer = pretrained_tokenizer(cfg)
+    path = Path(cfg.tokenizer_dir or "").expanduser()
+    stamps = tuple((f.stat().st_mtime_ns, f.stat().st_size) if f.is_file() else None
+                   for f in (path / name for name in ("tokenizer.json", "tokenizer_config.json", TEMPLATE_FILE)))
+    special = tuple(t.content for t in tokenizer.inner.get_added_tokens_decoder().values() if t.special)
+    return _chat_template(cfg.tokenizer_dir or "", str(path.resolve()), stamps, special)
+
+
+@functools.lru_cache(maxsize=4)
+def _chat_template(location: str, resolved: str, _stamps: tuple, special: tuple[str, ...]) -> ChatTemplate | None:
+    template = find_template(Path(resolved), list(special))
+    return checked(template, location) if template is not None else None
 
 
 def hf_dataset(cfg: DataConfig):

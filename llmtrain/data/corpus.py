@@ -10,7 +10,7 @@ import codecs
 import hashlib
 import os
 import sysconfig
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -129,11 +129,14 @@ def json_kind(value: object) -> str:
 
 
 def instruction_examples(
-    source: SourceFile, prompt_field: str, response_field: str, messages_field: str
+    source: SourceFile, prompt_field: str, response_field: str, messages_field: str,
+    chat: Callable[[list[dict], str], list[tuple[str, bool]]] | None = None,
 ) -> list[tuple[str, list[tuple[str, bool]]]]:
     """One example per JSON line: (name, [(text, trained), ...]). A line holds either a prompt and a
     response (only the response is trained on) or chat messages [{"role", "content"}] (only the
-    assistant's turns are trained on). Errors name the file and line."""
+    assistant's turns are trained on). `chat(messages, where)`, when given, renders both as a chat
+    (a pair as one user and one assistant message): a folder's chat template. Errors name the file
+    and line."""
     import json
 
     from llmtrain.core.errors import ConfigError
@@ -157,12 +160,15 @@ def instruction_examples(
                 for m in messages
             ):
                 raise ConfigError(f"{where}: '{messages_field}' must be a list of {{\"role\": ..., \"content\": ...}}.")
-            segments = []
-            for m in messages:
-                segments.append((f"<|{m['role']}|>\n", False))
-                segments.append((m["content"] + "\n", m["role"] == "assistant"))
+            if chat is not None:
+                segments = chat(messages, where)
+            else:
+                segments = [piece for m in messages for piece in
+                            ((f"<|{m['role']}|>\n", False), (m["content"] + "\n", m["role"] == "assistant"))]
         elif isinstance(record.get(prompt_field), str) and isinstance(record.get(response_field), str):
-            segments = [(record[prompt_field] + "\n\n", False), (record[response_field] + "\n\n", True)]
+            segments = ([(record[prompt_field] + "\n\n", False), (record[response_field] + "\n\n", True)]
+                        if chat is None else chat([{"role": "user", "content": record[prompt_field]},
+                                                   {"role": "assistant", "content": record[response_field]}], where))
         else:
             raise ConfigError(
                 f"{where} has neither '{messages_field}' nor string fields '{prompt_field}' and '{response_field}' "

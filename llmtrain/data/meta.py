@@ -52,6 +52,8 @@ class DataMeta:
     fingerprint: str
     content_sha256: str
     loss_mask: bool | None = None  # instruction data: True (a mask file beside each split's tokens)
+    # instruction data rendered with a folder's chat template: its file, hash and the first example as shown
+    chat_template: dict[str, str] | None = None
 
     @classmethod
     def of_tokens(cls, cfg: DataConfig, tokenizer: Tokenizer, dtype: type, train_counts: np.ndarray,

@@ -34,10 +34,13 @@ from llmtrain.core.readers import UnreadableFile, read_json
 from llmtrain.hf import layouts
 from llmtrain.hf.tokenizer_files import SPECIAL_TOKENS_MAP, TOKENIZER, TOKENIZER_CONFIG, HFTokenizer, tokenizer_files
 
-# Every file either export format writes: a folder holding only these, with an export's mark, is a
+# A peft adapter folder's two files (`export --format peft`, hf/peft_export.py).
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# Every file any export format writes: a folder holding only these, with an export's mark, is a
 # previous export, safe to replace.
 EXPORT_FILES = frozenset({CONFIG, WEIGHTS, GENERATION_CONFIG, TOKENIZER, TOKENIZER_CONFIG, SPECIAL_TOKENS_MAP,
-                          "model_config.json"})
+                          "model_config.json", ADAPTER_CONFIG, ADAPTER_WEIGHTS})
 # The key of config.json that marks a folder this exporter wrote (transformers keeps it as a plain
 # attribute): a folder save_pretrained wrote has the same file names, and is the user's, not ours to replace.
 EXPORT_MARK = "exported_by_llmtrain"
@@ -133,14 +136,27 @@ def _check_previous_export(out_dir: Path) -> None:
 
 
 def _is_previous_export(folder: Path) -> bool:
-    """An llmtrain-format export (model_config.json), or an HF export with the mark in config.json."""
+    """An llmtrain-format export (model_config.json), an HF export with the mark in config.json, or a
+    peft export with the mark in its safetensors' metadata."""
     if (folder / "model_config.json").is_file() and not (folder / CONFIG).is_file():
         return True
+    if (folder / ADAPTER_WEIGHTS).is_file() and not (folder / CONFIG).is_file():
+        return _marked_adapters(folder / ADAPTER_WEIGHTS)
     try:
         config = read_json(folder / CONFIG, "the config of the model in --out")
     except UnreadableFile:  # missing, huge, not JSON: not a config this exporter wrote
         return False
     return isinstance(config, dict) and config.get(EXPORT_MARK) is True
+
+
+def _marked_adapters(weights: Path) -> bool:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(weights), framework="pt") as handle:
+            return (handle.metadata() or {}).get(EXPORT_MARK) == "true"
+    except Exception:  # noqa: BLE001 - a damaged or foreign file: not ours to replace
+        return False
 
 
 def write_export(out_dir: Path, fill: Callable[[Path], None]) -> None:

@@ -27,10 +27,10 @@ from llmtrain.config.saved import read_saved
 from llmtrain.config.schema import Config, ModelConfig
 from llmtrain.config.validate import validate_model
 from llmtrain.core.errors import CheckpointError, ConfigError, UserError
-from llmtrain.core.files import CONFIG, FINAL_WEIGHTS, TOKENIZER
+from llmtrain.core.files import CONFIG, FINAL_WEIGHTS, LORA_BASE, TOKENIZER
 from llmtrain.core.readers import UnreadableFile, read_json, require_regular_file
 from llmtrain.data.tokenizers import Tokenizer, load_tokenizer
-from llmtrain.lora import merged_state_dict
+from llmtrain.lora import ADAPTER_MARK, adapter_state, merged_state_dict
 from llmtrain.model import GPT, uninitialized
 from llmtrain.model_tensors import check_stored, model_tensors
 from llmtrain.preflight.estimate import available_memory, format_bytes
@@ -40,27 +40,106 @@ WEIGHTS = "model.safetensors"
 MODEL_CONFIG = "model_config.json"
 
 
+def adapters_only(weights: dict[str, torch.Tensor]) -> bool:
+    """A LoRA run's adapter-only weights (its checkpoints and model.pt with a model.init_from base)."""
+    return bool(weights) and all(ADAPTER_MARK in name for name in weights)
+
+
+class RunBase:
+    """The base model a LoRA run's adapter-only weights sit on: the folder the run dir's
+    lora_base.json names, checked to hold the same weights (sha256) once, then loaded once."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = Path(run_dir)
+        self.path: str | None = None
+        self._weights: dict[str, torch.Tensor] | None = None
+
+    def check(self) -> str:
+        """The base folder's path, once it is known to hold the weights the adapters were trained on."""
+        if self.path is not None:
+            return self.path
+        from llmtrain.hf.lora_base import base_identity, check_same_base
+
+        record_file = self.run_dir / LORA_BASE
+        try:
+            recorded = read_json(record_file, "the LoRA run's base record")
+            where = recorded["path"]
+        except (UnreadableFile, KeyError, TypeError):
+            raise UserError(f"'{self.run_dir}' holds LoRA adapters alone, and {record_file}, which names the base "
+                            "model they belong to, is missing or damaged; the adapters cannot be used without it. "
+                            "Restore the file, or retrain the run.") from None
+        try:
+            current = base_identity(where)
+        except ConfigError as err:
+            raise UserError(f"'{self.run_dir}' holds LoRA adapters for the base model in {where}, which cannot be "
+                            f"read now ({err}). Put that folder back where it was (its safetensors files as they "
+                            "were), then run this again.") from None
+        check_same_base(recorded, current, f"'{self.run_dir}' holds LoRA adapters alone",
+                        "Restore the folder's safetensors files as they were; a merged copy of the model to keep "
+                        "whatever the base becomes is `llmtrain export RUN_DIR --format hf`, run while the base is "
+                        "the right one.")
+        self.path = current["path"]
+        return self.path
+
+    def under(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`weights` with the base's tensors beside them when they are adapters alone."""
+        if not adapters_only(weights):
+            return weights
+        if self._weights is None:
+            from llmtrain.hf.lora_base import base_weights
+
+            self._weights = base_weights(self.check())
+        return {**self._weights, **weights}
+
+
 def newest_weights(run_dir: Path, warn: Callable[[str], None] | None = None,
                    model: ModelConfig | None = None) -> dict[str, torch.Tensor]:
     """The newest weights of a run (a CPU state_dict): model.pt of a finished run, unless a
     checkpoint is newer (a run extended and interrupted later), else its newest good checkpoint's
     (an interrupted run), whole even when the checkpoint is sharded; a LoRA run's with its adapters
-    merged into the weights (lora.py merged_state_dict). Whatever cannot be read
+    merged into the weights (lora.py merged_state_dict), on the base folder's weights when the run
+    kept its adapters alone (`RunBase`). Whatever cannot be read
     (model.pt or a checkpoint), and with `model` (the run's config) whatever is not exactly that
     model's weights with finite values, is passed over with a warning; with nothing left: UserError."""
-    warn = warn or (lambda message: print(f"llmtrain: warning: {message}", file=sys.stderr))
-    final = run_dir / FINAL_WEIGHTS
-    final_problem: list[str] = []  # empty: model.pt not tried yet
+    base = RunBase(run_dir)
 
     def usable(weights: dict[str, torch.Tensor], where: Path) -> dict[str, torch.Tensor]:
         # A LoRA run's weights (frozen base + adapters + their scalings): the merged plain model.
-        weights = merged_state_dict(weights)
+        weights = merged_state_dict(base.under(weights))
         if model is not None:
             try:
                 check_weights_fit(model, weights, str(where), "config.yaml")
             except UserError as err:
                 raise CheckpointError(str(err)) from None
         return weights
+
+    return _newest(run_dir, warn, usable)
+
+
+def newest_adapters(run_dir: Path, warn: Callable[[str], None] | None = None) -> dict[str, torch.Tensor]:
+    """The LoRA adapters (A, B, scalings by llmtrain's names, unmerged) of a run's newest weights,
+    chosen as `newest_weights` chooses; an adapter-only run's base folder checked to be the one they
+    were trained on."""
+    base = RunBase(run_dir)
+
+    def usable(weights: dict[str, torch.Tensor], where: Path) -> dict[str, torch.Tensor]:
+        adapters = adapter_state(weights)
+        if not adapters:
+            raise CheckpointError(f"{where} holds no LoRA adapters")
+        if adapters_only(weights):
+            base.check()
+        return adapters
+
+    return _newest(run_dir, warn, usable)
+
+
+def _newest(run_dir: Path, warn: Callable[[str], None] | None,
+            usable: Callable[[dict[str, torch.Tensor], Path], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """usable(weights, where) of the newest of model.pt and the good checkpoints for which it raises
+    no CheckpointError (each one passed over is warned about); with nothing left: UserError."""
+    warn = warn or (lambda message: print(f"llmtrain: warning: {message}", file=sys.stderr))
+    final = run_dir / FINAL_WEIGHTS
+    final_problem: list[str] = []  # empty: model.pt not tried yet
 
     def read_final() -> dict[str, torch.Tensor] | None:
         try:

@@ -18,13 +18,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_model
 
+from llmtrain.config.derived import seq_len_of
 from llmtrain.config.schema import config_to_dict
 from llmtrain.core.errors import UserError
-from llmtrain.core.files import TOKENIZER
-from llmtrain.data.tokenizers import Tokenizer, save_tokenizer
+from llmtrain.core.files import CONFIG, TOKENIZER
+from llmtrain.data.tokenizers import Tokenizer, load_tokenizer, save_tokenizer
 from llmtrain.hf.export import check_target, export_hf, write_export
 from llmtrain.model import GPT
-from llmtrain.runs.artifacts import MODEL_CONFIG, WEIGHTS, load_run
+from llmtrain.runs.artifacts import MODEL_CONFIG, WEIGHTS, load_run, newest_adapters, run_config
 
 
 def export_model(model: GPT, tokenizer: Tokenizer, context: int, out_dir: Path,
@@ -49,21 +50,51 @@ def export_model(model: GPT, tokenizer: Tokenizer, context: int, out_dir: Path,
     return out_dir
 
 
-FORMATS = ("llmtrain", "hf")
-# Default folders under the run dir, one per format, so exporting both keeps both.
-DEFAULT_OUT = {"llmtrain": "export", "hf": "export-hf"}
+FORMATS = ("llmtrain", "hf", "peft")
+# Default folders under the run dir, one per format, so exporting all keeps all.
+DEFAULT_OUT = {"llmtrain": "export", "hf": "export-hf", "peft": "export-peft"}
 
 
 @torch.no_grad()
 def export_run(run_dir: Path, out_dir: Path | None = None, fmt: str = "llmtrain") -> Path:
     """Export a run dir (or re-export an export folder) into `out_dir`, by default RUN_DIR/export
-    (format llmtrain) or RUN_DIR/export-hf (format hf)."""
+    (format llmtrain), RUN_DIR/export-hf (format hf) or RUN_DIR/export-peft (format peft: a LoRA
+    run's adapters)."""
     if fmt not in FORMATS:
         raise UserError(f"--format is {fmt!r}; valid formats: {', '.join(FORMATS)}.")
     target = out_dir or Path(run_dir) / DEFAULT_OUT[fmt]
     check_target(target)  # before the model is loaded: a folder that will be refused costs nothing
+    if fmt == "peft":
+        return export_adapters(Path(run_dir), target)
     run = load_run(run_dir)
     if fmt == "hf":
         export_hf(run.model, run.tokenizer.to_dict(), run.context, target)
         return target
     return export_model(run.model, run.tokenizer, run.context, target, run.tokenizer_file)
+
+
+def export_adapters(run_dir: Path, target: Path) -> Path:
+    """`--format peft`: a LoRA run's adapters (unmerged) for its model.init_from base, as peft
+    writes them (hf/peft_export.py); anything else refused in one paragraph before any work."""
+    from llmtrain.config.finetune import is_lora
+    from llmtrain.hf.peft_export import export_peft
+
+    if not (run_dir / CONFIG).is_file():
+        raise UserError(f"--format peft exports the LoRA adapters of a run directory, and '{run_dir}' is not one (no "
+                        f"{CONFIG}): an export or a Hugging Face folder holds a whole model, with no adapters apart. "
+                        "Give the run directory `llmtrain train finetune=lora` wrote.")
+    cfg = run_config(run_dir)
+    if not is_lora(cfg):
+        raise UserError(f"--format peft exports LoRA adapters, and '{run_dir}' is a full fine-tune "
+                        "(finetune.method=full): every weight trained, there are no adapters. `llmtrain export "
+                        f"{run_dir} --format hf` writes its whole model for transformers.")
+    if cfg.model.init_from is None:
+        raise UserError(f"--format peft needs the base model as a Hugging Face folder for the adapters to go on, and "
+                        f"'{run_dir}' trained LoRA on a randomly initialized model (no model.init_from) that exists "
+                        f"only in this run's weights. `llmtrain export {run_dir} --format hf` writes the merged "
+                        "model, base and adapters together.")
+    adapters = newest_adapters(run_dir)
+    base = str(Path(cfg.model.init_from).expanduser().resolve())
+    export_peft(cfg.model, cfg.finetune, adapters, base, load_tokenizer(run_dir / TOKENIZER).to_dict(),
+                seq_len_of(cfg), target)
+    return target

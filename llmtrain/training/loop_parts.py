@@ -21,6 +21,7 @@ from llmtrain.engine.state import TrainResult, TrainState
 from llmtrain.engine.timing import StepTimer
 from llmtrain.evaluation.scoring import Scorer
 from llmtrain.evaluation.tasks import Task
+from llmtrain.hf.lora_base import BASE_RECORD
 from llmtrain.metrics.writer import MetricsWriter, NullMetricsWriter
 from llmtrain.monitor.diagnosis import run_facts
 from llmtrain.monitor.probes import BlockSpan, device_memory_mb
@@ -136,9 +137,11 @@ def build_checkpointer(context: Context, module: TrainModule, batches: Batches,
     """checkpoint.*: what a save holds (the state views, the precision, the sampler, the run's
     seed and the monitor's state) and how the ranks agree on it."""
     layout, seed = context.layout, context.runtime.seed
+    # adapter-only checkpoints name the base they need (hf/lora_base.py): a resume checks it
+    lora_base = {BASE_RECORD: context.lora_base} if context.lora_base is not None else {}
     saved = SavedObjects(model_state=module.model_state, optimizer_state=module.optimizer_state,
                          sampler=batches.train, precision=module.precision,
-                         extra_state=lambda: {"run_seed": seed, **monitor.checkpoint_state()})
+                         extra_state=lambda: {"run_seed": seed, **lora_base, **monitor.checkpoint_state()})
     ranks = RankAgreement(writer=layout.is_main, agree=lambda value: broadcast_from_main(value, layout),
                           vote=lambda values: all_reduce_sum(values, layout))
     return Checkpointer(cfg=context.cfg.checkpoint, run_dir=context.run_dir, saved=saved,

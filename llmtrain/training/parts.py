@@ -50,6 +50,9 @@ class Context:
     dashboard: Dashboard
     warn: Callable[[str], None]  # a warning on the console
     faults: Faults  # the tests' injections (none in a real run)
+    # A LoRA run on a folder's weights: the folder's identity (hf/lora_base.py), which every
+    # checkpoint records beside its adapters; None for any other run.
+    lora_base: dict | None = None
 
     @property
     def device(self) -> torch.device:

@@ -22,19 +22,41 @@ from llmtrain.core.files import CHECKPOINTS
 from llmtrain.data.tokenizers import Tokenizer
 from llmtrain.distributed.layout import Layout, broadcast_from_main
 from llmtrain.engine.state import TrainState
+from llmtrain.hf.lora_base import BASE_RECORD, check_same_base
 from llmtrain.metrics.dashboard import Dashboard
 from llmtrain.training.parts import Sampler, TrainModule
 
 
 def choose_resume(cfg: Config, run_dir: Path, warn: Callable[[str], None], device: torch.device, layout: Layout,
-                  config_dict: dict, tokenizer: Tokenizer) -> Checkpoint | None:
-    """The checkpoint to resume from (agreed by the ranks), refused unless it fits the config and
-    the data's tokenizer; None for a fresh start."""
+                  config_dict: dict, tokenizer: Tokenizer, lora_base: dict | None = None) -> Checkpoint | None:
+    """The checkpoint to resume from (agreed by the ranks), refused unless it fits the config, the
+    data's tokenizer and (`lora_base`: a LoRA run's base folder, as it is now) the base its adapters
+    were trained on; None for a fresh start."""
     checkpoint = agreed_resume(cfg.resume, run_dir, warn, device, layout)
     if checkpoint is not None:
         check_resumable(checkpoint, config_dict)
         check_same_tokenizer(checkpoint, tokenizer)
+        check_lora_base(checkpoint, lora_base)
     return checkpoint
+
+
+def check_lora_base(checkpoint: Checkpoint, lora_base: dict | None) -> None:
+    """An adapter-only checkpoint resumes only on the base it was trained on: the same weights
+    (the sha256 of the folder's safetensors), wherever the folder now is. A whole-model checkpoint
+    (a LoRA run from scratch, or one written before adapter-only checkpoints) holds its base itself."""
+    recorded = checkpoint.trainer.get(BASE_RECORD)
+    if recorded is None:
+        return
+    what = f"Cannot resume from {checkpoint.path}"
+    if lora_base is None:
+        where = recorded.get("path") if isinstance(recorded, dict) else None
+        raise ConfigError(f"{what}: it holds LoRA adapters alone, for the base model in {where}, and this run has no "
+                          f"base folder to put them on (it is not a LoRA run with model.init_from). Resume with "
+                          f"finetune=lora model.init_from={where}, or start a new run dir (hydra.run.dir=...).")
+    check_same_base(recorded, lora_base, what,
+                    "If the folder changed by mistake, restore its safetensors files and resume again; if the new "
+                    "weights are intended, train them in a new run dir (hydra.run.dir=...), since resuming would "
+                    "continue adapters made for the old ones.")
 
 
 def all_damaged(run_dir: Path, failures: list[str], what: str, own: bool = True) -> CheckpointError:

@@ -47,7 +47,7 @@ from torch.nn.parallel import DistributedDataParallel
 from llmtrain.checkpoint.write import remove_stale_temps
 from llmtrain.config.derived import degrees_of, seq_len_of, seq_len_stages, total_steps
 from llmtrain.config.eval_tasks import VALIDATION, parse_task_specs
-from llmtrain.config.finetune import is_lora
+from llmtrain.config.finetune import adapter_checkpoints, is_lora
 from llmtrain.config.hydra import command_line_of_this_run
 from llmtrain.config.parallel_limits import tensor_parallel_problems
 from llmtrain.config.schema import (
@@ -92,7 +92,8 @@ from llmtrain.evaluation.scoring import random_states_kept
 from llmtrain.evaluation.tasks import Task, TaskSource, read_tasks
 from llmtrain.hf.folder import load_weights
 from llmtrain.hf.init import apply_init_from, open_folder
-from llmtrain.lora import apply_lora
+from llmtrain.hf.lora_base import base_identity
+from llmtrain.lora import AdapterState, apply_lora
 from llmtrain.metrics.dashboard import Dashboard
 from llmtrain.model import GPT, uninitialized
 from llmtrain.monitor.probes import matmul_peak_flops
@@ -144,7 +145,9 @@ def build_run(cfg: Config, console: Dashboard | None, layout: Layout,
     runtime = dataclasses.replace(runtime, matmul_flops=matmul_peak_flops(device, repeats=4))
     eval_tasks = encode_training_tasks(cfg, task_sources, data, plan.longest_seq_len, log)
     config_dict = config_to_dict(cfg)
-    checkpoint = choose_resume(cfg, run_dir, warn, device, layout, config_dict, data.tokenizer())
+    # Adapter-only checkpoints: the base folder's identity, hashed once here (never at a save).
+    lora_base = base_identity(cfg.model.init_from) if adapter_checkpoints(cfg) else None
+    checkpoint = choose_resume(cfg, run_dir, warn, device, layout, config_dict, data.tokenizer(), lora_base)
     model = build_model(cfg, plan.model_vocab_size, runtime, layout, fresh_start=checkpoint is None)
     module = build_train_module(cfg, model, runtime, layout)
     if checkpoint is not None and cfg.seed is None:
@@ -160,14 +163,25 @@ def build_run(cfg: Config, console: Dashboard | None, layout: Layout,
     if layout.is_main:
         accept_run(run_dir, config_dict, data.tokenizer(), cfg.resume == "never" and checkpoint is None, warn,
                    on_accept)
+        record_base(run_dir, lora_base)
     context = Context(cfg=cfg, config_dict=config_dict, layout=layout, run_dir=run_dir, runtime=runtime, data=data,
                       check=check, resume_from=checkpoint.path if checkpoint is not None else None,
-                      dashboard=dashboard, warn=warn, faults=Faults.from_env())
+                      dashboard=dashboard, warn=warn, faults=Faults.from_env(), lora_base=lora_base)
     print_banner(context, plan, module, state)
     loop = build_loop_parts(context, plan, module, batches, state, checkpoint, eval_tasks)
     run = Run(context=context, plan=plan, module=module, batches=batches, loop=loop, state=state)
     context.faults.slow_backward(module.model, lambda: run.state.step)
     return run
+
+
+def record_base(run_dir: Path, lora_base: dict | None) -> None:
+    """A LoRA run on a folder's weights: the run dir's lora_base.json names the base its model.pt's
+    adapters need (runs/artifacts.py reads it); any other run has none (an earlier one's removed)."""
+    path = run_dir / files.LORA_BASE
+    if lora_base is None:
+        path.unlink(missing_ok=True)
+        return
+    write_atomically(path, lambda fh: fh.write(json.dumps(lora_base, indent=2).encode()))
 
 
 def resume_repairs(state: TrainState, cfg: Config, module: TrainModule, dashboard: Dashboard) -> None:
@@ -320,9 +334,10 @@ def build_model(cfg: Config, vocab_size: int, runtime: Runtime, layout: Layout, 
     """The model, initialized (model.init_from on a fresh start: the folder's weights; a resume then
     restores the checkpoint's), compiled, then split over the run's device mesh: tensor parallel
     first (each layer over the tp ranks), then FSDP2 over the data-parallel shards, or DDP."""
-    if cfg.model.init_from is not None and fresh_start:
+    if cfg.model.init_from is not None and (fresh_start or adapter_checkpoints(cfg)):
         # Before compile and sharding: FSDP2 and tensor parallel split the tensors load_weights fills
-        # by their names.
+        # by their names. A LoRA run's checkpoints hold its adapters alone: a resume loads the base
+        # from the folder too (choose_resume checked that it is the same).
         model = folder_model(cfg.model, vocab_size, runtime.device)
     else:
         model = new_model(cfg.model, vocab_size, runtime.device)
@@ -376,7 +391,8 @@ def build_train_module(cfg: Config, model: Model, runtime: Runtime, layout: Layo
     elif model.sharded:
         model_state, optimizer_state = ShardedModelState(model.model), ShardedOptimizerState(model.model, optimizer)
     else:
-        model_state = model.model
+        # A LoRA run on a folder's weights saves (and restores) its adapters alone.
+        model_state = AdapterState(model.model) if adapter_checkpoints(cfg) else model.model
         optimizer_state = (ConsolidatedOptimizerState(optimizer, layout)
                            if hasattr(optimizer, "consolidate_state_dict") else optimizer)
     # Sharded files (each rank its own shards) only under FSDP2 alone: validate refuses the rest.
