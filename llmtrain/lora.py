@@ -206,12 +206,16 @@ class AdapterState:
         if any(ADAPTER_MARK not in name for name in state):
             self.model.load_state_dict(state)
             return
-        expected = set(self.state_dict())
-        missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
-        if missing or extra:  # RuntimeError, as load_state_dict raises: the resume turns it into a refusal
-            raise RuntimeError(f"the adapters do not fit this model (missing: {', '.join(missing[:3]) or 'none'}; "
-                               f"unexpected: {', '.join(extra[:3]) or 'none'})")
+        check_adapters(state, set(self.state_dict()))
         self.model.load_state_dict(state, strict=False)
+
+
+def check_adapters(state: dict[str, torch.Tensor], expected: set[str]) -> None:
+    """Raise unless `state` holds exactly the adapter entries `expected` (a model's)."""
+    missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
+    if missing or extra:  # RuntimeError, as load_state_dict raises: the resume turns it into a refusal
+        raise RuntimeError(f"the adapters do not fit this model (missing: {', '.join(missing[:3]) or 'none'}; "
+                           f"unexpected: {', '.join(extra[:3]) or 'none'})")
 
 
 def trainable_count(model: nn.Module) -> tuple[int, int]:

@@ -155,8 +155,10 @@ REFUSED = [
     (["finetune.targets=[head]"], ["model.tie_weights=true", "untie"]),  # gpt_tiny ties its head
     (["parallel=tp", "parallel.nproc=2"], ["tensor or pipeline parallel", "parallel.tp=2"]),
     (["parallel=pp", "parallel.nproc=2", "parallel.pp=2"], ["tensor or pipeline parallel", "parallel.pp=2"]),
-    (["parallel=fsdp", "parallel.nproc=2"], ["FSDP or ZeRO-1", "2 data-parallel shards"]),
-    (["parallel=zero1", "parallel.nproc=2"], ["FSDP or ZeRO-1", "parallel.zero1=true"]),
+    (["parallel=zero1", "parallel.nproc=2"], ["parallel.zero1 (ZeRO-1)", "use parallel=ddp, or parallel=fsdp"]),
+    (["parallel=hsdp", "parallel.nproc=4"], ["under HSDP yet (2 replicas x 2 shards)", "parallel=fsdp (shards only)"]),
+    (["parallel=fsdp", "parallel.nproc=2", "checkpoint.format=sharded"],
+     ["writes whole checkpoint files", "checkpoint.format=sharded is not supported"]),
 ]
 
 
@@ -270,15 +272,25 @@ def test_a_stopped_lora_run_resumes_bit_for_bit(folder: Path, tmp_path: Path) ->
 
 
 @pytest.mark.slow
-def test_lora_under_ddp_trains_like_one_process(tmp_path: Path) -> None:
-    """Two DDP ranks all-reduce only the adapters' gradients (the frozen weights have none)."""
+def test_lora_under_ddp_and_fsdp_trains_like_one_process(tmp_path: Path) -> None:
+    """Two DDP ranks all-reduce only the adapters' gradients (the frozen weights have none); two
+    FSDP2 ranks reduce-scatter them. From scratch: the files hold the whole model (under fsdp
+    gathered to rank 0 for each save). tests/test_lora_checkpoints.py tests fsdp on a folder."""
     from .conftest import run_cli
 
     common = ["finetune=lora", *TEXT, "data.seq_len=32", "global_batch_size=4", "max_steps=6", "eval_interval=0",
-              "log_interval=1", "optim.lr=3e-3", "report=false"]
-    for name, extra in (("one", []), ("ddp", ["parallel=ddp", "parallel.nproc=2"])):
+              "log_interval=1", "optim.lr=3e-3", "checkpoint.every_steps=3", "report=false"]
+    layouts = {"one": [], "ddp": ["parallel=ddp", "parallel.nproc=2"], "fsdp": ["parallel=fsdp", "parallel.nproc=2"]}
+    for name, extra in layouts.items():
         done = run_cli("train", *common, *extra, f"hydra.run.dir={tmp_path / name}", cwd=tmp_path)
         assert done.returncode == 0, done.stderr
-    one, ddp = losses(tmp_path / "one"), losses(tmp_path / "ddp")
-    assert len(one) == len(ddp) == 6
-    assert all(abs(a - b) < 1e-5 for a, b in zip(one, ddp, strict=True)), (one, ddp)
+    one = losses(tmp_path / "one")
+    assert len(one) == 6
+    for name in ("ddp", "fsdp"):
+        theirs = losses(tmp_path / name)
+        assert len(theirs) == 6 and all(abs(a - b) < 1e-5 for a, b in zip(one, theirs, strict=True)), (name, one,
+                                                                                                          theirs)
+    whole = torch.load(tmp_path / "fsdp" / "model.pt", weights_only=True)
+    expected = torch.load(tmp_path / "one" / "model.pt", weights_only=True)
+    assert whole.keys() == expected.keys() and "wte.weight" in whole
+    assert all(torch.allclose(whole[k], expected[k], atol=1e-5) for k in expected)

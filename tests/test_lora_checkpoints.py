@@ -141,3 +141,72 @@ def test_peft_export_is_refused_for_a_run_without_adapters_on_a_folder(folder: P
     assert not (scratch / "lora_base.json").exists()
     with pytest.raises(UserError, match="randomly initialized model"):
         export_run(scratch, fmt="peft")
+
+
+# ---- FSDP2 (parallel=fsdp) -----------------------------------------------------------------------
+
+FSDP_RUN = ["finetune=lora", "finetune.rank=4", "finetune.alpha=8", "finetune.targets=[attn_qkv,attn_out,mlp]",
+            *TEXT, "data.seq_len=32", "micro_batch_size=1", "global_batch_size=4", "max_steps=10",
+            "checkpoint.every_steps=5", "eval_interval=0", "log_interval=1", "optim.lr=3e-3",
+            "schedule.warmup_steps=1", "monitor.interval=2", "report=false", "seed=5"]
+FSDP = ["parallel=fsdp", "parallel.nproc=2"]
+
+
+def train_losses(run: Path) -> dict[int, float]:
+    """Train loss by step; a step taken twice (before a stop and after the resume) keeps the last."""
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if r.get("kind") == "train"}
+
+
+@pytest.fixture(scope="module")
+def fsdp_runs(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The same LoRA run from the folder in one process and under FSDP2 on 2 gloo ranks."""
+    from .conftest import run_cli
+
+    root = tmp_path_factory.mktemp("fsdp")
+    runs = {"one": root / "one", "fsdp": root / "fsdp"}
+    for name, extra in (("one", []), ("fsdp", FSDP)):
+        done = run_cli("train", f"model.init_from={folder}", *FSDP_RUN, *extra, f"hydra.run.dir={runs[name]}",
+                       cwd=root)
+        assert done.returncode == 0, done.stderr
+        assert name == "one" or "FSDP2 (parameters, gradients and optimizer state sharded)" in done.stdout
+    return runs
+
+
+@pytest.mark.slow
+def test_lora_under_fsdp_trains_like_one_process(fsdp_runs: dict[str, Path]) -> None:
+    """Frozen weights and adapters share each block's FSDP2 unit: only the adapters' gradients are
+    reduce-scattered, clipped and stepped; checkpoints hold the adapters alone, in whole files."""
+    one, fsdp = train_losses(fsdp_runs["one"]), train_losses(fsdp_runs["fsdp"])
+    assert sorted(one) == sorted(fsdp) == list(range(1, 11))
+    assert all(fsdp[k] == pytest.approx(one[k], rel=1e-5) for k in one), (one, fsdp)
+    checkpoint = fsdp_runs["fsdp"] / "checkpoints" / "step_00000005"
+    assert not (checkpoint / "shards").exists()
+    saved = torch.load(checkpoint / "model.pt", weights_only=True)
+    assert saved and all(".lora_" in name for name in saved)
+    final = torch.load(fsdp_runs["fsdp"] / "model.pt", weights_only=True)
+    assert set(final) == set(saved)
+    ours, theirs = (load_run(fsdp_runs[name]).model.state_dict() for name in ("one", "fsdp"))
+    assert ours.keys() == theirs.keys()
+    for name in ours:  # the merged models: the folder's weights plus the adapters' deltas
+        torch.testing.assert_close(theirs[name], ours[name], rtol=0, atol=1e-4, msg=name)
+
+
+@pytest.mark.slow
+def test_a_stopped_lora_run_under_fsdp_resumes_as_if_never_stopped(folder: Path, fsdp_runs: dict[str, Path],
+                                                                    tmp_path: Path) -> None:
+    from .conftest import run_cli
+
+    argv = ["train", f"model.init_from={folder}", *FSDP_RUN, *FSDP, f"hydra.run.dir={tmp_path / 'run'}"]
+    stopped = run_cli(*argv, cwd=tmp_path, env={"LLMTRAIN_TEST_STOP_AT_STEP": "5"})
+    assert stopped.returncode == 75, stopped.stderr
+    resumed = run_cli(*argv, cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    got, uninterrupted = train_losses(tmp_path / "run"), train_losses(fsdp_runs["fsdp"])
+    assert sorted(got) == list(range(1, 11))
+    assert all(got[k] == pytest.approx(uninterrupted[k], rel=1e-5) for k in uninterrupted), (got, uninterrupted)
+    ours = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
+    theirs = torch.load(fsdp_runs["fsdp"] / "model.pt", weights_only=True)
+    assert set(ours) == set(theirs)
+    for name in theirs:
+        torch.testing.assert_close(ours[name], theirs[name], rtol=0, atol=1e-5, msg=name)

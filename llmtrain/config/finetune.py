@@ -67,9 +67,10 @@ def adapter_checkpoints(cfg: Any) -> bool:
     return is_lora(cfg) and cfg.model.init_from is not None
 
 
-def validate_finetune(cfg: Config, shards: int) -> None:
-    """The finetune keys, and what LoRA cannot run with in this version (`shards`: the run's FSDP
-    degree, parallel.dp_shard resolved); ConfigError, one paragraph."""
+def validate_finetune(cfg: Config, shards: int, replicas: int = 1) -> None:
+    """The finetune keys, and what LoRA cannot run with in this version (`shards`, `replicas`: the
+    run's FSDP and replica degrees, parallel.dp_shard and dp_replicate resolved); ConfigError, one
+    paragraph."""
     f = cfg.finetune
     if f.method != FinetuneMethod.lora:
         return
@@ -96,11 +97,20 @@ def validate_finetune(cfg: Config, shards: int) -> None:
     _require(not split, f"{where} does not run under tensor or pipeline parallel yet ({', '.join(split)}): the "
              "adapters are not split over the ranks. A LoRA run's frozen weights need no gradients or optimizer "
              "state, so one device or parallel=ddp usually fits; use one of those.")
-    _require(shards == 1 and not p.zero1,
-             f"{where} does not run with FSDP or ZeRO-1 yet ({shards} data-parallel shards, parallel.zero1="
-             f"{str(p.zero1).lower()}): their sharded checkpoints of frozen weights beside trainable adapters are "
-             "untested. The frozen weights need no gradients or optimizer state, so one device or parallel=ddp "
-             "usually fits; use one of those.")
+    # ZeRO-1 splits the optimizer state, which under LoRA is the adapters' alone (a few % of the
+    # weights' bytes): nothing worth the broadcasts, and untested with frozen weights.
+    _require(not p.zero1,
+             f"{where} does not run with parallel.zero1 (ZeRO-1): it would split only the adapters' optimizer state, "
+             "a few percent of the weights' size, so it saves next to nothing; use parallel=ddp, or parallel=fsdp to "
+             "shard the frozen weights too.")
+    _require(shards == 1 or replicas == 1,
+             f"{where} does not run under HSDP yet ({replicas} replicas x {shards} shards): it is untested; use "
+             "parallel=fsdp (shards only) or parallel=ddp (replicas only).")
+    # FSDP2 works (tested: 2 ranks train as one process, and resume) with whole checkpoint files.
+    _require(shards == 1 or str(getattr(cfg.checkpoint.format, "value", cfg.checkpoint.format)) != "sharded",
+             f"{where} under FSDP2 writes whole checkpoint files (the adapters and their optimizer state are a small "
+             "fraction of the model, and the frozen weights are the folder's or, from scratch, gathered once per "
+             "save); checkpoint.format=sharded is not supported with it: use checkpoint.format=auto or full.")
 
 
 def _require(ok: bool, message: str) -> None:

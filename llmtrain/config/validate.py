@@ -90,7 +90,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _validate_sinks(cfg)
     _validate_resume_and_threads(cfg)
     _validate_eval(cfg.eval)
-    validate_finetune(cfg, degrees_of(cfg, world_size * cfg.parallel.tp * cfg.parallel.pp).dp_shard)
+    degrees = degrees_of(cfg, world_size * cfg.parallel.tp * cfg.parallel.pp)
+    validate_finetune(cfg, degrees.dp_shard, degrees.dp_replicate)
 
 
 def validate_model(m: ModelConfig) -> None:

@@ -74,6 +74,48 @@ class ShardedModelState:
         set_model_state_dict(self.model, state, options=StateDictOptions(full_state_dict=True))
 
 
+class ShardedAdapterState:
+    """The adapters of an FSDP2-sharded LoRA model whose frozen weights come from a folder, in the
+    plain full format (lora.py's AdapterState under FSDP2): `state_dict()` gathers the adapters
+    alone on rank 0 (the other ranks get {}), never the frozen weights, which the folder holds;
+    `load_state_dict` takes adapters whole on every rank and keeps each rank's shard, the frozen
+    weights as they are. Both are collectives. The adapters are a small fraction of the model, so
+    whole files cost little, and they read in one process or under any layout."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def parameters(self) -> Any:
+        return self.model.parameters()
+
+    def state_dict(self) -> dict:
+        import torch.distributed as dist
+
+        from llmtrain.lora import ADAPTER_MARK
+
+        main = dist.get_rank() == 0
+        adapters = {}
+        # model.state_dict() names its entries in the same order on every rank: the gathers pair up.
+        for name, tensor in self.model.state_dict().items():
+            if ADAPTER_MARK in name:
+                whole = local_value(tensor.detach())  # an all-gather for a sharded adapter
+                if main:
+                    adapters[name] = whole.cpu().clone()
+        return adapters
+
+    def load_state_dict(self, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        from llmtrain.lora import ADAPTER_MARK, check_adapters
+
+        if any(ADAPTER_MARK not in name for name in state):  # a whole model (base + adapters): loaded whole
+            set_model_state_dict(self.model, state, options=StateDictOptions(full_state_dict=True))
+            return
+        check_adapters(state, {name for name in self.model.state_dict() if ADAPTER_MARK in name})
+        # strict=False: the frozen weights, absent from `state`, keep their values (the folder's).
+        set_model_state_dict(self.model, dict(state), options=StateDictOptions(full_state_dict=True, strict=False))
+
+
 class ShardedOptimizerState:
     """The optimizer of an FSDP2 model, read and written in the plain optimizer's format (state
     keyed by parameter index in group order, as `torch.optim.Optimizer.state_dict` has it), so its

@@ -78,6 +78,7 @@ from llmtrain.distributed.layout import (
 from llmtrain.distributed.mesh import build_mesh, data_shard_mesh
 from llmtrain.distributed.wrapping import (
     ConsolidatedOptimizerState,
+    ShardedAdapterState,
     ShardedModelState,
     ShardedOptimizerState,
     shard_model,
@@ -389,14 +390,18 @@ def build_train_module(cfg: Config, model: Model, runtime: Runtime, layout: Layo
         model_state: Any = TensorParallelModelState(model.model)
         optimizer_state: Any = TensorParallelOptimizerState(model.model, optimizer)
     elif model.sharded:
-        model_state, optimizer_state = ShardedModelState(model.model), ShardedOptimizerState(model.model, optimizer)
+        # A LoRA run on a folder's weights: its adapters alone, gathered whole (the folder holds the rest).
+        model_state = ShardedAdapterState(model.model) if adapter_checkpoints(cfg) else ShardedModelState(model.model)
+        optimizer_state = ShardedOptimizerState(model.model, optimizer)
     else:
         # A LoRA run on a folder's weights saves (and restores) its adapters alone.
         model_state = AdapterState(model.model) if adapter_checkpoints(cfg) else model.model
         optimizer_state = (ConsolidatedOptimizerState(optimizer, layout)
                            if hasattr(optimizer, "consolidate_state_dict") else optimizer)
-    # Sharded files (each rank its own shards) only under FSDP2 alone: validate refuses the rest.
-    sharded_files = (model.sharded and not model.tensor_parallel
+    # Sharded files (each rank its own shards) only under FSDP2 alone: validate refuses the rest. A
+    # LoRA run's files are whole: its trainable state (adapters, their moments) is a small fraction
+    # of the model's, and whole files move between layouts as they are.
+    sharded_files = (model.sharded and not model.tensor_parallel and not is_lora(cfg)
                      and cfg.checkpoint.format is not CheckpointFormat.full)
     return TrainModule(model=model.model, train_model=model.train_model, optimizer=optimizer,
                        model_state=model_state, optimizer_state=optimizer_state, sharded_files=sharded_files,
