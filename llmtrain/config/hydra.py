@@ -66,7 +66,7 @@ def migrate_config_dict(data: Any) -> Any:
     if isinstance(parallel, dict) and "mode" in parallel:  # parallel.mode before the mesh degrees
         parallel = dict(parallel)
         mode = parallel.pop("mode")
-        parallel.update(LEGACY_PARALLEL_MODES.get(mode, {}))
+        parallel.update(DATA_PARALLEL_PRESETS.get(mode, {}))
         data["parallel"] = parallel
     if isinstance(data.get("model"), dict):
         data["model"] = migrate_model_dict(data["model"])
@@ -87,8 +87,10 @@ def migrate_model_dict(model: Any) -> Any:
 LEGACY_CHECKPOINTING = {True: "full", False: "none"}
 
 
-# parallel.mode (an older llmtrain's one key) as the degrees of today's presets.
-LEGACY_PARALLEL_MODES: dict[object, dict[str, object]] = {
+# The mesh keys the data-parallel presets (conf/parallel/{ddp,zero1,fsdp}.yaml) set apart from the
+# defaults: what an older llmtrain's one key, parallel.mode, reads as, and what a memory saver
+# switching a one-process config to zero1 or fsdp sets (preflight/savers.py).
+DATA_PARALLEL_PRESETS: dict[object, dict[str, object]] = {
     "single": {}, "ddp": {"dp_replicate": -1}, "zero1": {"dp_replicate": -1, "zero1": True}, "fsdp": {"dp_shard": -1},
 }
 
@@ -156,7 +158,7 @@ def unknown_key_message(full_key: str) -> str:
     hint = f" Did you mean '{close}'?" if close else ""
     if full_key == "parallel.mode":  # an older llmtrain's one key: its options are the presets now
         hint = (f" It was replaced by the mesh degrees; its options are presets: parallel="
-                f"{'|'.join(str(mode) for mode in LEGACY_PARALLEL_MODES)} (e.g. parallel=fsdp).")
+                f"{'|'.join(str(mode) for mode in DATA_PARALLEL_PRESETS)} (e.g. parallel=fsdp).")
     where = f"under '{parent}'" if parent else "at the top level"
     valid = f" Valid keys {where}: {', '.join(fields)}." if fields else ""
     return f"Unknown config key '{full_key}'.{hint}{valid}"

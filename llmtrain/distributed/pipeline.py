@@ -44,6 +44,7 @@ from torch import nn
 from llmtrain.checkpointing import run_block
 from llmtrain.config.parallel_limits import PIPELINE_SCHEDULES, pipeline_virtual_stages
 from llmtrain.data.sampler import IGNORE_INDEX
+from llmtrain.distributed.wrapping import local_tensor
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -183,12 +184,6 @@ def shard_stage(stage: StageModule, mesh: Any, param_dtype: torch.dtype | None =
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(stage, mesh=mesh, mp_policy=policy)
     mark_tied_copy(stage)
-
-
-def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """This process's part of a tensor that may be a DTensor (an FSDP2 shard; a view of its storage)."""
-    to_local = getattr(tensor, "to_local", None)
-    return to_local() if to_local is not None else tensor
 
 
 def build_stage_module(model: GPT, n_stages: int, stage: int) -> StageModule:

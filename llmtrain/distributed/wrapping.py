@@ -45,6 +45,13 @@ def local_value(tensor: torch.Tensor) -> torch.Tensor:
     return full() if full is not None else tensor
 
 
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This process's part of a tensor that may be a DTensor (an FSDP2 shard; a view of its storage,
+    no collective); any other tensor itself."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if to_local is not None else tensor
+
+
 def _full_options() -> Any:
     """Whole tensors, gathered to rank 0's CPU memory (the other ranks get nothing)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions

@@ -11,7 +11,7 @@ from torch import nn
 
 from llmtrain.config.derived import default_lr
 from llmtrain.config.schema import LOW_BIT_OPTIMIZERS, OptimConfig, OptimizerName
-from llmtrain.distributed.wrapping import local_value
+from llmtrain.distributed.wrapping import local_tensor, local_value
 
 log = logging.getLogger(__name__)
 
@@ -113,8 +113,8 @@ def requantize_state(optimizer: torch.optim.Optimizer) -> None:
                 continue
             quantized = new_buffer(param, signed)
             if _is_quantized(quantized):
-                target = _local(quantized)
-                target.copy_(_local(value).to(target.device))
+                target = local_tensor(quantized)
+                target.copy_(local_tensor(value).to(target.device))
                 state[key] = quantized
 
 
@@ -126,15 +126,9 @@ def dequantized(state_dict: dict) -> dict:
     return {**state_dict, "state": state}
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard; any other tensor itself."""
-    to_local = getattr(tensor, "to_local", None)
-    return to_local() if to_local is not None else tensor
-
-
 def _is_quantized(tensor: torch.Tensor) -> bool:
     """torchao's quantized optimizer state (OptimState8bit/4bit: codes and block scales), sharded or not."""
-    return hasattr(_local(tensor), "codes")
+    return hasattr(local_tensor(tensor), "codes")
 
 
 def _default_lr_for(model: nn.Module, cfg: OptimConfig) -> float:

@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from llmtrain.config.derived import micro_batch_size_of, world_size_of
+from llmtrain.config.hydra import DATA_PARALLEL_PRESETS
 from llmtrain.config.schema import ActivationCheckpointing, Config, OptimizerName, Precision
 from llmtrain.config.validate import validate
 from llmtrain.core.errors import UserError
@@ -48,9 +49,6 @@ LOW_BIT_COST = {"cpu": 1.5}  # measured optimizer step 12-40x slower on CPU; a w
 LOW_BIT_COST_ELSEWHERE = 1.02  # a GPU: the moments quantized in the same kernel, about free (assumed)
 SHARDING_COST = {"zero1": 1.05, "fsdp": 1.10}  # assumed: the collectives per step
 SHARDING_DEVICES = 8  # devices tried for sharding: one machine's usual count (more where this one has more)
-# the keys a parallel preset sets (conf/parallel/*.yaml), for applying one in-process
-PARALLEL_PRESETS = {"zero1": {"dp_replicate": -1, "dp_shard": 1, "zero1": True},
-                    "fsdp": {"dp_replicate": 1, "dp_shard": -1, "zero1": False}}
 
 
 @dataclass(frozen=True)
@@ -119,7 +117,7 @@ def with_overrides(cfg: Config, overrides: dict[str, str]) -> Config:
         if key == "optim":
             _switch_optimizer(out, OptimizerName(value))
         elif key == "parallel":
-            for name, setting in PARALLEL_PRESETS[value].items():
+            for name, setting in DATA_PARALLEL_PRESETS[value].items():  # from a one-process config
                 setattr(out.parallel, name, setting)
         elif key == "micro_batch_size":
             out.micro_batch_size = int(value)  # assigned after validation: explicit, as from the command line
