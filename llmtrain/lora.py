@@ -14,7 +14,8 @@ part, named `w`.
 The state dict of an adapted layer holds `<layer>.lora_a.<part>`, `<layer>.lora_b.<part>` and
 `<layer>.lora_scaling` (alpha / rank, a buffer): a LoRA run's weights describe their own merge, so
 `merged_state_dict` turns any of them (a checkpoint's, model.pt) into the plain model's without the
-run's config. `apply_lora` adapts a built model in place, `merge_lora` folds the adapters back in.
+run's config. `apply_lora` adapts a built model in place (finetune=qlora: then stores its frozen
+base in 4 bits, qlora.py), `merge_lora` folds the adapters back in.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmtrain.config.finetune import FinetuneConfig
+from llmtrain.config.finetune import FinetuneConfig, FinetuneMethod
 from llmtrain.config.schema import MlpKind, ModelConfig
 from llmtrain.model import kv_heads, mlp_width
 
@@ -127,8 +128,9 @@ def adapter_shapes(model_cfg: ModelConfig, finetune: FinetuneConfig, vocab_size:
 
 
 def apply_lora(model: nn.Module, finetune: FinetuneConfig) -> int:
-    """Freeze every parameter of `model` (a GPT) and put adapters on finetune.targets, in place.
-    Returns the adapters' parameter count (what now trains)."""
+    """Freeze every parameter of `model` (a GPT) and put adapters on finetune.targets, in place;
+    finetune=qlora: then store the base's linear weights in NF4 (qlora.py quantize_base). Returns
+    the adapters' parameter count (what now trains)."""
     for param in model.parameters():
         param.requires_grad_(False)
     targets = lora_targets(model.cfg, finetune, model.lm_head.out_features)
@@ -139,6 +141,10 @@ def apply_lora(model: nn.Module, finetune: FinetuneConfig) -> int:
         parent = model.get_submodule(parent_path) if parent_path else model
         base = getattr(parent, name)
         setattr(parent, name, LoRALinear(base, target.parts, finetune.rank, finetune.alpha, finetune.dropout))
+    if finetune.method == FinetuneMethod.qlora:  # after the adapters: the head's weight is quantized when adapted
+        from llmtrain.qlora import quantize_base
+
+        quantize_base(model)
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 

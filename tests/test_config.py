@@ -86,6 +86,10 @@ def load_option(group: str, option: str, tmp_path: Path) -> Config:
         line = '{{"text": "document {i} of a tiny corpus.", "prompt": "Say {i}.", "response": "{i}, a tiny answer."}}\n'
         corpus.write_text("".join(line.format(i=i) for i in range(40)), encoding="utf-8")
         overrides.append(f"data.path={corpus}")
+    if group == "finetune" and option == "qlora":  # QLoRA quantizes a trained base: it needs a folder
+        from .test_hf_init import save_llama
+
+        overrides.append(f"model.init_from={save_llama(tmp_path / 'llama')}")
     return to_config(compose_config(overrides))
 
 
@@ -211,9 +215,10 @@ def test_option_composes_converts_and_builds(group: str, option: str, tmp_path: 
         from llmtrain.lora import apply_lora
 
         model = GPT(TINY_MODEL, vocab_size=32)
-        if option == "lora":
+        if option in ("lora", "qlora"):
             assert apply_lora(model, cfg.finetune) > 0
             assert cfg.optim.lr == 2e-4  # the adapters' default LR, not the width's
+            assert (type(model.blocks[0].mlp.up.weight).__name__ == "NF4Tensor") == (option == "qlora")
         assert any(p.requires_grad for p in model.parameters())
     else:
         assert group == "parallel"

@@ -246,12 +246,22 @@ def _print_peft_export(out: Path) -> None:
     """What a peft export wrote and the lines that load it onto its base."""
     import json
 
+    from safetensors import safe_open
+
+    from llmtrain.hf.peft_export import QUANTIZED_BASE
+
     base = json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"]
+    with safe_open(str(out / "adapter_model.safetensors"), framework="pt") as handle:
+        quantized = QUANTIZED_BASE in (handle.metadata() or {})
     print(f"exported to {out} as a peft LoRA adapter for {base}: adapter_config.json, adapter_model.safetensors "
           f"({(out / 'adapter_model.safetensors').stat().st_size / 1e6:.2f} MB), tokenizer files\n"
           "load it with transformers and peft:\n"
           "  from peft import PeftModel\n  from transformers import AutoModelForCausalLM\n"
           f"  model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({base!r}), {str(out)!r})")
+    if quantized:  # the adapters are a correction to the NF4 weights, which no peft base reproduces exactly
+        print("note: these QLoRA adapters trained against the base quantized to NF4 (torchao); on the base in full "
+              "precision, or quantized by bitsandbytes, the logits differ from the run's by the quantization error. "
+              "`llmtrain export RUN_DIR --format hf` writes the merged model exactly as the run computed it.")
 
 
 def _print_hf_export(out: Path) -> None:

@@ -24,7 +24,7 @@ from llmtrain.config.derived import (
     world_size_of,
 )
 from llmtrain.config.eval_tasks import parse_task_specs  # standard library only: the config package stays torch-free
-from llmtrain.config.finetune import validate_finetune
+from llmtrain.config.finetune import torchao_installed, validate_finetune
 from llmtrain.config.parallel_limits import PIPELINE_SCHEDULES, pipeline_problems, tensor_parallel_problems
 from llmtrain.config.schema import (
     ALARM_NAMES,
@@ -317,7 +317,7 @@ def _validate_low_bit(cfg: Config) -> None:
     """torchao's 8-/4-bit AdamW: installed, and in a layout whose parameters it can step (plain
     tensors, or FSDP2's evenly sharded DTensors)."""
     name, p = cfg.optim.name.value, cfg.parallel
-    _require(importlib.util.find_spec("torchao") is not None,
+    _require(torchao_installed(),
              f"optim.name is {name}, which is torchao's low-bit AdamW, but the torchao package is not installed; "
              "pip install 'llmtrain[ao]' (or pip install torchao), or use optim=adamw.")
     _require(not cfg.optim.fused,

@@ -92,8 +92,9 @@ def run_doctor(
     if experiment not in runners:
         raise UserError(f"'{experiment}' is not a doctor experiment; valid experiments: {', '.join(EXPERIMENTS)}.")
     if is_lora(cfg):  # the experiments build and train a fresh model of their own: every weight
+        method = f"finetune={getattr(cfg.finetune.method, 'value', cfg.finetune.method)}"
         raise UserError(f"llmtrain doctor {experiment} trains a freshly built model's every weight, and does not "
-                        "run with finetune=lora yet; drop finetune=lora (the experiments' findings about the model "
+                        f"run with {method} yet; drop {method} (the experiments' findings about the model "
                         "and the optimizer hold for the base model), or check a LoRA run with `llmtrain check`.")
     result = runners[experiment](cfg, out_dir, console, build_model=build_model)
     return 0 if result.passed else 1

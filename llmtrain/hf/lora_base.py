@@ -5,7 +5,9 @@ model.pt sit on (config/finetune.py adapter_checkpoints).
 and every byte), computed once when a process starts on the folder, never at a save;
 `check_same_base` refuses, in one paragraph, a base whose identity is not the recorded one (a
 resume, and every reader of the run's weights); `base_weights` are the folder's weights under
-llmtrain's names, which runs/artifacts.py puts under the adapters before merging them.
+llmtrain's names, which runs/artifacts.py puts under the adapters before merging them. `run_base`
+is the record a run keeps (lora_base.json, each checkpoint's trainer_state.json): the identity, and
+under finetune=qlora how the base was quantized (`quantized`), which readers dequantize it by.
 
 Why every byte, not (name, size, mtime) or a sample: the adapters are a correction to exactly these
 weights, and an edit that keeps a file's size (a re-quantized, re-saved or fine-tuned base in
@@ -50,6 +52,22 @@ def base_identity(location: str | Path) -> dict[str, Any]:
     except OSError as err:
         raise ConfigError(f"the base model's weights in {folder.path} cannot be read ({err})") from None
     return {"path": str(folder.path), "sha256": digest.hexdigest(), "files": [f.name for f in files], "bytes": total}
+
+
+def run_base(cfg: Any) -> dict[str, Any] | None:
+    """The base record of a run whose checkpoints hold adapters alone (None for any other run): the
+    folder's identity, and under finetune=qlora the NF4 quantization its weights are stored in (the
+    adapters correct the quantized weights, not the folder's)."""
+    from llmtrain.config.finetune import adapter_checkpoints, quantized_base
+
+    if not adapter_checkpoints(cfg):
+        return None
+    record = base_identity(cfg.model.init_from)
+    if quantized_base(cfg):
+        from llmtrain.qlora import NF4_RECORD
+
+        record["quantized"] = dict(NF4_RECORD)
+    return record
 
 
 def describe(identity: dict[str, Any]) -> str:

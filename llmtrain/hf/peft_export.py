@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from llmtrain.config.finetune import FinetuneConfig
+from llmtrain.config.finetune import FinetuneConfig, FinetuneMethod
 from llmtrain.config.schema import ModelConfig
 from llmtrain.hf import layouts
 from llmtrain.hf.export import ADAPTER_CONFIG, ADAPTER_WEIGHTS, EXPORT_MARK, check_target, write_export
@@ -80,10 +80,16 @@ def adapter_config(cfg: ModelConfig, finetune: FinetuneConfig, tensors: dict[str
     }
 
 
+# adapter_model.safetensors' metadata key naming a QLoRA run's base quantization ("nf4"): peft ignores it
+QUANTIZED_BASE = "llmtrain_base_quantization"
+
+
 def export_peft(cfg: ModelConfig, finetune: FinetuneConfig, adapters: dict[str, torch.Tensor], base: str,
                 tokenizer: dict[str, Any], context: int, out_dir: Path) -> None:
     """Write the adapters (llmtrain's names, with their scalings) as a peft adapter folder for the
-    base folder `base`, with the tokenizer's files; everything built in memory first."""
+    base folder `base`, with the tokenizer's files; everything built in memory first. A QLoRA
+    run's adapters are written as they are (they are LoRA adapters): they were trained against the
+    base quantized to NF4, which the file's metadata says (QUANTIZED_BASE)."""
     tensors, stacked = peft_tensors(cfg, adapters)
     config = adapter_config(cfg, finetune, tensors, stacked, base)
     _, files = tokenizer_files(tokenizer, context)
@@ -96,6 +102,7 @@ def export_peft(cfg: ModelConfig, finetune: FinetuneConfig, adapters: dict[str, 
         for name, text in files.items():
             (folder / name).write_text(text)
         # the mark in the metadata, not in adapter_config.json: peft warns about keys it does not know
-        save_file(tensors, str(folder / ADAPTER_WEIGHTS), metadata={"format": "pt", EXPORT_MARK: "true"})
+        quantized = {QUANTIZED_BASE: "nf4"} if finetune.method == FinetuneMethod.qlora else {}
+        save_file(tensors, str(folder / ADAPTER_WEIGHTS), metadata={"format": "pt", EXPORT_MARK: "true", **quantized})
 
     write_export(out_dir, fill)

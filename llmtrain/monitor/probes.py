@@ -96,8 +96,9 @@ def total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _norm(tensor: torch.Tensor) -> torch.Tensor:
-    """L2 norm as a plain tensor; for a parameter sharded by FSDP2 (a DTensor) over all its shards."""
-    return local_value(torch.linalg.vector_norm(tensor.detach().float()))
+    """L2 norm as a plain tensor; for a parameter sharded by FSDP2 (a DTensor) over all its shards.
+    `.to(float32)`, not `.float()`: QLoRA's NF4 weights (float32 already) dequantize only through `to`."""
+    return local_value(torch.linalg.vector_norm(tensor.detach().to(torch.float32)))
 
 
 def rss_mb() -> float:

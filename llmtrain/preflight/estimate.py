@@ -43,7 +43,7 @@ import torch
 
 from llmtrain.checkpointing import CheckpointPlan
 from llmtrain.config.derived import accumulation_steps, micro_batch_size_of, seq_len_of, total_steps
-from llmtrain.config.finetune import is_lora
+from llmtrain.config.finetune import is_lora, quantized_base
 from llmtrain.config.schema import (
     CheckpointFormat,
     Config,
@@ -54,6 +54,7 @@ from llmtrain.lora import adapter_shapes
 from llmtrain.model_tensors import model_tensors
 from llmtrain.monitor.probes import matmul_peak_flops, rss_mb
 from llmtrain.preflight.activations import activation_bytes_per_token, checkpoint_plan, checkpointed_activations
+from llmtrain.qlora import nf4_bytes, quantized_names
 
 MB = 2**20
 LAYOUTS = ("single", "ddp", "zero1", "fsdp")  # the named layouts of estimate_memory (the check's per-rank line)
@@ -92,6 +93,9 @@ class ModelShape:
     # finetune=lora: the adapters, beside n_params, and the only parameters with gradients and optimizer
     # state (optimizer_state_elements is then theirs)
     adapter_params: int = 0
+    # finetune=qlora: the frozen weights (of n_params) stored in NF4, and their bytes (~0.52 a value)
+    nf4_params: int = 0
+    nf4_bytes: float = 0.0
 
     @property
     def outside_params(self) -> int:
@@ -121,6 +125,12 @@ def model_shape(cfg: Config, vocab_size: int) -> ModelShape:
     if adapters:  # the frozen weights carry no optimizer state: only the adapters do (a block's: block 0's)
         block_state = sum(optimizer_state_elements(cfg, s) for n, s in adapters.items() if n.startswith("blocks.0."))
         state = sum(optimizer_state_elements(cfg, shape) for shape in adapters.values())
+    # finetune=qlora: the weights qlora.py's rule picks by name (one block's, counted n_layer times) in NF4
+    nf4, names = [0, 0], [*(f"blocks.0.{n}" for n in tensors.block), *tensors.outside, *adapters]
+    for name in quantized_names(names if quantized_base(cfg) else []):
+        numel, times = (math.prod(tensors.block[name[9:]]), cfg.model.n_layer) if name.startswith("blocks.0.") else (
+            math.prod(tensors.outside[name]), 1)
+        nf4 = [nf4[0] + times * numel, nf4[1] + times * nf4_bytes(numel)]
     return ModelShape(
         n_params=tensors.n_params,
         n_matmul_params=cfg.model.n_layer * tensors.block_matmul_params
@@ -139,6 +149,7 @@ def model_shape(cfg: Config, vocab_size: int) -> ModelShape:
         n_vocab_params=sum(math.prod(tensors.outside[name]) for name in tensors.unique_outside()
                            if name in ("wte.weight", "lm_head.weight")),
         adapter_params=sum(math.prod(shape) for shape in adapters.values()),
+        nf4_params=nf4[0], nf4_bytes=nf4[1],
     )
 
 
@@ -322,6 +333,9 @@ def estimate_layout(
         weights += 4.0 * shape.adapter_params
         grads = 4.0 * shape.adapter_params
         head = min(head, grads)
+    if shape.nf4_params:  # QLoRA (one device): those weights in NF4, dequantized a layer at a time, never kept
+        weights -= 4.0 * shape.nf4_params - shape.nf4_bytes
+        autocast = 0.0  # and autocast caches no copy of a frozen weight (it caches those that need gradients)
     if d.dp_shard > 1:
         # Sharded fp32 master weights, gradients and state; about two blocks gathered at a time
         # (the current one and the prefetched next) in the compute dtype, plus one block's gradients.

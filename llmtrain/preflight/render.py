@@ -16,6 +16,7 @@ from llmtrain.preflight.check import CheckReport
 from llmtrain.preflight.estimate import format_bytes, format_seconds
 from llmtrain.preflight.facts import TOKENS_PER_PARAM, Facts
 from llmtrain.preflight.parameters import WITHOUT_EMBEDDINGS, trainable_text
+from llmtrain.qlora import describe_footprint
 
 # ---------------------------------------------------------------------------------------------
 # Output
@@ -79,6 +80,8 @@ def estimate_summary(facts: Facts) -> str:
     if facts.shape.adapter_params:
         adapters = trainable_text(facts.shape.adapter_params, facts.shape.n_params + facts.shape.adapter_params)
         lines.append(f"  (LoRA: gradients and optimizer state for the {adapters} only)")
+    if facts.shape.nf4_params:
+        lines.append(f"  (QLoRA: the weights hold {describe_footprint(facts.shape.nf4_params, facts.shape.nf4_bytes)})")
     lines.append(f"  {'predicted peak':<40} {format_bytes(mem.peak):>12}   budget {format_bytes(facts.memory_budget)} "
                  f"({facts.memory_source})")
     if facts.fitting_micro_batch is None:

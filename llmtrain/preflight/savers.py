@@ -29,12 +29,12 @@ optimizer, with the largest micro-batch that then fits); their factors multiply.
 from __future__ import annotations
 
 import copy
-import importlib.util
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from llmtrain.config.derived import micro_batch_size_of, world_size_of
+from llmtrain.config.finetune import torchao_installed
 from llmtrain.config.hydra import DATA_PARALLEL_PRESETS
 from llmtrain.config.schema import ActivationCheckpointing, Config, OptimizerName, Precision
 from llmtrain.config.validate import validate
@@ -186,7 +186,7 @@ def _optimizer_parts(cfg: Config, basis: EstimateBasis) -> list[_Part]:
     """8-bit AdamW (AdamW only, where torchao is installed and the layout takes it) and Adafactor
     (for Adam/AdamW: their state is what it shrinks)."""
     parts = []
-    if cfg.optim.name is OptimizerName.adamw and importlib.util.find_spec("torchao") is not None:
+    if cfg.optim.name is OptimizerName.adamw and torchao_installed():
         overrides = {"optim": OptimizerName.adamw8bit.value}
         if _valid(cfg, overrides):
             factor = LOW_BIT_COST.get(basis.device_type, LOW_BIT_COST_ELSEWHERE)

@@ -47,11 +47,13 @@ def adapters_only(weights: dict[str, torch.Tensor]) -> bool:
 
 class RunBase:
     """The base model a LoRA run's adapter-only weights sit on: the folder the run dir's
-    lora_base.json names, checked to hold the same weights (sha256) once, then loaded once."""
+    lora_base.json names, checked to hold the same weights (sha256) once, then loaded once; a
+    QLoRA run's (the record's `quantized`) as its layers held it: quantized to NF4 and back."""
 
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = Path(run_dir)
         self.path: str | None = None
+        self.quantized: dict | None = None  # how a QLoRA run stored its base (qlora.py NF4_RECORD)
         self._weights: dict[str, torch.Tensor] | None = None
 
     def check(self) -> str:
@@ -79,6 +81,7 @@ class RunBase:
                         "whatever the base becomes is `llmtrain export RUN_DIR --format hf`, run while the base is "
                         "the right one.")
         self.path = current["path"]
+        self.quantized = recorded.get("quantized")
         return self.path
 
     def under(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -89,6 +92,14 @@ class RunBase:
             from llmtrain.hf.lora_base import base_weights
 
             self._weights = base_weights(self.check())
+            if self.quantized is not None:
+                # The one place a reader's base becomes QLoRA's: merged exports, sample and eval all
+                # see the weights the adapters trained against, not the folder's (which differ from
+                # them by the 4-bit quantization error). The adapters' names decide the head's.
+                from llmtrain.qlora import dequantized_base
+
+                base = dequantized_base({**self._weights, **weights}, self.quantized)
+                self._weights = {name: base[name] for name in self._weights}
         return {**self._weights, **weights}
 
 

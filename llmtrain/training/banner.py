@@ -14,13 +14,14 @@ from llmtrain.config.derived import (
     micro_batch_size_derived,
     resolved_warmup_steps,
 )
-from llmtrain.config.finetune import is_lora
+from llmtrain.config.finetune import is_lora, quantized_base
 from llmtrain.config.schema import LOW_BIT_OPTIMIZERS, Config, Precision, SeqLenKeep
 from llmtrain.engine.schedule import final_lr, held_lr_text, lr_at
 from llmtrain.engine.state import TrainState
 from llmtrain.lora import trainable_count
 from llmtrain.preflight.estimate import ComputeEstimate, estimate_compute, format_seconds
 from llmtrain.preflight.parameters import trainable_text
+from llmtrain.qlora import describe_footprint, nf4_footprint
 from llmtrain.training.parts import Context, TrainModule
 from llmtrain.training.plan import Plan
 
@@ -29,8 +30,10 @@ def lora_text(cfg: Config, module: TrainModule) -> str:
     """The banner's finetune row: the adapters, and what trains of the built model."""
     f = cfg.finetune
     trainable, total = trainable_count(module.model)
-    return (f"LoRA rank {f.rank}, alpha {f.alpha:g} (scaling {f.alpha / f.rank:g}) on {', '.join(f.targets)}: "
-            f"{trainable_text(trainable, total)}, every other weight frozen")
+    quantized = nf4_footprint(module.model) if quantized_base(cfg) else (0, 0)
+    return (f"{'QLoRA' if quantized[0] else 'LoRA'} rank {f.rank}, alpha {f.alpha:g} (scaling {f.alpha / f.rank:g}) "
+            f"on {', '.join(f.targets)}: {trainable_text(trainable, total)}, every other weight frozen"
+            + (f"; {describe_footprint(*quantized)}" if quantized[0] else ""))
 
 
 def print_banner(context: Context, plan: Plan, module: TrainModule, state: TrainState) -> None:

@@ -50,9 +50,10 @@ def check_lora_base(checkpoint: Checkpoint, lora_base: dict | None) -> None:
     what = f"Cannot resume from {checkpoint.path}"
     if lora_base is None:
         where = recorded.get("path") if isinstance(recorded, dict) else None
+        method = "qlora" if isinstance(recorded, dict) and recorded.get("quantized") else "lora"
         raise ConfigError(f"{what}: it holds LoRA adapters alone, for the base model in {where}, and this run has no "
                           f"base folder to put them on (it is not a LoRA run with model.init_from). Resume with "
-                          f"finetune=lora model.init_from={where}, or start a new run dir (hydra.run.dir=...).")
+                          f"finetune={method} model.init_from={where}, or start a new run dir (hydra.run.dir=...).")
     check_same_base(recorded, lora_base, what,
                     "If the folder changed by mistake, restore its safetensors files and resume again; if the new "
                     "weights are intended, train them in a new run dir (hydra.run.dir=...), since resuming would "

@@ -93,7 +93,7 @@ from llmtrain.evaluation.scoring import random_states_kept
 from llmtrain.evaluation.tasks import Task, TaskSource, read_tasks
 from llmtrain.hf.folder import load_weights
 from llmtrain.hf.init import apply_init_from, open_folder
-from llmtrain.hf.lora_base import base_identity
+from llmtrain.hf.lora_base import run_base
 from llmtrain.lora import AdapterState, apply_lora
 from llmtrain.metrics.dashboard import Dashboard
 from llmtrain.model import GPT, uninitialized
@@ -147,7 +147,7 @@ def build_run(cfg: Config, console: Dashboard | None, layout: Layout,
     eval_tasks = encode_training_tasks(cfg, task_sources, data, plan.longest_seq_len, log)
     config_dict = config_to_dict(cfg)
     # Adapter-only checkpoints: the base folder's identity, hashed once here (never at a save).
-    lora_base = base_identity(cfg.model.init_from) if adapter_checkpoints(cfg) else None
+    lora_base = run_base(cfg)
     checkpoint = choose_resume(cfg, run_dir, warn, device, layout, config_dict, data.tokenizer(), lora_base)
     model = build_model(cfg, plan.model_vocab_size, runtime, layout, fresh_start=checkpoint is None)
     module = build_train_module(cfg, model, runtime, layout)

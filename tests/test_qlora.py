@@ -1,0 +1,243 @@
+"""finetune=qlora: LoRA's adapters on a base whose block linears are stored in 4-bit NF4 (torchao).
+The layers hold NF4 (about a seventh of fp32's bytes, as the estimate counts them), the model starts
+as the dequantized base and trains only its adapters, a stopped run resumes bit for bit (the folder
+re-quantized to the same bits, nothing of the base in the checkpoints), readers and the hf export
+merge onto the dequantized base with the run's logits, the peft export's adapters reproduce them on
+that base; what QLoRA cannot run is refused in one paragraph."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from llmtrain.cli.compose import compose_config
+from llmtrain.config.schema import FinetuneConfig, FinetuneMethod, MlpKind, ModelConfig, PositionEncoding
+from llmtrain.core.errors import ConfigError, Interrupted
+from llmtrain.hf.lora_base import base_weights
+from llmtrain.lora import AdapterState, apply_lora, merged_state_dict
+from llmtrain.model import GPT
+from llmtrain.preflight.estimate import estimate_layout, model_shape
+from llmtrain.qlora import NF4_RECORD, dequantized_base, is_nf4, nf4_footprint, to_nf4
+from llmtrain.training.loop import train
+
+from .test_hf_init import TEXT, hf_model, llama_config, save_llama
+
+pytest.importorskip("torchao", reason="finetune=qlora needs torchao (pip install torchao)")
+
+# Llama-like, wide enough for NF4's blocks of 64 values (model.n_embd a multiple of 64)
+LLAMA = ModelConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=64, block_size=32, position=PositionEncoding.rope,
+                    mlp=MlpKind.swiglu, bias=False, tie_weights=False)
+VOCAB = 320
+QLORA = FinetuneConfig(method=FinetuneMethod.qlora, rank=4, alpha=8.0, targets=["attn_qkv", "attn_out"])
+BLOCK_LINEARS = ("attn.qkv", "attn.proj", "mlp.gate", "mlp.up", "mlp.down")
+
+
+def adapted(finetune: FinetuneConfig = QLORA) -> tuple[GPT, GPT]:
+    """(the full-precision base, a copy with QLoRA applied: adapters, and the base in NF4)."""
+    torch.manual_seed(0)
+    base = GPT(LLAMA, VOCAB).eval()
+    model = GPT(LLAMA, VOCAB).eval()
+    model.load_state_dict(base.state_dict())
+    apply_lora(model, finetune)
+    return base, model
+
+
+def tokens() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(3))
+
+
+def test_the_layers_hold_the_base_in_nf4_at_about_a_seventh_of_fp32() -> None:
+    _, model = adapted()
+    state = model.state_dict()
+    # every linear of every block, adapted (attn) or not (mlp); the embedding and an unadapted head as they were
+    for i in range(LLAMA.n_layer):
+        assert all(is_nf4(state[f"blocks.{i}.{name}.weight"]) for name in BLOCK_LINEARS)
+    assert not is_nf4(state["lm_head.weight"]) and not is_nf4(state["wte.weight"])
+    values, stored = nf4_footprint(model)
+    assert values == sum(state[f"blocks.{i}.{n}.weight"].numel() for i in range(2) for n in BLOCK_LINEARS)
+    print(f"NF4 base: {stored:,} bytes for {values:,} weights, {4 * values / stored:.2f}x smaller than fp32")
+    assert 4 * values / 8 < stored < 4 * values / 7  # ~0.52 bytes a weight
+    head = adapted(FinetuneConfig(method=FinetuneMethod.qlora, rank=4, alpha=8.0, targets=["head"]))[1]
+    assert is_nf4(head.state_dict()["lm_head.weight"])  # an adapted head is quantized too, as torchtune's
+    # quantizing is a pure function of the weights: the same bits every time (what resume relies on)
+    w = torch.randn(96, 64, generator=torch.Generator().manual_seed(1))
+    a, b = to_nf4(w), to_nf4(w.clone())
+    for name in ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+
+
+def test_it_starts_as_the_dequantized_base_and_trains_only_the_adapters() -> None:
+    base, model = adapted()
+    plain = GPT(LLAMA, VOCAB).eval()
+    plain.load_state_dict(dequantized_base(base.state_dict(), NF4_RECORD))  # no head adapter: the head stays fp32
+    x = tokens()
+    with torch.no_grad():
+        assert torch.equal(model(x), plain(x))  # lora_b starts at zero: the dequantized base exactly
+        assert (model(x) - base(x)).abs().max() > 1e-3  # ... which is not the full-precision base
+    frozen = {n: t.get_original_weight().clone() for n, t in model.state_dict().items() if is_nf4(t)}
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    assert params and all(".lora_" in n for n, p in model.named_parameters() if p.requires_grad)
+    optimizer = torch.optim.AdamW(params, lr=1e-2)
+    for _ in range(3):
+        loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    state = model.state_dict()
+    assert all(torch.equal(state[n].get_original_weight(), w) for n, w in frozen.items())
+    assert state["blocks.0.attn.qkv.lora_b.q"].abs().max() > 0
+
+
+def test_the_estimate_counts_the_nf4_bytes_the_model_holds() -> None:
+    common = ["model=llama_tiny", "device=cpu", "finetune.targets=[attn_qkv,attn_out,mlp]"]
+    lora, qlora = compose_config([*common, "finetune=lora"]), compose_config([*common, "finetune=lora"])
+    qlora.finetune.method = FinetuneMethod.qlora  # from scratch, which a run refuses: the counts need no folder
+    ours, theirs = model_shape(qlora, 256), model_shape(lora, 256)
+    model = GPT(qlora.model, 256)
+    apply_lora(model, qlora.finetune)
+    assert (ours.nf4_params, ours.nf4_bytes) == nf4_footprint(model) and theirs.nf4_params == 0
+    low, high = (estimate_layout(c, s, 256, "cpu", c.precision.name) for c, s in ((qlora, ours), (lora, theirs)))
+    assert low.weights == high.weights - (4.0 * ours.nf4_params - ours.nf4_bytes)
+    assert low.gradients == high.gradients and low.optimizer == high.optimizer
+
+
+# ---- a run from a Llama-family Hugging Face folder ------------------------------------------------
+
+RUN = FinetuneConfig(method=FinetuneMethod.qlora, rank=4, alpha=8.0, targets=["attn_qkv", "attn_out", "mlp"],
+                     dropout=0.1)  # dropout draws from the RNG: the resume restores it too
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_llama(tmp_path_factory.mktemp("hf") / "llama")
+
+
+@pytest.fixture(scope="module")
+def runs(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """A QLoRA run from the folder straight through, and one stopped at step 3 and resumed."""
+    root = tmp_path_factory.mktemp("qlora")
+
+    def config(out: Path) -> object:
+        return llama_config(folder, out, finetune=FinetuneConfig(**vars(RUN)))
+
+    reference = train(config(root / "ref"))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("LLMTRAIN_TEST_STOP_AT_STEP", "3")
+        with pytest.raises(Interrupted):
+            train(config(root / "run"))
+    resumed = train(config(root / "run"))
+    return {"reference": reference, "resumed": resumed, "ref": root / "ref", "run": root / "run"}
+
+
+def test_a_stopped_qlora_run_resumes_bit_for_bit_without_the_base_in_its_files(runs: dict) -> None:
+    reference, resumed = runs["reference"], runs["resumed"]
+    assert sorted(resumed.train_losses) == [4, 5, 6]
+    for step in (4, 5, 6):
+        assert resumed.train_losses[step] == reference.train_losses[step], step
+    ours = torch.load(runs["run"] / "model.pt", weights_only=True)
+    theirs = torch.load(runs["ref"] / "model.pt", weights_only=True)
+    assert set(ours) == set(theirs) and all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    checkpoint = torch.load(runs["run"] / "checkpoints" / "step_00000003" / "model.pt", weights_only=True)
+    assert checkpoint and all(".lora_" in name for name in checkpoint)  # adapters alone, never the NF4 base
+    record = json.loads((runs["ref"] / "lora_base.json").read_text())
+    assert record["quantized"] == NF4_RECORD
+    trainer = json.loads((runs["run"] / "checkpoints" / "step_00000003" / "trainer_state.json").read_text())
+    assert trainer["lora_base"] == record
+
+
+def test_readers_and_the_hf_export_merge_onto_the_dequantized_base(folder: Path, runs: dict) -> None:
+    from llmtrain.runs.artifacts import load_run
+    from llmtrain.runs.export import export_run
+
+    run = runs["ref"]
+    ours = load_run(run).model
+    weights = torch.load(run / "model.pt", weights_only=True)
+    x = torch.randint(0, 320, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = ours(x)
+        trained = GPT(ours.cfg, ours.vocab_size).eval()  # the model as the run held it: NF4 base, adapters beside
+        trained.load_state_dict(base_weights(folder))
+        apply_lora(trained, RUN)
+        trained.eval()  # the adapters' dropout layers are new, in training mode
+        AdapterState(trained).load_state_dict(weights)
+        torch.testing.assert_close(trained(x), expected, rtol=0, atol=1e-5)
+        on_full = GPT(ours.cfg, ours.vocab_size).eval()  # merged onto the folder's own weights instead
+        on_full.load_state_dict(merged_state_dict({**base_weights(folder), **weights}))
+        assert (on_full(x) - expected).abs().max() > 1e-3  # the quantization error: the base matters
+        got = hf_model(export_run(run, fmt="hf"))(x).logits
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
+
+
+def test_the_peft_export_holds_the_adapters_as_trained(folder: Path, runs: dict, tmp_path: Path) -> None:
+    """peft puts the adapters on a transformers base: on the dequantized base (written here as an hf
+    folder) they give the run's logits; peft's own QLoRA base (bitsandbytes) differs from it by the
+    quantization error, as the full-precision folder does."""
+    peft = pytest.importorskip("peft", reason="peft is not installed: the round trip needs it")
+    from safetensors import safe_open
+
+    from llmtrain.hf.export import export_hf
+    from llmtrain.runs.artifacts import load_run
+    from llmtrain.runs.export import export_run
+
+    run = runs["ref"]
+    out = export_run(run, fmt="peft")
+    with safe_open(str(out / "adapter_model.safetensors"), framework="pt") as handle:
+        assert handle.metadata()["llmtrain_base_quantization"] == "nf4"
+    trained = load_run(run)
+    base = GPT(trained.model.cfg, trained.model.vocab_size).eval()
+    adapters = torch.load(run / "model.pt", weights_only=True)
+    state = dequantized_base({**base_weights(folder), **adapters}, NF4_RECORD)
+    base.load_state_dict({n: t for n, t in state.items() if ".lora_" not in n})
+    export_hf(base, trained.tokenizer.to_dict(), trained.context, tmp_path / "nf4-base")
+    x = torch.randint(0, 320, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got = peft.PeftModel.from_pretrained(hf_model(tmp_path / "nf4-base"), str(out)).eval()(x).logits
+        expected = trained.model(x)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
+
+
+# ---- refusals ---------------------------------------------------------------------------------------
+
+def refusal(overrides: list[str]) -> str:
+    with pytest.raises(ConfigError) as refused:
+        compose_config(["finetune=qlora", *TEXT, *overrides])
+    message = str(refused.value)
+    assert "\n" not in message
+    return message
+
+
+def test_qlora_without_torchao_is_refused(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec  # as the low-bit optimizers' test hides it: the one check both use
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real(name, *a))
+    message = refusal([f"model.init_from={folder}"])
+    for piece in ("finetune.method=qlora", "torchao package is not installed", "pip install 'llmtrain[ao]'",
+                  "finetune=lora"):
+        assert piece in message, f"{piece!r} not in: {message}"
+
+
+def test_qlora_on_a_random_init_is_refused() -> None:
+    message = refusal([])
+    for piece in ("needs model.init_from", "randomly initialized", "finetune=full", "finetune=lora"):
+        assert piece in message, f"{piece!r} not in: {message}"
+
+
+@pytest.mark.parametrize("layout", [["parallel=ddp", "parallel.nproc=2"], ["parallel=fsdp", "parallel.nproc=2"]])
+def test_qlora_over_two_processes_is_refused(folder: Path, layout: list[str]) -> None:
+    message = refusal([f"model.init_from={folder}", *layout])
+    for piece in ("runs in one process", "this run has 2", "parallel=single", "finetune=lora"):
+        assert piece in message, f"{piece!r} not in: {message}"
+
+
+def test_a_width_nf4_blocks_do_not_fit_is_refused(folder: Path) -> None:
+    from llmtrain.config.finetune import validate_finetune
+
+    cfg = compose_config(["finetune=qlora", *TEXT, f"model.init_from={folder}"])
+    cfg.model.n_embd = 96  # a folder of that width: its layers do not split into blocks of 64 values
+    with pytest.raises(ConfigError, match="model.n_embd=96 is not a multiple of 64.*finetune=lora"):
+        validate_finetune(cfg, 1, 1)
