@@ -144,10 +144,3 @@ def nf4_footprint(model: nn.Module) -> tuple[int, int]:
                           ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean", "nf4"))
     return values, stored
 
-
-def describe_footprint(values: int, stored: float) -> str:
-    """'1,572,864 frozen weights in 4 bits (NF4: 792.1 KiB against 6.0 MiB in fp32)'."""
-    from llmtrain.preflight.estimate import format_bytes  # it imports this module
-
-    return (f"{values:,} frozen weights in 4 bits (NF4: {format_bytes(stored)} against {format_bytes(4 * values)} "
-            "in fp32)")

@@ -577,6 +577,12 @@ def assumed_mfu(device_type: str, width: int) -> float:
     return m0 + t * (m1 - m0)
 
 
+def describe_footprint(values: int, stored: float) -> str:
+    """'1,572,864 frozen weights in 4 bits (NF4: 792.1 KiB against 6.0 MiB in fp32)'."""
+    return (f"{values:,} frozen weights in 4 bits (NF4: {format_bytes(stored)} against {format_bytes(4 * values)} "
+            "in fp32)")
+
+
 def format_bytes(n: float) -> str:
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(n) >= size:

@@ -13,10 +13,9 @@ from rich.markup import escape
 from llmtrain.core.console import default_console
 from llmtrain.core.findings import Column, Status, badge, render_lines, render_table
 from llmtrain.preflight.check import CheckReport
-from llmtrain.preflight.estimate import format_bytes, format_seconds
+from llmtrain.preflight.estimate import describe_footprint, format_bytes, format_seconds
 from llmtrain.preflight.facts import TOKENS_PER_PARAM, Facts
 from llmtrain.preflight.parameters import WITHOUT_EMBEDDINGS, trainable_text
-from llmtrain.qlora import describe_footprint
 
 # ---------------------------------------------------------------------------------------------
 # Output
