@@ -517,8 +517,8 @@ class Config:
         True, "CPU: flush subnormal floats (< 1.2e-38) to zero; subnormal arithmetic can make steps several times "
         "slower.")
     compile: CompileMode = _f(
-        CompileMode.off, "torch.compile each block: off, on, or auto (CUDA only; on CPU it costs ~30 s, gains "
-        "nothing).")
+        CompileMode.auto, "torch.compile each block: off, on, or auto (on CUDA; on a CPU where this machine measured "
+        "it faster for this shape: a long run's first steps measure it, and the verdict is kept for the next run).")
     allow_check_failures: bool = _f(False, "Train even when the pre-flight check (llmtrain check) reports FAIL rows.")
     memory_saver: bool = _f(
         False, "When the predicted peak memory does not fit this device, apply the cheapest saver that does (a "

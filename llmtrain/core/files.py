@@ -83,6 +83,8 @@ class Kind:
     CHECKPOINT_ERROR = "checkpoint_error"  # a save failed (the previous checkpoints are intact)
     END = "end"  # the run's end (also on a stop or failure): peak memory
     SLOWDOWN = "slowdown"  # tokens/s collapsed mid-run (the machine became busy): the figures, warned once
+    THREADS = "threads"  # threads=auto changed the thread count mid-run (a trial, kept or reverted): why, the figures
+    COMPILE = "compile"  # compile=auto measured eager against compiled mid-run: the figures, which it kept
 
 
 def json_safe(value: Any) -> Any:

@@ -12,13 +12,13 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from llmtrain.config.schema import DataConfig, DataSource, DecodeErrors, TokenizerKind
+from llmtrain.core.cache_home import cache_home
 from llmtrain.core.files import TOKENIZER  # the same file name in the data cache as in a run dir
 from llmtrain.core.readers import UnreadableFile, read_json
 from llmtrain.data.chat_template import TEMPLATE_FILE, ChatTemplate, checked, find_template
@@ -73,8 +73,7 @@ class PreparedData:
 def cache_root(cfg: DataConfig) -> Path:
     if cfg.cache_dir:
         return Path(cfg.cache_dir).expanduser()
-    env = os.environ.get("LLMTRAIN_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "llmtrain"
+    return cache_home()
 
 
 def source_files(cfg: DataConfig) -> list[SourceFile]:

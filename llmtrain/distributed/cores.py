@@ -1,6 +1,7 @@
 """How many CPU cores this process may use, and how many of them other processes keep busy: the
-measurement behind `threads=auto` (the thread count picked at start-up) and behind the mid-run
-slowdown warning (training/throughput.py).
+measurement behind `threads=auto` (the thread count picked at start-up, and followed mid-run by
+training/threads_follow.py from samples between steps) and behind the mid-run slowdown warning
+(training/throughput.py).
 
 Why it matters: torch's OpenMP threads spin-wait for each other at the end of every op, so a
 thread whose core another process holds stalls all of them. On 2 cores that other work used, 2

@@ -61,6 +61,12 @@ class StepClock:
             self.stepped_s += duration
         return duration
 
+    def set_aside_last(self) -> None:
+        """The last step's time was mostly something else (compile=auto compiling the blocks): it
+        counts neither as a step's time nor as a pause that recurs."""
+        if self.recent:
+            self.stepped_s -= self.recent.pop()
+
     def paused(self) -> None:
         """The time since the last step ended was no step's (an evaluation, a save, a rollback)."""
         now = self.clock()

@@ -16,6 +16,7 @@ from llmtrain.config.schema import LOW_BIT_OPTIMIZERS, Precision
 from llmtrain.core.files import Kind
 from llmtrain.distributed.cores import CoreMeter
 from llmtrain.distributed.layout import all_reduce_sum, broadcast_from_main, local_world_size
+from llmtrain.engine.compiling import CompileRecords
 from llmtrain.engine.schedule import lr_at
 from llmtrain.engine.state import TrainResult, TrainState
 from llmtrain.engine.timing import StepTimer
@@ -27,6 +28,7 @@ from llmtrain.monitor.diagnosis import run_facts
 from llmtrain.monitor.probes import BlockSpan, device_memory_mb
 from llmtrain.monitor.watch import Monitor, NullMonitor
 from llmtrain.training.banner import run_estimate
+from llmtrain.training.compile_trial import CompileTrial, NullCompileTrial
 from llmtrain.training.eta import StepClock
 from llmtrain.training.evaluator import Evaluator
 from llmtrain.training.parts import Batches, Context, TrainModule
@@ -36,6 +38,7 @@ from llmtrain.training.recovery import Recovery
 from llmtrain.training.repair import Repairer
 from llmtrain.training.run import LoopParts
 from llmtrain.training.stages import SeqLenStages
+from llmtrain.training.threads_follow import ThreadFollower, thread_follower
 from llmtrain.training.throughput import NullSlowdownWatch, SlowdownWatch
 
 
@@ -72,16 +75,27 @@ def build_loop_parts(context: Context, plan: Plan, module: TrainModule, batches:
     stages = SeqLenStages(stages=plan.seq_len_stages, sampler=batches.train, dashboard=dashboard, metrics=metrics,
                           processes_per_step=plan.accumulation_steps * layout.dp_size)
     estimate = run_estimate(context)
+    compiling = context.compiling
     eta = StepClock(plan.total_steps, estimate.step_seconds if estimate else None,
-                    first_step_compiles=cfg.optim.name in LOW_BIT_OPTIMIZERS)
+                    first_step_compiles=cfg.optim.name in LOW_BIT_OPTIMIZERS or bool(compiling and compiling.compile))
+    # compile=auto with no verdict for this shape on this machine: a few eager steps, then compiled ones.
+    trial = (CompileTrial(model=module.model, key=compiling.key, records=CompileRecords(), metrics=metrics,
+                          say=lambda text: dashboard.print(escape(text)))
+             if compiling is not None and compiling.trial and compiling.key is not None else NullCompileTrial())
     runtime = context.runtime
+    # threads=auto: the count follows the machine mid-run where it may (one process on the CPU: threads_follow.py).
+    threads = thread_follower(cfg.threads, threads=runtime.threads, device=context.device,
+                              world_size=layout.world_size, model=module.train_model, metrics=metrics,
+                              say=lambda text: dashboard.print(escape(text)), hold=lambda: trial.running)
     # Rank 0 speaks for the run: it alone watches tokens/s, and measures how busy the cores are for the warning's words.
     slowdown = (SlowdownWatch(warn, metrics, runtime.threads, CoreMeter(),
-                              sibling_cores=(local_world_size() - 1) * runtime.threads)
+                              sibling_cores=(local_world_size() - 1) * runtime.threads,
+                              threads_now=(lambda: threads.threads) if isinstance(threads, ThreadFollower) else None)
                 if layout.is_main else NullSlowdownWatch())
     progress = Progress(log_interval=cfg.log_interval, timer=StepTimer(cfg.timing_interval, context.device),
                         dashboard=dashboard, metrics=metrics, result=result, flops_per_token=plan.flops_per_token,
-                        precision=module.precision, sampler=batches.train, stages=stages, eta=eta, slowdown=slowdown)
+                        precision=module.precision, sampler=batches.train, stages=stages, eta=eta, slowdown=slowdown,
+                        threads=threads, compile_trial=trial)
     return LoopParts(metrics=metrics, result=result, monitor=monitor, checkpointer=checkpointer, recovery=recovery,
                      evaluator=evaluator, stages=stages, progress=progress)
 

@@ -19,6 +19,7 @@ from llmtrain.engine.precision import NumericPrecision
 from llmtrain.engine.step import Batch
 from llmtrain.metrics.dashboard import Dashboard
 from llmtrain.preflight.check import CheckReport
+from llmtrain.training.compile_trial import CompileChoice
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,9 @@ class Context:
     # A LoRA run on a folder's weights: the folder's identity (hf/lora_base.py), which every
     # checkpoint records beside its adapters; None for any other run.
     lora_base: dict | None = None
+    # compile on, off, or auto's choice before step 1 (compile_trial.py): the banner says it, the loop
+    # runs auto's trial; None for a Context built without one (eager, no trial).
+    compiling: CompileChoice | None = None
 
     @property
     def device(self) -> torch.device:

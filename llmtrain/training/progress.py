@@ -1,6 +1,8 @@
 """The loop's account of itself: the `train` record every log_interval (loss, lr, grad norm,
 tokens/s), the `timing` record of sampled steps, the progress bar and its ETA (eta.py), the
-slowdown warning (throughput.py), and the closing summary.
+slowdown warning (throughput.py), threads=auto's thread count following the machine
+(threads_follow.py) and compile=auto's trial (compile_trial.py), both told of every step and every
+pause, and the closing summary.
 
 tokens/s measures training only: its clock restarts after an evaluation and after a save.
 Loss and grad norm are read from the device here, at log steps only (their one host sync), and on
@@ -22,23 +24,30 @@ from llmtrain.engine.precision import NumericPrecision
 from llmtrain.engine.state import TrainResult, TrainState
 from llmtrain.engine.timing import StepTimer
 from llmtrain.metrics.dashboard import Dashboard
+from llmtrain.training.compile_trial import CompileTrial, NullCompileTrial
 from llmtrain.training.eta import StepClock
 from llmtrain.training.stages import SeqLenStages
+from llmtrain.training.threads_follow import NullThreadFollower, ThreadFollower
 from llmtrain.training.throughput import NullSlowdownWatch, SlowdownWatch
 
 
 class Progress:
     """The `train` records, the console's progress and the closing summary; `precision` for the
-    loss scale in the records, `sampler` for the epoch, `stages` for the sequence length."""
+    loss scale in the records, `sampler` for the epoch, `stages` for the sequence length, `threads`
+    for threads=auto's count following the machine."""
 
     def __init__(self, *, log_interval: int, timer: StepTimer, dashboard: Dashboard, metrics: Any,
                  result: TrainResult, flops_per_token: float, precision: NumericPrecision, sampler: Any,
                  stages: SeqLenStages, eta: StepClock, slowdown: SlowdownWatch | NullSlowdownWatch,
+                 threads: ThreadFollower | NullThreadFollower | None = None,
+                 compile_trial: CompileTrial | NullCompileTrial | None = None,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.log_interval = log_interval
         self.timer, self.dashboard, self.metrics, self.result = timer, dashboard, metrics, result
         self.flops_per_token, self.precision, self.sampler, self.stages = flops_per_token, precision, sampler, stages
         self.clock, self.eta, self.slowdown = clock, eta, slowdown
+        self.threads = threads or NullThreadFollower()
+        self.compile_trial = compile_trial or NullCompileTrial()
         self.start = self.last_log_time = clock()
         self.start_tokens = self.last_log_tokens = self.step_tokens = 0
         self.clean = False  # the interval since the last log line had no evaluation, save or rollback (nor the warm-up)
@@ -61,6 +70,8 @@ class Progress:
         and counts from `tokens` when given; the ETA leaves the pause out of the steps' time."""
         self.last_log_time = self.clock()
         self.eta.paused()
+        self.threads.paused()
+        self.compile_trial.paused()
         self.clean = False
         if tokens is not None:
             self.last_log_tokens = self.step_tokens = tokens
@@ -75,13 +86,20 @@ class Progress:
     def step_done(self, state: TrainState, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float,
                   applied: bool, last_step: bool) -> None:
         """A step that counts: the result, the bar, the train record when due (a step whose update
-        was not applied has its own record), a console line for a slow or first step, and the
-        timing record of a sampled step."""
+        was not applied has its own record), a console line for a slow or first step, the thread
+        follower told of the step, and the timing record of a sampled step."""
         self.result.steps, self.result.tokens = state.step, state.tokens
         duration = self.eta.step_done(state.step)
         step_tokens, self.step_tokens = state.tokens - self.step_tokens, state.tokens
         self.dashboard.advance(state.step, self.eta.eta_text())
         slow = self.eta.slow(duration)
+        if self.threads.step_done(state.step, state.tokens, self._stage()):  # may switch the count: a step boundary
+            self.clean = False  # a step on a thread trial: its tokens/s are neither a collapse nor the reference
+        timed, compiling_s = self.compile_trial.step_done(state.step)  # may compile or un-compile: a step boundary
+        if timed:
+            self.clean = False  # eager then compiled steps: a change of speed by design
+        if compiling_s is not None:
+            self.eta.set_aside_last()  # the compile's seconds say nothing of the steps to come
         if applied and (state.step % self.log_interval == 0 or last_step):
             self._log(state, loss, grad_norm, lr, self._timing_text(duration, slow), slow)
         elif applied and (slow or self.eta.first_line_due(state.step, self.log_interval)):
@@ -122,9 +140,12 @@ class Progress:
         self.result.train_losses[state.step] = record["loss"]
         self.metrics.write(record)
         self.dashboard.log_train(record, timing, above_bar=slow)
-        self.slowdown.interval(state.step, record["tokens_per_s"], self.clean,
-                               self.stages.current.seq_len if self.stages.staged else None)
+        self.slowdown.interval(state.step, record["tokens_per_s"], self.clean, self._stage())
         self.clean = True
+
+    def _stage(self) -> int | None:
+        """The sequence length of a staged run (a new stage: new tokens/s by design); None unstaged."""
+        return self.stages.current.seq_len if self.stages.staged else None
 
     def summary(self, state: TrainState, unigram_entropy: float) -> str:
         """The closing line's figures: steps, tokens and their rate, the final val loss against the

@@ -52,7 +52,6 @@ from llmtrain.config.hydra import command_line_of_this_run
 from llmtrain.config.parallel_limits import tensor_parallel_problems
 from llmtrain.config.schema import (
     CheckpointFormat,
-    CompileMode,
     Config,
     ModelConfig,
     Precision,
@@ -84,6 +83,7 @@ from llmtrain.distributed.wrapping import (
     shard_model,
     zero_redundancy,
 )
+from llmtrain.engine.compiling import compile_blocks as compile_model_blocks
 from llmtrain.engine.optim import build_optimizer
 from llmtrain.engine.precision import NumericPrecision, build_precision, resolve_precision
 from llmtrain.engine.repairs import KNOBS, apply_repairs
@@ -99,8 +99,10 @@ from llmtrain.metrics.dashboard import Dashboard
 from llmtrain.model import GPT, uninitialized
 from llmtrain.monitor.probes import matmul_peak_flops
 from llmtrain.preflight.check import CheckFailed, CheckReport, run_check
+from llmtrain.preflight.estimate import estimate_compute
 from llmtrain.preflight.render import check_command_line, render_refusal
 from llmtrain.training.banner import print_banner
+from llmtrain.training.compile_trial import CompileChoice, choose_compile
 from llmtrain.training.loop_parts import build_loop_parts
 from llmtrain.training.parts import Batches, Context, Model, Runtime, Sampler, TrainModule
 from llmtrain.training.plan import Plan, build_plan
@@ -149,7 +151,10 @@ def build_run(cfg: Config, console: Dashboard | None, layout: Layout,
     # Adapter-only checkpoints: the base folder's identity, hashed once here (never at a save).
     lora_base = run_base(cfg)
     checkpoint = choose_resume(cfg, run_dir, warn, device, layout, config_dict, data.tokenizer(), lora_base)
-    model = build_model(cfg, plan.model_vocab_size, runtime, layout, fresh_start=checkpoint is None)
+    compiling = choose_run_compile(cfg, plan, runtime, layout, check, steps_left=plan.total_steps - (
+        checkpoint.state.step if checkpoint is not None else 0))
+    model = build_model(cfg, plan.model_vocab_size, runtime, layout, fresh_start=checkpoint is None,
+                        compile_blocks=compiling.compile)
     module = build_train_module(cfg, model, runtime, layout)
     if checkpoint is not None and cfg.seed is None:
         # A drawn seed stays the run's seed on resume: the validation batches derive from it.
@@ -167,7 +172,8 @@ def build_run(cfg: Config, console: Dashboard | None, layout: Layout,
         record_base(run_dir, lora_base)
     context = Context(cfg=cfg, config_dict=config_dict, layout=layout, run_dir=run_dir, runtime=runtime, data=data,
                       check=check, resume_from=checkpoint.path if checkpoint is not None else None,
-                      dashboard=dashboard, warn=warn, faults=Faults.from_env(), lora_base=lora_base)
+                      dashboard=dashboard, warn=warn, faults=Faults.from_env(), lora_base=lora_base,
+                      compiling=compiling)
     print_banner(context, plan, module, state)
     loop = build_loop_parts(context, plan, module, batches, state, checkpoint, eval_tasks)
     run = Run(context=context, plan=plan, module=module, batches=batches, loop=loop, state=state)
@@ -331,7 +337,20 @@ def folder_model(model_cfg: ModelConfig, vocab_size: int, device: torch.device) 
     return model
 
 
-def build_model(cfg: Config, vocab_size: int, runtime: Runtime, layout: Layout, fresh_start: bool = True) -> Model:
+def choose_run_compile(cfg: Config, plan: Plan, runtime: Runtime, layout: Layout, check: CheckReport,
+                       steps_left: int) -> CompileChoice:
+    """compile on, off, or auto's choice (training/compile_trial.py), from the banner's time estimate."""
+    degrees = degrees_of(cfg, layout.world_size)
+    estimate = (estimate_compute(cfg, check.facts.shape, runtime.device, runtime.matmul_flops, layout.world_size)
+                if runtime.matmul_flops is not None else None)
+    return choose_compile(cfg, runtime.device, runtime.threads, plan.seq_len,
+                          alone=layout.world_size == 1 and degrees.tp == 1 and degrees.pp == 1
+                          and len(plan.seq_len_stages) == 1,
+                          estimated_run_s=estimate.step_seconds * steps_left if estimate is not None else None)
+
+
+def build_model(cfg: Config, vocab_size: int, runtime: Runtime, layout: Layout, fresh_start: bool = True,
+                compile_blocks: bool = False) -> Model:
     """The model, initialized (model.init_from on a fresh start: the folder's weights; a resume then
     restores the checkpoint's), compiled, then split over the run's device mesh: tensor parallel
     first (each layer over the tp ranks), then FSDP2 over the data-parallel shards, or DDP."""
@@ -346,9 +365,8 @@ def build_model(cfg: Config, vocab_size: int, runtime: Runtime, layout: Layout, 
         # After the folder's weights, before compiling and wrapping: DDP registers only the adapters'
         # gradients; a resume restores base and adapters from the checkpoint.
         apply_lora(model, cfg.finetune)
-    if cfg.compile is CompileMode.on or (cfg.compile is CompileMode.auto and runtime.device.type == "cuda"):
-        for block in model.blocks:  # in place, per block: parameter names (and checkpoints) stay the same
-            block.compile()
+    if compile_blocks:  # in place, per block: parameter names (and checkpoints) stay the same
+        compile_model_blocks(model)
     degrees = degrees_of(cfg, layout.world_size)
     mesh = build_mesh(degrees, runtime.device)
     if mesh is not None and degrees.tp > 1:

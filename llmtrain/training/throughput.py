@@ -6,8 +6,10 @@ breaks it); when LOW_INTERVALS clean intervals in a row run below COLLAPSE_FRACT
 warns, once, with the figures, how busy the CPU cores are with other processes (measured between
 log lines from /proc/stat, distributed/cores.py) and what helps. Intervals that include an
 evaluation, a save or a rollback are not counted either way, and a new sequence-length stage
-starts a new reference (its tokens/s differ by design). Nothing changes in the run itself: the
-thread count stays (a process cannot safely shrink its OpenMP pool under a running step).
+starts a new reference (its tokens/s differ by design). Nothing changes in the run itself here:
+where threads=auto follows the machine (threads_follow.py: it switches at step boundaries, never
+under a running step) the warning names the count it has now, and intervals with a thread trial
+are not clean.
 """
 
 from __future__ import annotations
@@ -31,8 +33,10 @@ class SlowdownWatch:
     """Warns once (console + a `slowdown` record in metrics.jsonl) when tokens/s collapses."""
 
     def __init__(self, warn: Callable[[str], None], metrics: Any, threads: int, meter: CoreMeter | None = None,
-                 sibling_cores: float = 0.0) -> None:
+                 sibling_cores: float = 0.0, threads_now: Callable[[], int] | None = None) -> None:
         self.warn, self.metrics, self.threads, self.meter = warn, metrics, threads, meter
+        # threads=auto following the machine: the count now, which the advice then leaves to it
+        self.threads_now = threads_now
         # The run's other local processes (ranks) use cores too: they are not "elsewhere".
         self.sibling_cores = sibling_cores
         self.recent: deque[float] = deque(maxlen=REFERENCE_INTERVALS)
@@ -83,11 +87,17 @@ class SlowdownWatch:
         since = self.low[0][0]
         now = statistics.median(rate for _, rate in self.low)
         cores = self.meter.cores if self.meter is not None else None
+        threads = self.threads_now() if self.threads_now is not None else self.threads
         message = f"tokens/s fell from {self.reference:,.0f} to {now:,.0f} since step {since}; "
         if self.busy is not None and cores and self.busy >= BUSY_ELSEWHERE_CORES:
-            helps = (f"threads=1 or freeing the cores helps (this run has {self.threads} threads; Ctrl-C saves a "
-                     "checkpoint, and the same command with threads=1, or threads=auto, resumes from it)"
-                     if self.threads > 1 else "freeing the cores helps (this run already has 1 thread)")
+            if self.threads_now is not None:
+                helps = (f"freeing the cores helps (threads=auto follows them: this run has {threads} "
+                         f"thread{'s' if threads != 1 else ''} now)")
+            elif threads > 1:
+                helps = (f"threads=1 or freeing the cores helps (this run has {threads} threads; Ctrl-C saves a "
+                         "checkpoint, and the same command with threads=1, or threads=auto, resumes from it)")
+            else:
+                helps = "freeing the cores helps (this run already has 1 thread)"
             message += f"other processes are using the CPU cores ({self.busy:.1f} of {cores} busy): {helps}"
         elif self.busy is not None and cores:
             message += (f"the CPU cores are not busy elsewhere ({self.busy:.1f} of {cores}), so the slowdown is in "
@@ -97,7 +107,7 @@ class SlowdownWatch:
         self.warn(message)
         self.metrics.write({"kind": Kind.SLOWDOWN, "step": step, "since_step": since, "tokens_per_s": now,
                             "reference_tokens_per_s": self.reference, "reference_step": self.reference_step,
-                            "busy_cores_elsewhere": self.busy, "cores": cores, "threads": self.threads})
+                            "busy_cores_elsewhere": self.busy, "cores": cores, "threads": threads})
 
 
 class NullSlowdownWatch:
