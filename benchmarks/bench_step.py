@@ -25,7 +25,7 @@ from rich.console import Console
 from rich.table import Table
 
 from llmtrain.config.derived import accumulation_steps, effective_lr, model_vocab_size, seq_len_of
-from llmtrain.config.schema import Config
+from llmtrain.config.schema import CompileMode, Config
 from llmtrain.config.validate import validate
 from llmtrain.data import prepare_data
 from llmtrain.metrics.dashboard import Dashboard
@@ -35,7 +35,8 @@ from llmtrain.training.loop import train
 
 def bench_config(out_dir: Path, steps: int, warmup: int, global_batch_size: int) -> Config:
     """The default `llmtrain train` config (gpt_tiny, byte stdlib data, AdamW fused, fp32, 2 threads)."""
-    cfg = Config(max_steps=steps, eval_interval=0, out_dir=str(out_dir), device="cpu", threads=2)
+    cfg = Config(max_steps=steps, eval_interval=0, out_dir=str(out_dir), device="cpu", threads=2,
+                 compile=CompileMode.off)  # the bare loop is eager: the loop's overhead, not compiling, is measured
     cfg.global_batch_size = global_batch_size  # > micro_batch_size (16) exercises accumulation
     cfg.log_interval = warmup  # a log record (and its host sync) at the warm-up boundary, then every `warmup` steps
     cfg.schedule.warmup_steps = 2

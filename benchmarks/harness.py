@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_step import time_bare, time_llmtrain  # noqa: E402
 
 from llmtrain.config.derived import seq_len_of
-from llmtrain.config.schema import Config, ModelConfig
+from llmtrain.config.schema import CompileMode, Config, ModelConfig
 from llmtrain.data import prepare_data  # noqa: E402
 from llmtrain.model import GPT  # noqa: E402
 from llmtrain.model_tensors import model_tensors  # noqa: E402
@@ -60,7 +60,10 @@ SHAPES: dict[str, tuple[dict, int, int, int]] = {
 
 def shape_config(shape: str, out_dir: Path) -> Config:
     changes, micro, steps, warmup = SHAPES[shape]
-    cfg = Config(max_steps=steps, eval_interval=0, out_dir=str(out_dir), device="cpu", threads=THREADS, report=False)
+    # compile off: the bare loop is eager, and this table measures the loop's own overhead (compile=auto
+    # would follow a record of this machine's: benchmarks/bench_nanogpt.py measures compiling).
+    cfg = Config(max_steps=steps, eval_interval=0, out_dir=str(out_dir), device="cpu", threads=THREADS, report=False,
+                 compile=CompileMode.off)
     cfg.model = ModelConfig(**{**vars(ModelConfig()), **changes})
     cfg.micro_batch_size = cfg.global_batch_size = micro
     cfg.log_interval = warmup

@@ -198,3 +198,24 @@ def test_compile_on_trains_like_eager_and_auto_tries_then_remembers(tmp_path: Pa
     again = tiny_config(tmp_path / "again", max_steps=40, compile=CompileMode.auto)
     choice = choose_compile(again, CPU, 1, 32, alone=True, estimated_run_s=600.0)
     assert not choice.trial and choice.compile is verdict["kept"]
+
+
+@pytest.mark.slow
+def test_compiled_blocks_follow_a_new_thread_count_without_compiling_again() -> None:
+    from torch._dynamo.utils import counters
+
+    before = torch.get_num_threads()
+    model = tiny_gpt()
+    compile_blocks(model)
+    x = torch.randint(0, 50, (2, 16))
+    try:
+        torch.set_num_threads(1)
+        model(x).sum().backward()
+        compiled = counters["inductor"]["fxgraph_cache_miss"] + counters["inductor"]["fxgraph_cache_hit"]
+        misses = counters["inductor"]["fxgraph_cache_miss"]
+        assert compiled > 0
+        torch.set_num_threads(2)  # what threads=auto's follower does mid-run
+        model(x).sum().backward()
+    finally:
+        torch.set_num_threads(before)
+    assert counters["inductor"]["fxgraph_cache_miss"] == misses, "Inductor compiled its kernels again"

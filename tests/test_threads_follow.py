@@ -104,6 +104,18 @@ def test_freed_cores_are_tried_and_kept_when_faster() -> None:
                                "threads against ")
 
 
+def test_the_count_holds_while_compile_auto_times_its_steps() -> None:
+    machine = Machine(threads=1, busy=1.0)
+    held = [True]
+    follow, records, _ = follower(machine)
+    follow.hold = lambda: held[0]
+    run(machine, follow, range(1, 301), busy=0.0)  # cores free, but the compile trial is timing eager vs compiled
+    assert records == [] and machine.threads == 1
+    held[0] = False
+    run(machine, follow, range(301, 601))
+    assert phases(records) == [("trial", 1, 2), ("kept", 1, 2)]
+
+
 def test_taken_cores_are_tried_and_one_thread_kept() -> None:
     machine = Machine(threads=2)
     follow, records, _ = follower(machine)
@@ -207,13 +219,13 @@ def test_step_done_says_when_the_rate_is_not_the_steady_counts() -> None:
 
 
 def build(setting: object = "auto", device: str = "cpu", world_size: int = 1,
-          model: torch.nn.Module | None = None, meter: CoreMeter | None = None) -> object:
+          meter: CoreMeter | None = None) -> object:
     return thread_follower(setting, threads=1, device=torch.device(device), world_size=world_size,
-                           model=model or torch.nn.Linear(2, 2), metrics=SimpleNamespace(write=lambda r: None),
+                           metrics=SimpleNamespace(write=lambda r: None),
                            say=lambda text: None, meter=meter or Machine(1).meter())
 
 
-def test_only_threads_auto_on_one_cpu_process_with_an_eager_model_follows(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_only_threads_auto_on_one_cpu_process_follows(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     monkeypatch.delenv("SUBMITIT_EXECUTOR", raising=False)
     assert isinstance(build(), ThreadFollower)
@@ -222,9 +234,6 @@ def test_only_threads_auto_on_one_cpu_process_with_an_eager_model_follows(monkey
         assert isinstance(build(explicit), NullThreadFollower), "an explicit count never changes"
     assert isinstance(build(device="meta"), NullThreadFollower)  # not the CPU: the step is the device's
     assert isinstance(build(world_size=2), NullThreadFollower)
-    compiled = torch.nn.Sequential(torch.nn.Linear(2, 2))
-    compiled[0].compile()  # per block, as compile=on does; nothing is compiled until called
-    assert isinstance(build(model=compiled), NullThreadFollower)
 
     def unreadable() -> str:
         raise OSError("no /proc/stat here")

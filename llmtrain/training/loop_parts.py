@@ -85,7 +85,7 @@ def build_loop_parts(context: Context, plan: Plan, module: TrainModule, batches:
     runtime = context.runtime
     # threads=auto: the count follows the machine mid-run where it may (one process on the CPU: threads_follow.py).
     threads = thread_follower(cfg.threads, threads=runtime.threads, device=context.device,
-                              world_size=layout.world_size, model=module.train_model, metrics=metrics,
+                              world_size=layout.world_size, metrics=metrics,
                               say=lambda text: dashboard.print(escape(text)), hold=lambda: trial.running)
     # Rank 0 speaks for the run: it alone watches tokens/s, and measures how busy the cores are for the warning's words.
     slowdown = (SlowdownWatch(warn, metrics, runtime.threads, CoreMeter(),

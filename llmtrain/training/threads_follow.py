@@ -23,9 +23,10 @@ Who follows (`thread_follower`): threads=auto only, on the CPU (on an accelerato
 device's time: a trial would measure noise), with one process: the ranks of a multi-process run
 step together, the slowest one sets the pace, and a switch would have to be agreed by all at the
 same step; starting with one process keeps it simple and correct. Not a SLURM task (its cores are
-its own), nor a model compiled on the CPU: inductor writes the thread count into its kernels
-(`#pragma omp parallel num_threads(N)`) when it compiles, so a switch would not reach them. And
-only where /proc/stat is readable (Linux). A switch changes the numbers a little: the forward is
+its own). Blocks compiled on the CPU follow too: llmtrain compiles them with Inductor's dynamic
+thread count (engine/compiling.py), where by default a kernel has the count written in and a switch
+would compile it again. Not while compile=auto's trial times its steps (`hold`). And only where
+/proc/stat is readable (Linux). A switch changes the numbers a little: the forward is
 bit-identical with 1 or 2 threads, LayerNorm's weight and bias gradients are not (their reduction
 over the rows is split by thread: ~1e-9 apart), and the losses then drift as with any rounding
 difference (docs/performance.md, "Threads that follow the machine").
@@ -45,7 +46,6 @@ from llmtrain.config.threads import parse_threads
 from llmtrain.core.files import Kind
 from llmtrain.distributed.cores import CoreMeter, CpuSample, cgroup_cpu_quota, pick_threads
 from llmtrain.distributed.layout import local_world_size, slurm_task_cores
-from llmtrain.engine.compiling import blocks_compiled
 
 WINDOW_SECONDS = 1.0  # ~100 scheduler ticks per core: a busy-core reading steady to a tenth of a core
 WINDOW_STEPS = 5  # and never fewer steps than this (slow steps: a window per 5 of them)
@@ -101,8 +101,7 @@ class ThreadFollower:
                  quota: float | None = None, set_threads: Callable[[int], None] = torch.set_num_threads,
                  clock: Callable[[], float] = time.perf_counter, hold: Callable[[], bool] = lambda: False) -> None:
         self.threads, self.meter, self.metrics, self.say = threads, meter, metrics, say
-        # True while the count must stay: compile=auto's trial is timing the steps, or the blocks now
-        # run compiled (Inductor's kernels keep the count they were compiled with).
+        # True while the count must stay: compile=auto's trial is timing the steps.
         self.hold = hold
         self.quota, self.set_threads, self.clock = quota, set_threads, clock
         self.window: Window | None = None
@@ -217,16 +216,16 @@ class NullThreadFollower:
 
 
 def thread_follower(setting: object, *, threads: int, device: torch.device, world_size: int,
-                    model: torch.nn.Module, metrics: Any, say: Callable[[str], None],
+                    metrics: Any, say: Callable[[str], None],
                     meter: CoreMeter | None = None, hold: Callable[[], bool] = lambda: False,
                     ) -> ThreadFollower | NullThreadFollower:
     """A `ThreadFollower` where the run may change its count (threads=auto, CPU, one process, not
-    a SLURM task, an eager model, /proc/stat readable); a `NullThreadFollower` elsewhere."""
+    a SLURM task, /proc/stat readable); a `NullThreadFollower` elsewhere."""
     if (parse_threads(setting) is not None or device.type != "cpu" or world_size > 1 or local_world_size() > 1
-            or slurm_task_cores() or blocks_compiled(model)):
+            or slurm_task_cores()):
         return NullThreadFollower()
     meter = meter or CoreMeter()
     if meter.sample() is None:  # no /proc/stat (macOS, Windows): nothing to follow with
         return NullThreadFollower()
     return ThreadFollower(threads=threads, meter=meter, metrics=metrics, say=say, quota=cgroup_cpu_quota(),
-                          hold=lambda: hold() or blocks_compiled(model))
+                          hold=hold)
