@@ -544,8 +544,8 @@ class Config:
     # int | "auto" | None, typed Any so that every value (2.5, true, "many") reaches the validator's
     # paragraph (config/validate.py) instead of OmegaConf's type error.
     threads: Any = _f(
-        "auto", "CPU threads per process: auto (measure the cores other processes leave free at start-up and use "
-        "those, shared among the local processes), or a count; null (older configs) means auto.")
+        "auto", "CPU threads per process: auto (the cores other processes leave free at start-up, shared among the "
+        "local processes; a single CPU process re-measures them mid-run as the machine changes), a count; null: auto.")
 
     def __post_init__(self) -> None:
         # `Config(report=False)`, the spelling from before report had its own keys

@@ -36,7 +36,10 @@ from llmtrain.config.schema import CompileMode
 from llmtrain.core.files import Kind
 from llmtrain.engine.compiling import CompileRecords, compile_blocks, decision_key, uncompile_blocks
 
-TRIAL_MIN_RUN_S = 60.0  # a cold compile costs ~30 s on a CPU (~3 s from Inductor's cache); shorter runs stay eager
+# A cold compile costs 10-30 s on a 2-core CPU (~3 s from Inductor's cache), and where compiling pays on a
+# CPU it gains ~10%: a run shorter than this would lose a quarter of its time or more to a trial that
+# fails, and could not win back the compile if it succeeds. Such runs stay eager (compile=on compiles them).
+TRIAL_MIN_RUN_S = 120.0
 WARM_STEPS = 3  # the first steps after start or a change (allocator, caches) are not timed
 TIMED_STEPS = 12  # steps timed on each side (the median: robust to one slow step)
 TIMED_SECONDS = 1.0  # and at least this long on each side
