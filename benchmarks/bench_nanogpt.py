@@ -76,6 +76,45 @@ def nanogpt_data(text: Path, folder: Path) -> None:
         pickle.dump({"vocab_size": len(chars), "itos": dict(enumerate(chars)), "stoi": stoi}, f)
 
 
+# The whole validation text, scored the same way for both (non-overlapping windows of the context,
+# mean cross-entropy per character), by each program's own model and encoding: the val losses the
+# programs print are estimates over 20 batches (nanoGPT's drawn at random), ~0.02 apart by chance.
+NANOGPT_SCORE = """
+import sys, numpy as np, torch, torch.nn.functional as F
+from model import GPT, GPTConfig
+ckpt = torch.load(sys.argv[1], map_location="cpu")
+model = GPT(GPTConfig(**ckpt["model_args"]))
+model.load_state_dict({k.removeprefix("_orig_mod."): v for k, v in ckpt["model"].items()})
+model.eval()
+ids = torch.from_numpy(np.fromfile(sys.argv[2], dtype=np.uint16).astype(np.int64))
+T = int(sys.argv[3]); n = (len(ids) - 1) // T
+x, y = ids[: n * T].view(n, T), ids[1 : n * T + 1].view(n, T)
+with torch.no_grad():
+    total = sum(F.cross_entropy(model(x[i:i + 64], y[i:i + 64])[0].view(-1, model.config.vocab_size),
+                                y[i:i + 64].reshape(-1), reduction="sum").item() for i in range(0, n, 64))
+print(total / (n * T))
+"""
+
+
+def llmtrain_score(run_dir: Path, text: Path) -> float:
+    """llmtrain's final weights on the last 10% of the text (its val split of one file), as above."""
+    import torch
+    import torch.nn.functional as F
+
+    from llmtrain.runs.artifacts import load_run
+
+    run = load_run(run_dir)
+    data = text.read_text()
+    ids = torch.tensor(run.tokenizer.encode(data[int(len(data) * 0.9):]), dtype=torch.long)
+    window = RECIPE["block_size"]
+    n = (len(ids) - 1) // window
+    x, y = ids[: n * window].view(n, window), ids[1: n * window + 1].view(n, window)
+    with torch.no_grad():
+        total = sum(F.cross_entropy(run.model(x[i:i + 64]).flatten(0, 1), y[i:i + 64].reshape(-1),
+                                    reduction="sum").item() for i in range(0, n, 64))
+    return total / (n * window)
+
+
 def run_nanogpt(checkout: Path, iters: int, compile_: bool, out: Path) -> dict:
     r = RECIPE
     command = [sys.executable, "train.py", "config/train_shakespeare_char.py", "--dataset=bench_char", "--device=cpu",
@@ -90,8 +129,11 @@ def run_nanogpt(checkout: Path, iters: int, compile_: bool, out: Path) -> dict:
         raise SystemExit(f"nanoGPT failed:\n{done.stderr[-3000:]}")
     times = [float(t) for t in re.findall(r"iter \d+: loss [\d.]+, time ([\d.]+)ms", done.stdout)]
     vals = re.findall(r"val loss ([\d.]+)", done.stdout)
+    score = subprocess.run([sys.executable, "-c", NANOGPT_SCORE, str(out / "ckpt.pt"),
+                            str(checkout / "data" / "bench_char" / "val.bin"), str(RECIPE["block_size"])],
+                           cwd=checkout, capture_output=True, text=True, check=True)
     return {"ms_per_iter": sum(times[1:]) / (len(times) - 1), "median_ms": statistics.median(times[1:]),
-            "wall_s": wall, "val_loss": float(vals[-1])}
+            "wall_s": wall, "val_loss": float(vals[-1]), "held_out": float(score.stdout.strip().splitlines()[-1])}
 
 
 def run_llmtrain(text: Path, iters: int, compile_: str, out: Path, env: dict) -> dict:
@@ -116,6 +158,7 @@ def run_llmtrain(text: Path, iters: int, compile_: str, out: Path, env: dict) ->
     compiled = [rec for rec in records if rec["kind"] == "compile"]
     return {"ms_per_iter": (last_s - first_s) / (last_step - first_step) * 1e3,
             "median_ms": statistics.median(intervals), "wall_s": wall, "val_loss": vals[-1],
+            "held_out": llmtrain_score(out, text),
             "compile_trial": compiled[0] if compiled else None,
             "banner_compile": next((line.strip() for line in done.stdout.splitlines() if "compile" in line), None)}
 
@@ -149,9 +192,11 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     result = run_llmtrain(text, args.iters, "off" if name.endswith("eager") else "auto", out, env)
                 results[name].append(result)
-                print(f"rep {rep} {name:16s} {result['ms_per_iter']:7.2f} ms/iter (median {result['median_ms']:.2f}) "
-                      f"wall {result['wall_s']:6.1f} s  val {result['val_loss']:.4f}", flush=True)
-        keys = ("ms_per_iter", "median_ms", "wall_s", "val_loss")
+                print(f"rep {rep} {name:16s} {result['ms_per_iter']:7.2f} ms/iter "
+                      f"(median {result['median_ms']:.2f}) wall {result['wall_s']:6.1f} s  "
+                      f"val {result['val_loss']:.4f}  held-out {result['held_out']:.4f}",
+                      flush=True)
+        keys = ("ms_per_iter", "median_ms", "wall_s", "val_loss", "held_out")
         summary = {name: {key: statistics.median(r[key] for r in runs) for key in keys}
                    for name, runs in results.items()}
         print("\nmedians over the reps; speed = nanoGPT eager's ms/iter / the program's")
@@ -159,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, s in summary.items():
             speed = f"{base / s['ms_per_iter']:.3f}x" if base else "-"
             print(f"  {name:16s} {s['ms_per_iter']:7.2f} ms/iter  {speed:>7s}  wall {s['wall_s']:6.1f} s  "
-                  f"val {s['val_loss']:.4f}")
+                  f"val {s['val_loss']:.4f}  held-out {s['held_out']:.4f}")
         if "llmtrain" in summary and "nanogpt_compile" in summary:
             print(f"  llmtrain / nanoGPT --compile=True: "
                   f"{summary['nanogpt_compile']['ms_per_iter'] / summary['llmtrain']['ms_per_iter']:.3f}x")
