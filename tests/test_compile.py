@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from llmtrain.config.schema import CompileMode, Config, ModelConfig
+from llmtrain.core.errors import ConfigError
 from llmtrain.core.files import Kind
 from llmtrain.engine.compiling import (
     RECORD_MAX_AGE_S,
@@ -77,6 +78,17 @@ def test_on_off_cuda_and_refusals_of_a_trial(tmp_path: Path) -> None:
     assert not unknown.trial
     trial = choose(auto, records)
     assert trial.trial and not trial.compile and trial.key == decision_key(auto, CPU, 2, 64)
+
+
+def test_no_cpu_compiler_refuses_on_and_keeps_auto_eager(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CXX", "no-such-compiler-here")
+    records = CompileRecords(tmp_path)
+    with pytest.raises(ConfigError, match=r"compile=on, but this machine has no C\+\+ compiler "
+                                          r"\(no-such-compiler-here is not on the PATH\).*compile=auto or compile=off"):
+        choose(Config(compile=CompileMode.on), records)
+    auto = choose(Config(compile=CompileMode.auto), records)
+    assert not auto.compile and not auto.trial and "no C++ compiler" in auto.why
+    assert choose(Config(compile=CompileMode.on), records, device=torch.device("cuda")).compile  # a GPU needs none
 
 
 @pytest.mark.parametrize("faster", [True, False])

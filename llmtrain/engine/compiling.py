@@ -23,6 +23,8 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -70,6 +72,13 @@ def blocks_compiled(model: nn.Module) -> bool:
     return any("forward" in vars(m) and hasattr(vars(m)["forward"], "_torchdynamo_orig_callable")
                or getattr(m, "_compiled_call_impl", None) is not None or hasattr(m, "_orig_mod")
                for m in model.modules())
+
+
+def cpu_compiler() -> str | None:
+    """The C++ compiler Inductor builds CPU kernels with ($CXX, else g++; clang++ on macOS, cl on
+    Windows), found on the PATH; None where there is none (compiling on the CPU would fail mid-run)."""
+    default = "cl" if sys.platform == "win32" else "clang++" if sys.platform == "darwin" else "g++"
+    return shutil.which(os.environ.get("CXX") or default)
 
 
 def cpu_name() -> str:

@@ -23,6 +23,7 @@ processes (every rank would have to switch at the same step), a pipeline or tens
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -33,8 +34,9 @@ import torch
 from torch import nn
 
 from llmtrain.config.schema import CompileMode
+from llmtrain.core.errors import ConfigError
 from llmtrain.core.files import Kind
-from llmtrain.engine.compiling import CompileRecords, compile_blocks, decision_key, uncompile_blocks
+from llmtrain.engine.compiling import CompileRecords, compile_blocks, cpu_compiler, decision_key, uncompile_blocks
 
 # A cold compile costs 10-30 s on a 2-core CPU (~3 s from Inductor's cache), and where compiling pays on a
 # CPU it gains ~10%: a run shorter than this would lose a quarter of its time or more to a trial that
@@ -62,10 +64,16 @@ def choose_compile(cfg: Any, device: torch.device, threads: int, seq_len: int, *
                    estimated_run_s: float | None, records: CompileRecords | None = None) -> CompileChoice:
     """compile=on|off as set; compile=auto as the module docstring says (`alone`: one process, no
     pipeline or tensor parallel, one sequence length; `estimated_run_s`: the steps left, estimated)."""
-    if cfg.compile is CompileMode.on:
-        return CompileChoice(True, False, "compile=on")
     if cfg.compile is CompileMode.off:
         return CompileChoice(False, False, "compile=off")
+    if device.type == "cpu" and cpu_compiler() is None:
+        if cfg.compile is CompileMode.on:
+            raise ConfigError(f"compile=on, but this machine has no C++ compiler ({os.environ.get('CXX') or 'g++'} is "
+                              "not on the PATH), which torch.compile needs to build its CPU kernels; install one "
+                              "(e.g. apt install g++), name yours in $CXX, or set compile=auto or compile=off.")
+        return CompileChoice(False, False, "auto: eager, no C++ compiler for torch.compile's CPU kernels")
+    if cfg.compile is CompileMode.on:
+        return CompileChoice(True, False, "compile=on")
     if device.type == "cuda":
         return CompileChoice(True, False, "auto: compiled on CUDA")
     if cfg.deterministic:
@@ -134,6 +142,9 @@ class CompileTrial:
         median_ms = statistics.median(self.durations) * 1e3
         if self.phase == "eager":
             self.eager_ms = median_ms
+            # A compile that fails (a broken toolchain) runs those blocks eager, with torch's warning,
+            # instead of ending the run mid-way: the trial then measures no gain and stays eager.
+            torch._dynamo.config.suppress_errors = True
             compile_blocks(self.model)
             self.phase = "compiling"
         else:
