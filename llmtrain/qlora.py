@@ -30,9 +30,7 @@ it): everything else here imports no torchao, so the estimate and the banner can
 from __future__ import annotations
 
 import importlib
-import logging
 import re
-import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -41,6 +39,7 @@ from torch import nn
 
 from llmtrain.config.finetune import NF4_BLOCK
 from llmtrain.core.errors import UserError
+from llmtrain.core.quiet import quiet_torchao
 
 # torchao's, torchtune's and the QLoRA paper's: 64 values a block, 256 block scales a scale block
 NF4_RECORD: dict[str, Any] = {"format": "nf4", "block_size": NF4_BLOCK, "scaler_block_size": 256}
@@ -78,26 +77,18 @@ def nf4_bytes(numel: int, record: dict[str, Any] = NF4_RECORD) -> int:
 def import_nf4() -> Any:
     """torchao's NF4 module: its 0.18 home, else the one it had before (torchao.dtypes.nf4tensor).
     Its import logs a warning for each C++ extension it cannot load (kernels for other formats), and
-    compile=on a caching note; none concerns NF4, so they are hushed, as engine/optim.py hushes them
-    for the optimizers."""
-    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.ERROR)
-    try:
+    compile=on a caching note; none concerns NF4 (core/quiet.py)."""
+    with quiet_torchao():
         try:
             return importlib.import_module("torchao.quantization.quantize_.workflows.nf4.nf4_tensor")
         except ImportError:
+            pass
+        try:
             return importlib.import_module("torchao.dtypes.nf4tensor")
-    except ImportError as err:  # a reader of a QLoRA run on a machine without torchao (training validated it)
-        raise UserError(f"a QLoRA run's base weights are stored in 4-bit NF4 through torchao, and torchao's NF4 "
-                        f"cannot be imported here ({err}); pip install 'llmtrain[ao]' (or pip install torchao), "
-                        "then run this again.") from None
-    finally:
-        for logger, level in zip(loggers, levels):
-            logger.setLevel(level)
-        # compile=on: AOT autograd's cache notes that NF4Tensor lacks a stable hash (it compiles anyway)
-        warnings.filterwarnings("ignore", message=r".*does not implement _stable_hash_for_caching")
+        except ImportError as err:  # a reader of a QLoRA run on a machine without torchao (training validated it)
+            raise UserError(f"a QLoRA run's base weights are stored in 4-bit NF4 through torchao, and torchao's NF4 "
+                            f"cannot be imported here ({err}); pip install 'llmtrain[ao]' (or pip install torchao), "
+                            "then run this again.") from None
 
 
 def to_nf4(weight: torch.Tensor, record: dict[str, Any] = NF4_RECORD) -> torch.Tensor:

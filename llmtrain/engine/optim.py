@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import warnings
 from typing import Any
 
 import torch
@@ -11,6 +10,7 @@ from torch import nn
 
 from llmtrain.config.derived import default_lr
 from llmtrain.config.schema import LOW_BIT_OPTIMIZERS, OptimConfig, OptimizerName
+from llmtrain.core.quiet import quiet_torchao
 from llmtrain.distributed.wrapping import local_tensor, local_value
 
 log = logging.getLogger(__name__)
@@ -84,17 +84,9 @@ def import_torchao_optim() -> Any:
     """torchao.optim; importing it also registers its optimizer-state tensor types with torch.load's
     weights_only allowlist, which loading a checkpoint of these optimizers needs. Its import logs a
     warning for each C++ extension it cannot load (CUDA kernels for formats llmtrain does not use)
-    and its first step warns about AOT caching; neither concerns the optimizer, so both are hushed."""
-    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.ERROR)
-    try:
+    and its first step warns about AOT caching; neither concerns the optimizer (core/quiet.py)."""
+    with quiet_torchao():
         import torchao.optim as optim
-    finally:
-        for logger, level in zip(loggers, levels):
-            logger.setLevel(level)
-    warnings.filterwarnings("ignore", message=r".*does not implement _stable_hash_for_caching")
     return optim
 
 
