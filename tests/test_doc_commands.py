@@ -169,9 +169,10 @@ def hf_folders(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from llmtrain.model import GPT
 
     root = tmp_path_factory.mktemp("models")
-    small = {"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 1024}
-    shapes = {"gpt2": ModelConfig(name="gpt2", **small),
-              "SmolLM-135M": ModelConfig(name="smol", **small, n_kv_head=1, position=PositionEncoding.rope,
+    small = {"n_layer": 1, "n_head": 2, "block_size": 1024}
+    shapes = {"gpt2": ModelConfig(name="gpt2", **small, n_embd=16),
+              # 64 wide: finetune=qlora stores its layers in NF4 blocks of 64 values
+              "SmolLM-135M": ModelConfig(name="smol", **small, n_embd=64, n_kv_head=1, position=PositionEncoding.rope,
                                          norm=NormKind.rmsnorm, mlp=MlpKind.swiglu, bias=False)}
     torch.manual_seed(0)
     for name, cfg in shapes.items():

@@ -43,6 +43,15 @@ def basis_of(cfg) -> tuple[EstimateBasis, float]:
     return EstimateBasis.of_facts(f), f.memory.peak
 
 
+@pytest.fixture(autouse=True)
+def fresh_process_runtime(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The process's own footprint as a fresh `llmtrain` process has it: the estimate adds this
+    process's RSS, and a test process's grows with every test before it (compiled graphs, loaded
+    models), which would shrink the budgets and change the savers that fit. A fresh `llmtrain`
+    process (the slow test's) holds about this much."""
+    monkeypatch.setattr(facts_module, "runtime_bytes", lambda device: 400 * 2**20)
+
+
 def test_savers_are_cheapest_first_and_each_peak_is_the_estimate_with_its_overrides(tmp_path: Path) -> None:
     cfg = heavy(tmp_path)
     basis, peak = basis_of(cfg)

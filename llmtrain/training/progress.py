@@ -34,7 +34,7 @@ from llmtrain.training.throughput import NullSlowdownWatch, SlowdownWatch
 class Progress:
     """The `train` records, the console's progress and the closing summary; `precision` for the
     loss scale in the records, `sampler` for the epoch, `stages` for the sequence length, `threads`
-    for threads=auto's count following the machine."""
+    for threads=auto's count following the machine, `compile_trial` for compile=auto's measurement."""
 
     def __init__(self, *, log_interval: int, timer: StepTimer, dashboard: Dashboard, metrics: Any,
                  result: TrainResult, flops_per_token: float, precision: NumericPrecision, sampler: Any,
@@ -87,7 +87,7 @@ class Progress:
                   applied: bool, last_step: bool) -> None:
         """A step that counts: the result, the bar, the train record when due (a step whose update
         was not applied has its own record), a console line for a slow or first step, the thread
-        follower told of the step, and the timing record of a sampled step."""
+        follower and the compile trial told of the step, and the timing record of a sampled step."""
         self.result.steps, self.result.tokens = state.step, state.tokens
         duration = self.eta.step_done(state.step)
         step_tokens, self.step_tokens = state.tokens - self.step_tokens, state.tokens
