@@ -105,6 +105,17 @@ def assert_optimizer_states_close(actual: dict, expected: dict, atol: float) -> 
                                        msg=lambda m, where=(index, key): f"{where}: {m}")
 
 
+
+class RecordingMetrics:
+    """A metrics writer that keeps the records it is given (the loop parts' tests read them back)."""
+
+    def __init__(self) -> None:
+        self.records: list[dict] = []
+
+    def write(self, record: dict) -> None:
+        self.records.append(record)
+
+
 def tiny_config(out_dir: Path, **overrides: object) -> Config:
     """2 layers x 32 wide, context 32, char tokens of the shipped corpus; fp32 on CPU."""
     cfg = Config(

@@ -6,6 +6,7 @@ and a trial inside `train()` whose verdict the next run reads."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -28,17 +29,9 @@ from llmtrain.training import compile_trial
 from llmtrain.training.compile_trial import TIMED_STEPS, WARM_STEPS, CompileTrial, choose_compile
 from llmtrain.training.loop import train
 
-from .conftest import tiny_config
+from .conftest import RecordingMetrics, tiny_config
 
 CPU = torch.device("cpu")
-
-
-class Metrics:
-    def __init__(self) -> None:
-        self.records: list[dict] = []
-
-    def write(self, record: dict) -> None:
-        self.records.append(record)
 
 
 def tiny_gpt() -> GPT:
@@ -145,7 +138,7 @@ def test_the_trial_keeps_the_faster_side_and_records_it(tmp_path: Path, compiled
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(compile_trial, "TIMED_SECONDS", 0.0)  # a count of steps on each side
     now = [0.0]
-    model, metrics, said = tiny_gpt(), Metrics(), []
+    model, metrics, said = tiny_gpt(), RecordingMetrics(), []
     records = CompileRecords(tmp_path, clock=lambda: 5.0)
     trial = CompileTrial(model=model, key="k", records=records, metrics=metrics, say=said.append,
                          clock=lambda: now[0])
@@ -163,7 +156,7 @@ def test_the_trial_keeps_the_faster_side_and_records_it(tmp_path: Path, compiled
 
 def test_a_pause_is_not_timed(tmp_path: Path) -> None:
     now = [0.0]
-    trial = CompileTrial(model=tiny_gpt(), key="k", records=CompileRecords(tmp_path), metrics=Metrics(),
+    trial = CompileTrial(model=tiny_gpt(), key="k", records=CompileRecords(tmp_path), metrics=RecordingMetrics(),
                          say=lambda _: None, clock=lambda: now[0])
     trial.step_done(0)
     for step in range(1, 1 + WARM_STEPS + 3):
@@ -231,3 +224,18 @@ def test_compiled_blocks_follow_a_new_thread_count_without_compiling_again() -> 
     finally:
         torch.set_num_threads(before)
     assert counters["inductor"]["fxgraph_cache_miss"] == misses, "Inductor compiled its kernels again"
+
+
+def test_an_unwritable_cache_folder_leaves_inductor_its_default(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    monkeypatch.setenv("LLMTRAIN_CACHE", str(blocked / "cache"))  # under a file: no folder can be made there
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    compile_blocks(tiny_gpt())
+    # torch's own default (under /tmp) stays, not a folder that cannot exist (every compile would fail)
+    assert not os.environ.get("TORCHINDUCTOR_CACHE_DIR", "").startswith(str(blocked))
+    monkeypatch.setenv("LLMTRAIN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)  # torch writes its default back
+    compile_blocks(tiny_gpt())
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "cache" / "inductor")

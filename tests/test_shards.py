@@ -21,6 +21,8 @@ from llmtrain.engine.state import TrainState
 from llmtrain.model import GPT
 from llmtrain.training.launch import free_port
 
+from .conftest import RecordingMetrics
+
 pytestmark = pytest.mark.slow  # spawns gloo process groups (a few seconds each)
 
 VOCAB = 64
@@ -29,14 +31,6 @@ VOCAB = 64
 class _Sampler:
     def state_dict(self) -> dict:
         return {"position": 7}
-
-
-class _Records:
-    def __init__(self) -> None:
-        self.records: list[dict] = []
-
-    def write(self, record: dict) -> None:
-        self.records.append(record)
 
 
 def _model() -> GPT:
@@ -71,7 +65,7 @@ def _worker(rank: int, world_size: int, port: int, run_dir: str, job: str) -> No
     policy = Checkpointer(
         cfg=CheckpointConfig(every_steps=1, keep_last=5), run_dir=Path(run_dir),
         saved=SavedObjects(model_state=model_state, optimizer_state=optimizer_state, sampler=_Sampler()),
-        config_dict={"model": {}}, metrics=_Records(), warn=warnings.append,
+        config_dict={"model": {}}, metrics=RecordingMetrics(), warn=warnings.append,
         ranks=RankAgreement(writer=layout.is_main, agree=lambda value: broadcast_from_main(value, layout)),
         shard_layout=(rank, world_size),
     )

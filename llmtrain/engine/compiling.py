@@ -45,7 +45,14 @@ def compile_blocks(model: nn.Module) -> None:
     """Compile each of `model.blocks`' forward in place (idempotent). Inductor's kernels go to
     llmtrain's cache folder unless TORCHINDUCTOR_CACHE_DIR says where: its default is under /tmp,
     which a reboot empties, and a cold compile costs ~30 s on a CPU against ~3 s from the cache."""
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_home() / "inductor"))
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        inductor_cache = cache_home() / "inductor"
+        try:
+            inductor_cache.mkdir(parents=True, exist_ok=True)
+        except OSError:  # a read-only home: torch's default under /tmp, rather than a compile that fails
+            pass
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_cache)
     if "TORCHINDUCTOR_CPP_DYNAMIC_THREADS" not in os.environ:
         # CPU kernels that read the thread count when they run, instead of having it written in when
         # they compile: threads=auto may change the count mid-run (training/threads_follow.py), and a
