@@ -368,3 +368,29 @@ def test_every_parameter_count_is_labelled_and_the_same_in_every_row(tmp_path: P
     assert "/ 793,344 parameters without embeddings = " in render.estimate_summary(report.facts)
     rope = run_check(compose_config(["model=modern_tiny"]), measure_compute=False).facts.parameters
     assert rope.total == rope.without_positions and "position table" not in rope.text()
+
+
+def test_an_lr_too_high_for_a_small_batch_warns_and_its_fix_passes(tmp_path: Path) -> None:
+    from llmtrain.config.derived import batch_scaled_lr, run_default_lr
+
+    small = base(tmp_path, **{"global_batch_size": 2, "micro_batch_size": 2, "data.seq_len": 64,
+                              "model.block_size": 64})
+    small.optim.lr = run_default_lr(small)  # the default LR, set for batches of ~4,096 tokens
+    row = run_check(small, measure_compute=False).row("learning rate")
+    assert row.status is Status.WARN and "128 tokens per step" in row.seen, row
+    assert float(row.fix.removeprefix("optim.lr=")) == pytest.approx(batch_scaled_lr(small.optim.lr, 128), rel=0.1)
+    small.optim.lr = float(row.fix.removeprefix("optim.lr="))
+    assert status(small, "learning rate") is Status.PASS
+    larger = base(tmp_path, **{"global_batch_size": 8, "micro_batch_size": 8, "data.seq_len": 64,
+                               "model.block_size": 64})
+    larger.optim.lr = run_default_lr(larger)  # 512 tokens at the default: 2.8x the root-scaled LR, fine
+    assert status(larger, "learning rate") is Status.PASS
+
+
+def test_sgd_without_momentum_warns(tmp_path: Path) -> None:
+    plain = base(tmp_path, **{"optim.name": OptimizerName.sgd, "optim.lr": 0.05, "optim.momentum": 0.0})
+    row = run_check(plain, measure_compute=False).row("momentum")
+    assert row.status is Status.WARN and row.fix == "optim.momentum=0.9"
+    plain.optim.momentum = 0.9
+    assert status(plain, "momentum") is Status.PASS
+    assert "momentum" not in [r.item for r in run_check(base(tmp_path), measure_compute=False).rows]  # AdamW: no row

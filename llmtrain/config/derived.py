@@ -223,6 +223,13 @@ def run_lr_range(cfg: Config) -> tuple[float, float]:
     return sane_lr_range(cfg.optim.name, cfg.model.n_embd)
 
 
+# The init's healthy band of fan-in x weight variance: above INIT_GAIN_HIGH signals grow layer by
+# layer, below INIT_GAIN_LOW they vanish (std 0.02 at width 128 gives 0.05). The pre-flight check
+# warns outside it and the monitor's diagnosis blames the init there.
+INIT_GAIN_LOW = 0.005
+INIT_GAIN_HIGH = 2.5
+
+
 def init_gain(m: ModelConfig) -> float:
     """Fan-in x weight variance of the init: a layer's output variance on unit-variance inputs
     (far above 1 explodes layer by layer, far below vanishes). The pre-flight check and the health
@@ -322,3 +329,13 @@ def resolved_warmup_steps(schedule: ScheduleConfig, total: int) -> int:
         return schedule.warmup_steps
     return int(round(schedule.warmup_fraction * total))
 
+
+# The default LRs are set for batches of about REFERENCE_BATCH_TOKENS tokens; a smaller batch's
+# gradient is noisier, and the LR it bears falls about with the root of its size (seed 003 §3's
+# sqrt scaling, the rule for Adam-like optimizers).
+REFERENCE_BATCH_TOKENS = 4096
+
+
+def batch_scaled_lr(default_lr: float, tokens_per_step: int) -> float:
+    """The default LR scaled down to a batch of `tokens_per_step` by the root of its size (never up)."""
+    return default_lr * math.sqrt(min(1.0, tokens_per_step / REFERENCE_BATCH_TOKENS))

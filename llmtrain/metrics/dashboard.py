@@ -139,7 +139,7 @@ ALARMS_BY_METRIC = {
     "activation variance": ("activation_variance_high", "activation_variance_growing", "activation_variance_shrinking"),
     "memory": ("memory_leak",),
     "loss": ("loss_spike", "loss_above_chance", "loss_rising", "loss_not_decreasing", "loss_oscillating",
-             "overfitting"),
+             "loss_autocorrelated", "overfitting"),
 }
 
 

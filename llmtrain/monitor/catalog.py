@@ -410,6 +410,20 @@ _KINDS = (
         seed_ref="5.1; 8.3",
     ),
     AlarmKind(
+        name="loss_autocorrelated",
+        metric="loss",
+        title="Consecutive steps' losses move together: batches read in file order follow the text",
+        healthy="steps that are independent draws: their losses' successive differences as large as independent ones'",
+        causes=(
+            "Data not shuffled: each batch is the stretch of the corpus after the last one, so the gradient "
+            "follows the text (one file's style, then the next) instead of the whole corpus",
+        ),
+        checks=(
+            "Shuffle: data.shuffle=true, or data.sampling=epoch (a new order every epoch)",
+        ),
+        seed_ref="5.1; 8.3",
+    ),
+    AlarmKind(
         name="overfitting",
         metric="val_loss",
         title="Validation stalls while the train loss keeps falling: the gap between them widens (overfitting)",

@@ -23,7 +23,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmtrain.config.derived import init_gain, resolved_warmup_steps, run_default_lr, run_lr_range
+from llmtrain.config.derived import (
+    INIT_GAIN_HIGH,
+    INIT_GAIN_LOW,
+    REFERENCE_BATCH_TOKENS,
+    batch_scaled_lr,
+    init_gain,
+    resolved_warmup_steps,
+    run_default_lr,
+    run_lr_range,
+)
 from llmtrain.config.schema import ADAM_FAMILY, Config, NormPosition, ResidualInit
 from llmtrain.core.findings import Finding
 from llmtrain.model_tensors import model_tensors
@@ -276,16 +285,13 @@ def _regularization_fix(f: RunFacts, s: Signals) -> str | None:
     return " ".join(fixes) or None
 
 
-# The default LR was set at a batch of this many tokens (16 sequences of 256); a smaller batch's
-# gradient is noisier, and the LR it bears falls about with the root of its size (seed 003 §3's sqrt
-# scaling). Below SMALL_BATCH_TOKENS a batch is small enough for that to be a likely cause.
-REFERENCE_BATCH_TOKENS = 4096
+# Below SMALL_BATCH_TOKENS a batch is small enough for gradient noise to be a likely cause.
 SMALL_BATCH_TOKENS = 1024
 
 
 def lr_for_batch(f: RunFacts) -> float:
     """The default LR scaled down to this batch by the root of its size (never up)."""
-    return f.default_lr * math.sqrt(min(1.0, f.tokens_per_step / REFERENCE_BATCH_TOKENS))
+    return batch_scaled_lr(f.default_lr, f.tokens_per_step)
 
 
 def batch_too_small(f: RunFacts, s: Signals) -> Score:
@@ -307,17 +313,17 @@ def overfitting(f: RunFacts, s: Signals) -> Score:
 
 
 def init_too_large(f: RunFacts, s: Signals) -> Score:
-    if not math.isfinite(f.init_gain) or f.init_gain < 0.005:
+    if not math.isfinite(f.init_gain) or f.init_gain < INIT_GAIN_LOW:
         return None
-    if f.init_gain > 2.5:
+    if f.init_gain > INIT_GAIN_HIGH:
         return 0.85, f"{_init_text(f)} (healthy up to ~2): each layer multiplies the signal's variance"
     return 0.1, f"{_init_text(f)}, inside the healthy range"
 
 
 def init_too_small(f: RunFacts, s: Signals) -> Score:
-    if not math.isfinite(f.init_gain) or f.init_gain > 2.5:
+    if not math.isfinite(f.init_gain) or f.init_gain > INIT_GAIN_HIGH:
         return None
-    if f.init_gain < 0.005:
+    if f.init_gain < INIT_GAIN_LOW:
         return 0.85, f"{_init_text(f)} (healthy from ~0.05): the signal vanishes layer by layer"
     return 0.1, f"{_init_text(f)}, inside the healthy range"
 
@@ -419,7 +425,7 @@ def _init_fix(too_large: bool) -> Callable[[RunFacts, Signals], str | None]:
     """The check's init fix when the gain is what is wrong (its row may name the residual scaling
     instead, for a deep plain-residual model: that is `residual_unscaled`'s)."""
     def fix(f: RunFacts, s: Signals) -> str | None:
-        wrong = f.init_gain > 2.5 if too_large else f.init_gain < 0.005
+        wrong = f.init_gain > INIT_GAIN_HIGH if too_large else f.init_gain < INIT_GAIN_LOW
         return f.fixes.get("init variance") if wrong else None
     return fix
 
@@ -521,6 +527,7 @@ DIFFERENTIAL: dict[str, tuple[str, ...]] = {
                          "weight_decay_too_high", "init_too_large"),
     "schedule_ended": ("schedule_ended",),
     "loss_oscillating": ("data_unshuffled", "batch_too_small", "beta2_too_low", "bad_batch"),
+    "loss_autocorrelated": ("data_unshuffled",),
     "overfitting": ("overfitting",),
     # AdamW's decay and step both scale with the LR: a low LR cannot make the decay dominate, an LR
     # so high that the weights blew up can (the decay grows with the weights, the step does not).

@@ -124,10 +124,10 @@ class Monitor:
         self.probe = None
         values = torch.cat(parts).tolist()  # the check's one host sync
         n = span.count
-        loss_v, grad_v, param_v, interval_loss, interval_var, interval_steps = values[:6]
-        block_grads, block_params = values[6:6 + n], values[6 + n:6 + 2 * n]
-        act_mean = values[6 + 2 * n:6 + 3 * n] if stats is not None else None
-        act_var = values[6 + 3 * n:6 + 4 * n] if stats is not None else None
+        loss_v, grad_v, param_v, interval_loss, interval_var, interval_steps, resid_ss, resid_ssd = values[:8]
+        block_grads, block_params = values[8:8 + n], values[8 + n:8 + 2 * n]
+        act_mean = values[8 + 2 * n:8 + 3 * n] if stats is not None else None
+        act_var = values[8 + 3 * n:8 + 4 * n] if stats is not None else None
         now = time.perf_counter()
         tokens_per_s = (tokens - self.interval_tokens) / max(now - self.interval_start, 1e-9)
         if self.peak_flops is None:
@@ -137,6 +137,7 @@ class Monitor:
                         fp16_without_scaler=self.fp16_without_scaler,
                         activation_mean=act_mean, activation_var=act_var, interval_loss=interval_loss,
                         interval_loss_var=interval_var, interval_steps=int(interval_steps),
+                        interval_resid_ss=resid_ss, interval_resid_ssd=resid_ssd,
                         update_ratio=self.pending_update[0] if self.pending_update else None,
                         update_lr=self.pending_update[1] if self.pending_update else None)
         self.pending_update, self.check_lr = None, lr_applied
@@ -263,16 +264,29 @@ class Monitor:
 
 def interval_stats(losses: deque[torch.Tensor], fallback: torch.Tensor) -> torch.Tensor:
     """The mean and the (unbiased) variance of the interval's finite step losses (non-finite steps
-    were not trained on) and their count, as three elements; the check step's own loss, 0 and 0
-    when there are none."""
+    were not trained on) and their count; then, for an interval of 4 or more steps all finite, the
+    sum of squares of the losses around their least-squares line (the learning trend taken out) and
+    of those residuals' successive differences, which independent steps make twice as large as
+    neighbours that move together (0 and 0 otherwise). Five elements; with no losses, the check
+    step's own loss, then zeros."""
     values = torch.cat(list(losses)) if losses else fallback.detach().reshape(1).float()
     finite = torch.isfinite(values)
     count = finite.sum()
     kept = torch.where(finite, values, 0.0)
     mean = kept.sum() / count.clamp_min(1)
     var = torch.where(finite, values - mean, 0.0).pow(2).sum() / (count - 1).clamp_min(1)
+    n = values.numel()
+    if n >= 4:
+        t = torch.arange(n, device=values.device, dtype=values.dtype) - (n - 1) / 2
+        slope = (t * (kept - mean)).sum() / t.pow(2).sum()
+        residuals = kept - mean - slope * t
+        whole = count == n
+        ss = torch.where(whole, residuals.pow(2).sum(), 0.0)
+        ssd = torch.where(whole, residuals.diff().pow(2).sum(), 0.0)
+    else:
+        ss = ssd = torch.zeros((), device=values.device)
     mean = torch.where(count > 0, mean, fallback.detach().float().reshape(()))
-    return torch.stack([mean, torch.where(count > 1, var, torch.zeros_like(var)), count.float()])
+    return torch.stack([mean, torch.where(count > 1, var, torch.zeros_like(var)), count.float(), ss, ssd])
 
 
 class NullMonitor:

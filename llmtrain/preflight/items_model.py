@@ -13,6 +13,8 @@ import math
 import torch
 
 from llmtrain.config.derived import (
+    INIT_GAIN_HIGH,
+    INIT_GAIN_LOW,
     init_gain,
 )
 from llmtrain.config.schema import (
@@ -135,10 +137,10 @@ def check_init(cfg: Config, facts: Facts) -> Finding:
             else f"{m.init}: fan-in x var = {gain:.2f}")
     seen += f"; residual outputs {m.residual_init.value}"
     why = "Each layer's output variance is fan-in x weight variance: far above 1 explodes, far below vanishes."
-    if gain > 2.5:
+    if gain > INIT_GAIN_HIGH:
         return Finding("init variance", Status.WARN, seen + " - activations grow layer by layer", why,
                        f"model.init_std={round_lr(math.sqrt(1 / m.n_embd))}")
-    if gain < 0.005:
+    if gain < INIT_GAIN_LOW:
         return Finding("init variance", Status.WARN, seen + " - signals vanish", why,
                        f"model.init_std={round_lr(math.sqrt(1 / m.n_embd))}")
     if m.residual_init is ResidualInit.plain and m.n_layer >= 12:
