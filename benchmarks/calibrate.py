@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pathology_cases import HEALTHY  # noqa: E402
 
 from llmtrain.config.schema import MonitorConfig  # noqa: E402
-from llmtrain.monitor.detectors import OVERFIT_MIN_FALL, robust_z  # noqa: E402
+from llmtrain.monitor.detectors import CORRELATION_MAX, OVERFIT_MIN_FALL, robust_z  # noqa: E402
 
 
 def records(run_dir: Path, kind: str) -> list[dict]:
@@ -146,6 +146,10 @@ def statistics_for(cfg: MonitorConfig) -> list[Statistic]:
                   lambda h, e, wd: spike_z(series(h, "loss"), cfg.spike_window)),
         Statistic("smoothed loss above its best (nats)", "loss_rising", cfg.loss_rise_min, True,
                   lambda h, e, wd: rise_above_best(series(h, "interval_loss"))),
+        # Judged only where the data is read in file order: how near shuffled healthy runs come to it.
+        Statistic(f"step-loss successive differences / independent steps' held {cfg.patience} checks, smallest",
+                  "loss_autocorrelated", CORRELATION_MAX, False,
+                  lambda h, e, wd: held(series(h, "step_correlation"), cfg.patience, False)),
         Statistic("validation-train gap growth (nats)", "overfitting", OVERFIT_MIN_FALL, True,
                   lambda h, e, wd: overfit_moves([(r["step"], _num(r.get("interval_loss"))) for r in h],
                                                  [(r["step"], _num(r.get("val_loss"))) for r in e])),

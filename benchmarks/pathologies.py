@@ -73,6 +73,7 @@ class Score:
     top_evidence: str = ""
     top_fix: str | None = None
     report_flags: list[str] = field(default_factory=list)  # report verdicts that are not ok
+    check_warnings: list[str] = field(default_factory=list)  # the pre-flight items that warned or failed
     exit_code: int = 0
     seconds: float = 0.0
     val_loss: float | None = None  # the final evaluation's
@@ -89,6 +90,11 @@ class Score:
     @property
     def right_cause(self) -> bool:
         return self.cause is not None and self.top_cause == self.cause
+
+    @property
+    def flagged_before(self) -> bool:
+        """The pre-flight check warned on an item that speaks of the true cause."""
+        return self.cause is not None and bool(set(self.check_warnings) & set(pc.CHECK_ITEMS.get(self.cause, ())))
 
     @property
     def in_time(self) -> bool:
@@ -202,6 +208,12 @@ def first_symptom(sick: dict[int, dict], reference: dict[int, dict]) -> int | No
     return None
 
 
+def check_warnings(run_dir: Path) -> list[str]:
+    """The pre-flight items that warned or failed, as the run's `start` record keeps them."""
+    start = next((r for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("kind") == "start"), {})
+    return [item for item, status in (start.get("check") or {}).items() if status in ("WARN", "FAIL")]
+
+
 def report_flags(run_dir: Path) -> list[str]:
     """The report's verdicts that are not ok (its table's rows with WARN or FAIL)."""
     path = run_dir / "report.md"
@@ -240,6 +252,7 @@ def score(case: pc.Case, done: dict[str, tuple[Path, int, float]]) -> Score:
     result.alarms = [f"{a['alarm']}@{a['step']}" for a in alarms] + [f"nonfinite@{e['step']}" for e in nonfinite]
     result.detected = bool(alarms or nonfinite)
     result.report_flags = report_flags(run_dir)
+    result.check_warnings = check_warnings(run_dir)
     result.top_cause, result.top_evidence, result.top_fix = top_of(alarms[0] if alarms else None)
     result.first_step = alarms[0]["step"] if alarms else (nonfinite[0]["step"] if nonfinite else None)
     reference_dir = done[pc.reference_of(case)][0]
@@ -274,6 +287,8 @@ def _pct(part: int, whole: int) -> float | None:
 SUMMARY_ROWS = (("sick runs detected (an alarm or a non-finite step)", "detected", "sick"),
                 ("... within 100 steps of the first symptom", "detected_in_time", "sick"),
                 ("true cause ranked first", "right_cause", "sick"),
+                ("sick runs flagged before (a pre-flight item of the cause warns) or during the run",
+                 "flagged_or_detected", "sick"),
                 ("healthy runs with any alarm (target: none)", "controls_with_alarms", "controls"),
                 ("repaired runs (a repair applied) cured: val <= 1.10 x reference", "repaired_cured", "repairable"),
                 ("rerun with the alarm's fix, cured", "rerun_cured", "reruns"))
@@ -290,6 +305,7 @@ def summarize(scores: Iterable[Score]) -> dict:
         "detected_in_time": sum(s.in_time for s in sick),
         "detected": sum(s.detected for s in sick),
         "right_cause": sum(s.right_cause for s in sick),
+        "flagged_or_detected": sum(s.flagged_before or s.detected for s in sick),
         "report_flags_sick": sum(bool(s.report_flags) for s in sick),
         "controls": len(controls),
         "controls_with_alarms": sum(bool(s.alarms) for s in controls),

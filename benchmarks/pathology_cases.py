@@ -235,6 +235,20 @@ CASES: tuple[Case, ...] = (*HEALTHY, *SICK)
 BY_NAME: dict[str, Case] = {c.name: c for c in CASES}
 
 
+# The pre-flight check's items that speak of each cause (llmtrain/preflight): a sick run whose item
+# warns (or fails) was flagged before it started. Causes no item looks at are absent.
+CHECK_ITEMS: dict[str, tuple[str, ...]] = {
+    "lr_too_high": ("learning rate",), "lr_too_low": ("learning rate",),
+    "batch_too_small": ("learning rate", "effective batch"), "no_warmup": ("warmup",),
+    "schedule_ended": ("schedule length",), "no_clipping": ("gradient clipping",),
+    "clip_too_tight": ("gradient clipping",), "sgd_without_momentum": ("momentum",),
+    "init_too_small": ("init variance",), "init_too_large": ("init variance",),
+    "residual_unscaled": ("init variance",), "post_ln": ("residual / norm",), "too_deep": ("residual / norm",),
+    "fp16_no_scaler": ("mixed precision",), "data_unshuffled": ("data order",),
+    "over_regularized": ("train/eval mode",),
+}
+
+
 def reference_of(case: Case) -> str:
     return SHAPES[case.shape].reference
 

@@ -261,3 +261,22 @@ def test_calibration_reads_the_healthy_runs_extremes(tmp_path: Path) -> None:
     assert by_alarm["grad_norm_surge"]["worst"] == 4.0  # 4 over a median of 1
     assert by_alarm["weight_decay_dominant"]["worst"] == pytest.approx(1e-3 * 0.1 / 0.01)  # no config.yaml: 0.1
     assert by_alarm["loss_rising"]["worst"] == 0.0  # a steady fall never rises above its best
+
+
+def test_a_sick_run_the_pre_flight_check_warned_about_counts_as_flagged_before(bench: ModuleType,
+                                                                                cases: ModuleType,
+                                                                                tmp_path: Path) -> None:
+    quiet = _run_dir(tmp_path, "sgd_no_momentum", 3.0, [])  # no alarm during the run
+    metrics = quiet / "metrics.jsonl"
+    start = {"kind": "start", "check": {"momentum": "WARN", "token budget": "WARN", "warmup": "PASS"}}
+    metrics.write_text(json.dumps(start) + "\n" + metrics.read_text())
+    done = {"c_sgd": (_run_dir(tmp_path, "c_sgd", 2.0, []), 0, 1.0), "sgd_no_momentum": (quiet, 0, 1.0)}
+    score = bench.score(cases.BY_NAME["sgd_no_momentum"], done)
+    assert score.check_warnings == ["momentum", "token budget"]
+    assert score.flagged_before and not score.detected
+    summary = bench.summarize([score])
+    assert (summary["detected"], summary["flagged_or_detected"]) == (0, 1)
+    # A warning on an item that does not speak of the cause flags nothing.
+    start["check"] = {"token budget": "WARN"}
+    metrics.write_text(json.dumps(start) + "\n" + metrics.read_text().split("\n", 1)[1])
+    assert not bench.score(cases.BY_NAME["sgd_no_momentum"], done).flagged_before

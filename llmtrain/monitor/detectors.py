@@ -192,6 +192,7 @@ class Detectors:
         self.act_mean: deque = deque(maxlen=cfg.activation_window)
         self.act_var: deque = deque(maxlen=cfg.activation_window)
         self.residuals: deque = deque(maxlen=CORRELATION_WINDOW)  # (ss, ssd, steps) of recent intervals
+        self.step_correlation: float | None = None  # their pooled ratio to independent steps' (None: too few)
         self.counts: dict[str, int] = {}  # consecutive checks outside a band, per detector
         self.active: set[str] = set()  # alarms raised and not yet cleared (raised once per episode)
         self.checks = 0
@@ -524,13 +525,14 @@ class Detectors:
         and the residuals' successive differences shrink against independent steps'."""
         if s.interval_steps >= 4 and s.interval_resid_ss > 0:
             self.residuals.append((s.interval_resid_ss, s.interval_resid_ssd, s.interval_steps))
-        f = self.facts
-        if (f is None or f.shuffled or s.step < self.cfg.progress_after
-                or len(self.residuals) < CORRELATION_WINDOW):
+        self.step_correlation = None
+        if len(self.residuals) == CORRELATION_WINDOW:  # measured on every run (metrics.jsonl), judged on some
+            expected = sum(ss * independent_ratio(n) for ss, _, n in self.residuals)
+            self.step_correlation = sum(ssd for _, ssd, _ in self.residuals) / expected
+        f, ratio = self.facts, self.step_correlation
+        if f is None or f.shuffled or s.step < self.cfg.progress_after or ratio is None:
             self.skipped.add("loss_autocorrelated")
             return
-        expected = sum(ss * independent_ratio(n) for ss, _, n in self.residuals)
-        ratio = sum(ssd for _, ssd, _ in self.residuals) / expected
         self._persistent(found, "loss_autocorrelated", ratio < CORRELATION_MAX, Alarm(
             "loss_autocorrelated", s.step, "warning", "successive differences of step losses / independent steps'",
             [ratio], f">= {CORRELATION_MAX:g} (independent steps: 1)"))

@@ -163,6 +163,8 @@ class Monitor:
             self.before = [p.detach().clone() for p in self.params]
             return []
         alarms = self.monitor.check(sample)
+        if self.monitor.step_correlation is not None:
+            self.record["step_correlation"] = self.monitor.step_correlation
         self.report(alarms)
         alarms, self.raised_at_eval = self.raised_at_eval + alarms, []
         if act_mean is not None:
