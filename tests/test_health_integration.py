@@ -43,6 +43,10 @@ def test_a_healthy_300_step_run_raises_no_alarm(tmp_path: Path) -> None:
     checks = health(tmp_path / "run")
     assert len(checks) == 30 and sum("activation_mean" in c for c in checks) == 15  # every 20 steps
     assert all(c["update_ratio"] > 0 and 0 <= c["data_wait_share"] < 1 for c in checks)
+    # AdamW's moments from the first check; the step-loss correlation once 10 intervals are in.
+    assert all(0 < c["moment_ratio"] for c in checks) and checks[-1]["moment_ratio"] < 0.5
+    assert ["step_correlation" in c for c in checks] == [False] * 9 + [True] * 21
+    assert 0.5 < checks[-1]["step_correlation"] < 1.5  # shuffled windows: about independent steps
 
 
 def test_lr_far_too_high_raises_grad_norm_high_and_reduce_lr_acts(tmp_path: Path) -> None:

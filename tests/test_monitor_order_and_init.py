@@ -9,6 +9,7 @@ import json
 import random
 from collections import deque
 
+import pytest
 import torch
 
 from llmtrain.config.schema import MonitorConfig
@@ -142,3 +143,49 @@ def test_a_tiny_init_resting_at_the_unigram_baseline_is_not_learning() -> None:
     assert "loss_not_decreasing" not in raised(plateau(3.3), FACTS)
     # And a tiny init whose loss left the baseline behind learned its way out.
     assert "loss_not_decreasing" not in raised(plateau(2.8), tiny)
+
+
+def adam_checks(steady: float, update: float, checks: int = 12, warmup: int = 20) -> dict[str, object]:
+    """Checks every 10 steps with this moment ratio and update ratio; {alarm: the first one}."""
+    monitor = Detectors(MonitorConfig(), dataclasses.replace(FACTS, warmup_steps=warmup, eps=0.1, n_params=800_000))
+    first: dict[str, object] = {}
+    for c in range(checks):
+        s = Sample(step=(c + 1) * 10, loss=2.9, grad_norm=0.8, block_grad_norms=[0.3, 0.4], param_norm=100.0,
+                   lr_applied=3e-3, lr_schedule=3e-3, rss_mb=500.0, total_steps=10_000, interval_loss=2.9,
+                   update_ratio=update, moment_ratio=steady)
+        for alarm in monitor.check(s):
+            first.setdefault(alarm.name, alarm)
+    return first
+
+
+def test_the_same_gradient_step_after_step_with_tiny_steps_is_learning_slowly() -> None:
+    alarm = adam_checks(steady=0.9, update=7e-5)["steps_too_small"]
+    assert alarm.step == 70  # judged from step 50, after the warmup, for `patience` checks
+    assert alarm.causes[0].cause == "eps_too_large"  # epsilon 0.1 against gradient elements of ~1e-3
+    # A noisy gradient (the usual ~0.05), or ordinary steps along a steady one (a large batch), is not it.
+    assert "steps_too_small" not in adam_checks(steady=0.05, update=7e-5)
+    assert "steps_too_small" not in adam_checks(steady=0.9, update=3e-3)
+    # Nor a warmup still under way: its first steps are small by design.
+    assert "steps_too_small" not in adam_checks(steady=0.9, update=7e-5, warmup=200)
+
+
+def test_moment_sums_read_adams_state_and_nothing_else() -> None:
+    from llmtrain.monitor.probes import moment_sums
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(8, 8)
+    params = list(layer.parameters())
+    adam = torch.optim.AdamW(params, lr=1e-3)
+    assert moment_sums(adam, params).tolist() == [0.0, 0.0]  # no state before the first step
+    for _ in range(3):
+        layer(torch.randn(4, 8)).pow(2).mean().backward()
+        adam.step()
+        adam.zero_grad()
+    first, second = moment_sums(adam, params).tolist()
+    want_first = sum(float(adam.state[p]["exp_avg"].pow(2).sum()) for p in params)
+    want_second = sum(float(adam.state[p]["exp_avg_sq"].sum()) for p in params)
+    assert first == pytest.approx(want_first, rel=1e-5) and second == pytest.approx(want_second, rel=1e-5)
+    sgd = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    layer(torch.randn(4, 8)).pow(2).mean().backward()
+    sgd.step()
+    assert moment_sums(sgd, params).tolist() == [0.0, 0.0]  # momentum only: no second moment

@@ -168,7 +168,7 @@ ALARM_NAMES = (
     "activation_variance_shrinking", "memory_leak", "loss_spike", "fp16_no_scaler",
     "grad_norm_surge", "update_ratio_high", "update_ratio_low", "loss_above_chance", "loss_rising",
     "loss_not_decreasing", "schedule_ended", "activation_variance_high", "loss_oscillating", "weight_decay_dominant",
-    "overfitting", "loss_autocorrelated",
+    "overfitting", "loss_autocorrelated", "steps_too_small",
 )
 
 

@@ -133,7 +133,7 @@ class Dashboard:
 ALARMS_BY_METRIC = {
     "gradient norm": ("grad_norm_high", "grad_norm_surge", "grad_norm_low", "grad_norm_low_early_layers"),
     "parameter norm": ("param_norm_jump", "param_norm_decrease", "update_ratio_high", "update_ratio_low",
-                       "weight_decay_dominant"),
+                       "weight_decay_dominant", "steps_too_small"),
     "learning rate": ("lr_zero", "lr_exploding", "schedule_ended"),
     "activation mean": ("activation_mean_drift",),
     "activation variance": ("activation_variance_high", "activation_variance_growing", "activation_variance_shrinking"),

@@ -340,6 +340,24 @@ _KINDS = (
         seed_ref="5.1; 8.2",
     ),
     AlarmKind(
+        name="steps_too_small",
+        metric="update_ratio",
+        title="Learning slowly: the gradient stays the same step after step, and each step barely moves along it",
+        healthy="a gradient that is mostly noise from one step to the next (Adam's first moment^2 / second moment "
+                "~0.05-0.3), steps of ~1e-3 of the weights",
+        causes=(
+            "Learning rate too low",
+            "Adam epsilon so large that it, not the gradient's size, sets every step",
+            "The LR schedule at its floor or at zero",
+        ),
+        checks=(
+            "Raise the LR: optim.lr=null gives the default for the optimizer and width",
+            "optim.eps=1e-8",
+            "Compare the logged LR with the schedule; schedule.min_lr_ratio=0.1",
+        ),
+        seed_ref="5.1; 8.2",
+    ),
+    AlarmKind(
         name="loss_above_chance",
         metric="loss",
         title="Loss far above a uniform guess over the vocabulary",

@@ -23,6 +23,7 @@ or trends, never a single point:
     weight_decay_dominant               the decay, not the gradient, makes most of each update
     overfitting                         (at each evaluation) validation stalls while the train loss falls
     update_ratio_high / _low            ||dW|| / ||W|| per step far above / below its healthy range
+    steps_too_small                     (Adam) the gradient the same step after step, and small steps: learning slowly
     schedule_ended                      the LR schedule ended while the run goes on
 
 An alarm is raised once when its pattern appears and re-armed when the pattern clears; each one
@@ -60,6 +61,15 @@ OVERFIT_MIN_EVALS = 4
 # that is why a shuffled run is not judged); independent draws fall below 0.86 one time in 20.
 CORRELATION_MAX = 0.85
 CORRELATION_WINDOW = 10
+# Steps too small to move the model (learning slowly, not stuck): Adam's moments say the gradient is
+# the same from step to step (first moment^2 / second moment at or above STEADY_GRADIENT: gradients
+# that are mostly noise give (1 - beta1) / (1 + beta1) = 0.053, one that never changes 1, and 0.25 is
+# about their geometric middle; healthy runs after their warmup hold at most 0.14 for 3 checks) while
+# each step moves the weights by less than SMALL_STEP of their norm (healthy: 1e-3 to 1e-2 early on).
+# Judged after the warmup and from step STEPS_JUDGED_FROM.
+STEADY_GRADIENT = 0.25
+SMALL_STEP = 1e-3
+STEPS_JUDGED_FROM = 50
 # An init far below the healthy band makes a plateau at the unigram baseline its symptom: the loss
 # within this fraction of the baseline, falling or not.
 INIT_PLATEAU_MARGIN = 0.05
@@ -86,6 +96,7 @@ class Sample:
     interval_steps: int = 0  # how many steps they were
     interval_resid_ss: float = 0.0  # the sum of squares of those losses around their straight line
     interval_resid_ssd: float = 0.0  # ... and of those residuals' successive differences (0, 0: fewer than 4)
+    moment_ratio: float | None = None  # Adam's sum of first moment^2 / sum of second moment (None: no Adam state)
     update_ratio: float | None = None  # ||dW|| / ||W|| of the latest applied check-step update
     update_lr: float | None = None  # the LR of that update
 
@@ -354,7 +365,7 @@ class Detectors:
                                                      f"{cfg.trend_window} checks")
         ratio = s.update_ratio
         if ratio is None:  # no applied update since the last check (a resume, a skip): nothing to judge
-            self.skipped |= {"update_ratio_high", "update_ratio_low", "weight_decay_dominant"}
+            self.skipped |= {"update_ratio_high", "update_ratio_low", "weight_decay_dominant", "steps_too_small"}
         else:
             self._persistent(found, "update_ratio_high", ratio > cfg.update_ratio_high, Alarm(
                 "update_ratio_high", s.step, "warning", "update / weight ratio", [ratio],
@@ -368,10 +379,22 @@ class Detectors:
             lr = s.update_lr if s.update_lr is not None else s.lr_applied
             decay = lr * self.facts.weight_decay if self.facts is not None else 0.0
             share = decay / ratio if ratio > 0 else 0.0
+            self._steps_small(s, ratio, found)
             self._persistent(found, "weight_decay_dominant", share > cfg.decay_share_max, Alarm(
                 "weight_decay_dominant", s.step, "warning", "weight-decay share of the update", [share],
                 f"<= {cfg.decay_share_max:g} (lr x weight decay = {decay:.2g} per step against an update of "
                 f"{ratio:.2g})"))
+
+    def _steps_small(self, s: Sample, update: float, found: dict[str, Alarm]) -> None:
+        """The same gradient step after step, and small steps along it: the optimizer could go faster."""
+        f, steady = self.facts, s.moment_ratio
+        if steady is None or f is None or s.step < STEPS_JUDGED_FROM or s.step <= f.warmup_steps:
+            self.skipped.add("steps_too_small")
+            return
+        self._persistent(found, "steps_too_small", steady >= STEADY_GRADIENT and update < SMALL_STEP, Alarm(
+            "steps_too_small", s.step, "warning", "Adam's first moment^2 / second moment, update / weight ratio",
+            [steady, update], f"< {STEADY_GRADIENT:g} (a gradient that changes from step to step), or steps of "
+            f">= {SMALL_STEP:g} of the weights"))
 
     def _learning_rate(self, s: Sample, found: dict[str, Alarm]) -> None:
         cfg = self.cfg
@@ -568,7 +591,7 @@ _EVERY_CHECK = frozenset({
     "grad_norm_high", "grad_norm_surge", "grad_norm_low", "grad_norm_low_early_layers", "param_norm_jump",
     "param_norm_decrease", "update_ratio_high", "update_ratio_low", "lr_zero", "lr_exploding", "schedule_ended",
     "memory_leak", "loss_spike", "fp16_no_scaler", "loss_above_chance", "loss_rising", "loss_not_decreasing",
-    "loss_oscillating", "weight_decay_dominant", "loss_autocorrelated",
+    "loss_oscillating", "weight_decay_dominant", "loss_autocorrelated", "steps_too_small",
 })
 _ACTIVATION_ALARMS = frozenset({"activation_mean_drift", "activation_variance_high", "activation_variance_growing",
                                 "activation_variance_shrinking"})

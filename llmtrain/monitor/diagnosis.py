@@ -528,6 +528,7 @@ DIFFERENTIAL: dict[str, tuple[str, ...]] = {
     "schedule_ended": ("schedule_ended",),
     "loss_oscillating": ("data_unshuffled", "batch_too_small", "beta2_too_low", "bad_batch"),
     "loss_autocorrelated": ("data_unshuffled",),
+    "steps_too_small": ("eps_too_large", "lr_too_low", "schedule_ended", "clip_too_tight"),
     "overfitting": ("overfitting",),
     # AdamW's decay and step both scale with the LR: a low LR cannot make the decay dominate, an LR
     # so high that the weights blew up can (the decay grows with the weights, the step does not).

@@ -79,6 +79,31 @@ class BlockSpan:
         return local if self.join is None else self.join(local * local).sqrt()
 
 
+def moment_sums(optimizer: torch.optim.Optimizer | None, params: list[torch.Tensor]) -> torch.Tensor:
+    """Adam's first moment squared and its second moment, each summed over the parameters whose
+    optimizer state holds both as plain (or FSDP2-sharded) tensors: two elements, zeros for an
+    optimizer without them (SGD, Adafactor, 8-bit states). Their ratio is the gradient's consistency
+    from step to step: ~(1 - beta1) / (1 + beta1) for gradients that are mostly noise, ~1 for a
+    gradient that stays the same."""
+    first, second = [], []
+    for p in params:
+        state = optimizer.state.get(p, {}) if optimizer is not None else {}
+        m, v = state.get("exp_avg"), state.get("exp_avg_sq")
+        if not (_plain(m) and _plain(v)):
+            continue
+        first.append(_norm(m) ** 2)
+        second.append(local_value(v.detach().to(torch.float32).sum()))
+    if not first:
+        device = params[0].device if params else torch.device("cpu")
+        return torch.zeros(2, device=device)
+    return torch.stack([torch.stack(first).sum(), torch.stack(second).sum()])
+
+
+def _plain(tensor: object) -> bool:
+    """A tensor whose values sum as they are: not a quantized optimizer state (torchao's 8-bit)."""
+    return isinstance(tensor, torch.Tensor) and type(tensor).__name__ in ("Tensor", "Parameter", "DTensor")
+
+
 def block_norms(blocks: list[nn.Module], grads: bool) -> torch.Tensor:
     """L2 norm of each block's gradients (grads=True) or parameters, as one tensor of shape (blocks,)."""
     norms = []

@@ -33,6 +33,7 @@ from llmtrain.monitor.probes import (
     block_norms,
     cuda_memory_mb,
     matmul_peak_flops,
+    moment_sums,
     rss_mb,
 )
 
@@ -46,7 +47,8 @@ class Monitor:
     def __init__(self, cfg: MonitorConfig, model: torch.nn.Module, run_dir: Path, dashboard: Dashboard,
                  metrics: MetricsWriter | NullMetricsWriter, total_steps: int, *, fp16_without_scaler: bool = False,
                  flops_per_token: float = 0.0, write_events: bool = True, world_size: int = 1,
-                 facts: RunFacts | None = None, peak_flops: float | None = None, span: BlockSpan | None = None) -> None:
+                 facts: RunFacts | None = None, peak_flops: float | None = None, span: BlockSpan | None = None,
+                 optimizer: torch.optim.Optimizer | None = None) -> None:
         self.flops_per_token = flops_per_token
         self.world_size = world_size  # tokens/s counts all ranks; the peak is one device's
         # The MFU reference: the run's start-up measurement when given (measured once), else at the first check.
@@ -62,6 +64,7 @@ class Monitor:
         self.blocks = self.span.modules
         self.params = self.span.params
         self.monitor = Detectors(cfg, facts)
+        self.optimizer = optimizer  # its moments: how consistent the gradient is from step to step
         self.events = JsonlSink(run_dir / files.EVENTS) if write_events else NullMetricsWriter()
         self.total_steps = total_steps
         # From the planned total, not the resume point: a resumed run samples the steps the
@@ -115,7 +118,9 @@ class Monitor:
         grads = span.per_block(block_norms(self.blocks, grads=True), squared=True)
         weights = span.per_block(block_norms(self.blocks, grads=False), squared=True)
         parts = [loss.reshape(1).float(), grad_norm.reshape(1).float().to(device), span.norm(self.params).reshape(1),
-                 interval_stats(self.interval_losses, loss).to(device), grads.to(device), weights.to(device)]
+                 interval_stats(self.interval_losses, loss).to(device),
+                 self._joined(moment_sums(self.optimizer, self.params)).to(device), grads.to(device),
+                 weights.to(device)]
         self.interval_losses.clear()
         stats = self.probe.stats() if self.probe is not None else None
         if stats is not None:
@@ -125,9 +130,10 @@ class Monitor:
         values = torch.cat(parts).tolist()  # the check's one host sync
         n = span.count
         loss_v, grad_v, param_v, interval_loss, interval_var, interval_steps, resid_ss, resid_ssd = values[:8]
-        block_grads, block_params = values[8:8 + n], values[8 + n:8 + 2 * n]
-        act_mean = values[8 + 2 * n:8 + 3 * n] if stats is not None else None
-        act_var = values[8 + 3 * n:8 + 4 * n] if stats is not None else None
+        moment_ratio = values[8] / values[9] if values[9] > 0 else None
+        block_grads, block_params = values[10:10 + n], values[10 + n:10 + 2 * n]
+        act_mean = values[10 + 2 * n:10 + 3 * n] if stats is not None else None
+        act_var = values[10 + 3 * n:10 + 4 * n] if stats is not None else None
         now = time.perf_counter()
         tokens_per_s = (tokens - self.interval_tokens) / max(now - self.interval_start, 1e-9)
         if self.peak_flops is None:
@@ -137,7 +143,7 @@ class Monitor:
                         fp16_without_scaler=self.fp16_without_scaler,
                         activation_mean=act_mean, activation_var=act_var, interval_loss=interval_loss,
                         interval_loss_var=interval_var, interval_steps=int(interval_steps),
-                        interval_resid_ss=resid_ss, interval_resid_ssd=resid_ssd,
+                        interval_resid_ss=resid_ss, interval_resid_ssd=resid_ssd, moment_ratio=moment_ratio,
                         update_ratio=self.pending_update[0] if self.pending_update else None,
                         update_lr=self.pending_update[1] if self.pending_update else None)
         self.pending_update, self.check_lr = None, lr_applied
@@ -153,6 +159,8 @@ class Monitor:
         }
         if act_mean is not None:
             self.record["activation_mean"], self.record["activation_var"] = act_mean, act_var
+        if moment_ratio is not None:
+            self.record["moment_ratio"] = moment_ratio
         if loss_scale is not None:
             self.record["loss_scale"] = loss_scale
         self.data_seconds, self.interval_tokens = 0.0, tokens
@@ -173,6 +181,10 @@ class Monitor:
         self.dashboard.health({**self.last_activations, **self.record}, sorted(self.monitor.active))
         self.before = [p.detach().clone() for p in self.params]  # for the update-to-parameter ratio
         return alarms
+
+    def _joined(self, sums: torch.Tensor) -> torch.Tensor:
+        """Sums of this process's parameters -> the whole model's (pipeline stages hold parts)."""
+        return sums if self.span.join is None else self.span.join(sums)
 
     def report(self, alarms: list[Alarm]) -> None:
         for alarm in alarms:

@@ -130,7 +130,8 @@ def build_monitor(context: Context, plan: Plan, module: TrainModule, metrics: Me
                       total_steps=plan.total_steps, fp16_without_scaler=fp16_unscaled,
                       flops_per_token=plan.flops_per_token, write_events=context.layout.is_main,
                       world_size=context.layout.world_size, facts=facts, peak_flops=context.runtime.matmul_flops,
-                      span=pipeline_span(module.pipeline, cfg.model.n_layer) if module.pipeline is not None else None)
+                      span=pipeline_span(module.pipeline, cfg.model.n_layer) if module.pipeline is not None else None,
+                      optimizer=module.optimizer)
     monitor.restart_interval(state.tokens)
     if checkpoint is not None:
         monitor.restore(checkpoint.trainer.get("monitor"))
