@@ -189,3 +189,31 @@ def test_moment_sums_read_adams_state_and_nothing_else() -> None:
     layer(torch.randn(4, 8)).pow(2).mean().backward()
     sgd.step()
     assert moment_sums(sgd, params).tolist() == [0.0, 0.0]  # momentum only: no second moment
+
+
+def test_after_a_repair_the_pattern_must_persist_again_before_it_is_raised(tmp_path) -> None:
+    import io
+
+    from rich.console import Console
+
+    from llmtrain.config.schema import ModelConfig
+    from llmtrain.metrics.dashboard import Dashboard
+    from llmtrain.metrics.writer import NullMetricsWriter
+    from llmtrain.model import GPT
+    from llmtrain.monitor.watch import Monitor
+
+    model = GPT(ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=32), 16)
+    facts = dataclasses.replace(FACTS, warmup_steps=20, eps=0.1, n_params=800_000)
+    watch = Monitor(MonitorConfig(), model, tmp_path, Dashboard(0, Console(file=io.StringIO())), NullMetricsWriter(),
+                    total_steps=10_000, write_events=False, facts=facts)
+
+    def judged(step: int) -> list[str]:
+        s = Sample(step=step, loss=2.9, grad_norm=0.8, block_grad_norms=[0.3, 0.4], param_norm=100.0,
+                   lr_applied=3e-3, lr_schedule=3e-3, rss_mb=500.0, total_steps=10_000, interval_loss=2.9,
+                   update_ratio=7e-5, moment_ratio=0.9)
+        return [a.name for a in watch.monitor.check(s)]
+
+    raised = [step for step in range(10, 80, 10) if "steps_too_small" in judged(step)]
+    assert raised == [70]
+    watch.judge_afresh("steps_too_small")  # a repair at step 70; the moments still say so at 80 and 90
+    assert [step for step in range(80, 110, 10) if "steps_too_small" in judged(step)] == [100]

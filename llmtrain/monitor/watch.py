@@ -233,6 +233,13 @@ class Monitor:
         raises it (and acts on it) again."""
         self.monitor.active.discard(name)
 
+    def judge_afresh(self, name: str) -> None:
+        """After a repair: not active, and its persistence starts over, so only a pattern that holds
+        `patience` checks under the repaired settings raises the alarm again (Adam's moments, a
+        restarted warmup, take a few steps to follow a new LR)."""
+        self.monitor.active.discard(name)
+        self.monitor.counts.pop(name, None)
+
     def restart_interval(self, tokens: int) -> None:
         """After a rollback the token count went back: tokens/s starts over from here, and the
         interval's losses are those of the steps taken from the checkpoint on."""
@@ -341,6 +348,9 @@ class NullMonitor:
         pass
 
     def forget_alarm(self, name: str) -> None:
+        pass
+
+    def judge_afresh(self, name: str) -> None:
         pass
 
     def restart_interval(self, tokens: int) -> None:

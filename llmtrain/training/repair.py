@@ -116,7 +116,7 @@ class Repairer:
         state.repairs_made += 1
         apply_repairs(state.repairs, self.cfg, self.optimizer)
         self.refresh_facts(state.repairs)
-        self.monitor.forget_alarm(alarm.name)  # the repaired run is judged afresh: a pattern that persists returns
+        self.monitor.judge_afresh(alarm.name)  # a pattern that persists under the repair returns
         changes = [{"key": key, "from": before[key], "to": value} for key, value in remedy.changes.items()]
         self._record(alarm, remedy.cause, changes=changes, applied=True, rerun=None,
                      rolled_back_to=state.step if rolled_back_to else None,
