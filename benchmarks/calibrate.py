@@ -31,7 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pathology_cases import HEALTHY  # noqa: E402
 
 from llmtrain.config.schema import MonitorConfig  # noqa: E402
-from llmtrain.monitor.detectors import CORRELATION_MAX, OVERFIT_MIN_FALL, robust_z  # noqa: E402
+from llmtrain.monitor.detectors import CORRELATION_MAX, OVERFIT_MIN_FALL  # noqa: E402
+from llmtrain.monitor.robust import robust_z  # noqa: E402
 
 
 def records(run_dir: Path, kind: str) -> list[dict]:

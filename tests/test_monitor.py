@@ -11,8 +11,9 @@ import pytest
 
 from llmtrain.config.schema import ALARM_NAMES, MonitorAction, MonitorConfig
 from llmtrain.monitor.catalog import CATALOG, explain
-from llmtrain.monitor.detectors import Alarm, Detectors, Sample, robust_z, theil_sen_slope
+from llmtrain.monitor.detectors import Alarm, Detectors, Sample
 from llmtrain.monitor.diagnosis import RunFacts
+from llmtrain.monitor.robust import robust_z, theil_sen_slope
 
 
 def sample(step: int, **kw: object) -> Sample:

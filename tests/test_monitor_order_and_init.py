@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from llmtrain.config.schema import MonitorConfig
-from llmtrain.monitor.detectors import CORRELATION_MAX, Detectors, Sample, independent_ratio
+from llmtrain.monitor.detectors import CORRELATION_MAX, Detectors, Sample
 from llmtrain.monitor.diagnosis import RunFacts
+from llmtrain.monitor.robust import independent_ratio
 from llmtrain.monitor.watch import interval_stats
 
 FACTS = RunFacts(lr=3e-3, lr_low=1e-4, lr_high=9e-3, n_embd=128, n_layer=3, warmup_steps=50, total_steps=10_000,

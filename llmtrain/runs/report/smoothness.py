@@ -7,7 +7,7 @@ import statistics
 
 from llmtrain.core.files import Kind
 from llmtrain.core.findings import Finding
-from llmtrain.monitor.detectors import SPIKE_MIN_RISE, SPIKE_MIN_SHARE, is_spike, robust_z
+from llmtrain.monitor.robust import SPIKE_MIN_RISE, SPIKE_MIN_SHARE, is_spike, robust_z
 from llmtrain.runs.records import Records
 from llmtrain.runs.report.verdict import NA, OK, WARN, Verdict, logged, train_losses
 
