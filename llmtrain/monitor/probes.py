@@ -87,7 +87,8 @@ def moment_sums(optimizer: torch.optim.Optimizer | None, params: list[torch.Tens
     gradient that stays the same."""
     first, second = [], []
     for p in params:
-        state = optimizer.state.get(p, {}) if optimizer is not None else {}
+        # ZeRO keeps other ranks' parameters' state as None: only what this process holds counts.
+        state = (optimizer.state.get(p) if optimizer is not None else None) or {}
         m, v = state.get("exp_avg"), state.get("exp_avg_sq")
         if not (_plain(m) and _plain(v)):
             continue
