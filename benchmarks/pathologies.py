@@ -19,6 +19,8 @@ events.jsonl, metrics.jsonl and report.md and scores:
                  by > 0.15 nats and 5%, gradient norm apart by > 3x, or the LR apart by > 2x; a case
                  that never differs counts from its first check
     top cause    the first alarm's top-ranked cause (`causes[0].cause`) is the case's true cause
+    flagged      before or during: the pre-flight check warned on an item that speaks of the true cause
+                 (`pathology_cases.CHECK_ITEMS`, read from the run's `start` record), or it was detected
     report       the report's health verdicts: not all ok for a sick run, all ok for a healthy one
     false alarms alarms on a healthy run (target: none)
     repaired     (--repair) a sick run whose top cause is right, run again with monitor.repair=true:

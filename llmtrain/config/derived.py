@@ -34,6 +34,11 @@ def seq_len_of(cfg: Config) -> int:
     return cfg.data.seq_len if cfg.data.seq_len is not None else cfg.model.block_size
 
 
+def tokens_per_step(cfg: Config) -> int:
+    """The tokens one optimizer step sees: the global batch x the run's sequence length."""
+    return cfg.global_batch_size * seq_len_of(cfg)
+
+
 @dataclass(frozen=True)
 class SeqLenStage:
     """From `start_step` on, sequences of `seq_len` tokens, `micro_batch_size` of them per pass."""

@@ -85,8 +85,7 @@ class CheckReport:
 ITEMS: list[Callable[[Config, Facts], Finding | None]] = [
     check_data_content, check_data_order, check_warmup, check_schedule_length, check_clipping, check_precision,
     check_memory, check_train_mode, check_seed, check_effective_batch, check_learning_rate, check_momentum,
-    check_vocabulary,
-    check_residual_norm, check_init, check_token_budget, check_run_time,
+    check_vocabulary, check_residual_norm, check_init, check_token_budget, check_run_time,
 ]
 
 

@@ -11,7 +11,7 @@ import math
 
 from llmtrain.config.derived import (
     model_vocab_size,
-    seq_len_of,
+    tokens_per_step,
     total_steps,
 )
 from llmtrain.config.schema import (
@@ -139,7 +139,7 @@ def check_vocabulary(cfg: Config, facts: Facts) -> Finding:
 
 def check_token_budget(cfg: Config, facts: Facts) -> Finding:
     steps = total_steps(cfg)
-    tokens = steps * cfg.global_batch_size * seq_len_of(cfg)
+    tokens = steps * tokens_per_step(cfg)
     if facts.shape.adapter_params:
         return Finding("token budget", Status.NA, f"{tokens:,} tokens for {facts.shape.adapter_params:,} LoRA adapter "
                        "parameters", f"~{TOKENS_PER_PARAM} tokens per parameter is a rule for training a model from "

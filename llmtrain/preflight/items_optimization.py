@@ -16,6 +16,7 @@ from llmtrain.config.derived import (
     run_lr_range,
     schedule_steps,
     seq_len_of,
+    tokens_per_step,
     total_steps,
     world_size_of,
 )
@@ -89,7 +90,7 @@ def check_clipping(cfg: Config, facts: Facts) -> Finding:
 def check_effective_batch(cfg: Config, facts: Facts) -> Finding:
     accum = accumulation_steps(cfg)
     seq = seq_len_of(cfg)
-    tokens = cfg.global_batch_size * seq
+    tokens = tokens_per_step(cfg)
     world = world_size_of(cfg)
     seen = (f"{cfg.global_batch_size} seq x {seq} = {tokens:,} tokens/step "
             f"(micro {cfg.micro_batch_size} x accumulation {accum} x {world} process{'es' if world > 1 else ''})")
@@ -126,7 +127,7 @@ def check_learning_rate(cfg: Config, facts: Facts) -> Finding:
     if lr > high or lr < low:
         width = " for LoRA adapters" if is_lora(cfg) else f" for a {cfg.model.n_embd}-wide model" if adam_like else ""
         return Finding("learning rate", Status.WARN, f"{seen} outside {low:.1g}-{high:.1g}{width}", why, fix)
-    tokens = cfg.global_batch_size * seq_len_of(cfg)
+    tokens = tokens_per_step(cfg)
     bears = batch_scaled_lr(run_default_lr(cfg), tokens)
     if not is_lora(cfg) and lr > SMALL_BATCH_LR_FACTOR * bears:
         return Finding(
