@@ -31,8 +31,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pathology_cases import HEALTHY  # noqa: E402
 
 from llmtrain.config.schema import MonitorConfig  # noqa: E402
-from llmtrain.monitor.detectors import CORRELATION_MAX, OVERFIT_MIN_FALL  # noqa: E402
-from llmtrain.monitor.robust import robust_z  # noqa: E402
+from llmtrain.monitor.detectors import (  # noqa: E402
+    CORRELATION_MAX,
+    OVERFIT_MIN_FALL,
+    STEADY_GRADIENT,
+    STEPS_JUDGED_FROM,
+)
+from llmtrain.monitor.robust import robust_z, trend_factors  # noqa: E402
 
 
 def records(run_dir: Path, kind: str) -> list[dict]:
@@ -70,6 +75,29 @@ def held(values: list[float], checks: int, high: bool) -> float:
     if high:
         return max((min(r) for r in runs), default=math.nan)
     return min((max(r) for r in runs), default=math.nan)
+
+
+def variance_trend(health: list[dict], window: int, floor: float, shrink: bool) -> float:
+    """The largest growth (above `floor`) or shrink of a block's output variance over `window`
+    activation samples, as the detector counts it (`trend_factors`)."""
+    samples = [h["activation_var"] for h in health if isinstance(h.get("activation_var"), list)]
+    worst = math.nan
+    for end in range(window - 1, len(samples)):
+        first, mid, last = samples[end - window + 1], samples[end - window + 1 + window // 2], samples[end]
+        for a, b, c in zip(first, mid, last):
+            grown, shrunk = trend_factors(_num(a), _num(b), _num(c))
+            if shrink or _num(c) > floor:
+                worst = max(_finite([worst, shrunk if shrink else grown]), default=math.nan)
+    return worst
+
+
+def steady_moments(health: list[dict], checks: int) -> float:
+    """Adam's first moment^2 / second moment held for `checks` checks where `steps_too_small` judges
+    it: from STEPS_JUDGED_FROM, and from the check with the highest scheduled LR (the warmup's end, to
+    within a check: a check early, so the figure errs high)."""
+    peak = max(health, key=lambda h: _num(h.get("lr_schedule")), default={"step": 0})["step"]
+    values = [_num(h.get("moment_ratio")) for h in health if h["step"] >= max(STEPS_JUDGED_FROM, peak)]
+    return held(_finite(values), checks, True)
 
 
 def jump(params: list[float]) -> float:
@@ -143,6 +171,15 @@ def statistics_for(cfg: MonitorConfig) -> list[Statistic]:
                   lambda h, e, wd: blocks(h, "activation_mean", abs)),
         Statistic("largest block-output variance", "activation_variance_high", cfg.activation_var_max, True,
                   lambda h, e, wd: blocks(h, "activation_var", float)),
+        Statistic(f"block-output variance growth over {cfg.activation_window} samples (above "
+                  f"{cfg.activation_var_floor:g})", "activation_variance_growing", cfg.activation_var_factor, True,
+                  lambda h, e, wd: variance_trend(h, cfg.activation_window, cfg.activation_var_floor, shrink=False)),
+        Statistic(f"block-output variance shrink over {cfg.activation_window} samples",
+                  "activation_variance_shrinking", cfg.activation_var_factor, True,
+                  lambda h, e, wd: variance_trend(h, cfg.activation_window, cfg.activation_var_floor, shrink=True)),
+        Statistic(f"Adam's first moment^2 / second moment held {cfg.patience} checks after warmup",
+                  "steps_too_small", STEADY_GRADIENT, True,
+                  lambda h, e, wd: steady_moments(h, cfg.patience)),
         Statistic("loss robust z-score", "loss_spike", cfg.spike_z, True,
                   lambda h, e, wd: spike_z(series(h, "loss"), cfg.spike_window)),
         Statistic("smoothed loss above its best (nats)", "loss_rising", cfg.loss_rise_min, True,
@@ -174,22 +211,23 @@ def calibrate(*roots: Path) -> tuple[list[dict], int]:
     runs = list(found.values())
     rows = []
     for stat in stats:
-        values = _finite([stat.of(records(r, "health"), records(r, "eval"), weight_decay(r)) for r in runs])
-        if not values:
+        named = [(v, r.name) for r in runs
+                 if math.isfinite(v := stat.of(records(r, "health"), records(r, "eval"), weight_decay(r)))]
+        if not named:
             continue
-        worst = max(values) if stat.higher_is_worse else min(values)
+        worst, worst_run = max(named) if stat.higher_is_worse else min(named)
         margin = (stat.threshold / worst if stat.higher_is_worse else worst / stat.threshold) if worst > 0 else math.inf
-        rows.append({"statistic": stat.name, "alarm": stat.alarm, "runs": len(values),
-                     "median": statistics.median(values), "worst": worst, "threshold": stat.threshold,
-                     "margin": margin})
+        rows.append({"statistic": stat.name, "alarm": stat.alarm, "runs": len(named),
+                     "median": statistics.median(v for v, _ in named), "worst": worst, "worst_run": worst_run,
+                     "threshold": stat.threshold, "margin": margin})
     return rows, len(runs)
 
 
 def markdown(rows: list[dict], n_runs: int) -> str:
     lines = [f"Healthy runs read: {n_runs}. Margin: how many times the worst healthy run is from the threshold.", "",
              "| statistic | alarm | median run | worst run | threshold | margin |", "|---|---|---|---|---|---|"]
-    lines += [f"| {r['statistic']} | `{r['alarm']}` | {r['median']:.3g} | {r['worst']:.3g} | {r['threshold']:g} | "
-              f"{r['margin']:.2g}x |" for r in rows]
+    lines += [f"| {r['statistic']} | `{r['alarm']}` | {r['median']:.3g} | {r['worst']:.3g} ({r['worst_run']}) | "
+              f"{r['threshold']:g} | {r['margin']:.2g}x |" for r in rows]
     return "\n".join(lines) + "\n"
 
 

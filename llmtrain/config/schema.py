@@ -426,7 +426,7 @@ class MonitorConfig:
     activation_var_floor: float = _f(
         1.0, "... growing only once it is above this: a fresh model's small signals growing to unit scale is learning.")
     activation_window: int = _f(5, "Activation samples in the variance trend window.")
-    activation_patience: int = _f(2, "Consecutive activation samples with a drifting mean before an alarm.")
+    activation_patience: int = _f(2, "Consecutive activation samples out of band (mean, level, trend) before an alarm.")
     memory_leak_mb: float = _f(256.0, "Alarm when memory rises by more than this (MB) over a trend window.")
     spike_z: float = _f(6.0, "Alarm when the loss's robust z-score over the spike window exceeds this.")
     spike_window: int = _f(50, "Checks in the loss-spike window.")

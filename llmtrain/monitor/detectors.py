@@ -5,7 +5,7 @@ The monitor is a small stateful object fed one `Sample` of host-side numbers per
 or trends, never a single point:
 
     grad_norm_high / grad_norm_low      outside the band for `patience` consecutive checks
-    grad_norm_surge                     the gradient norm suddenly far above its recent median
+    grad_norm_surge                     the gradient norm suddenly far above its recent median, two checks running
     grad_norm_low_early_layers          some blocks' grad norm a tiny fraction of the largest (frozen)
     param_norm_jump                     relative change between two checks above a threshold
     param_norm_decrease                 robust (Theil-Sen) negative trend over a window
@@ -46,13 +46,16 @@ from llmtrain.config.schema import MonitorAction, MonitorConfig
 from llmtrain.core.files import Kind
 from llmtrain.monitor.diagnosis import Cause, RunFacts, Signals, diagnose
 from llmtrain.monitor.overfit import widening_gap
-from llmtrain.monitor.robust import independent_ratio, is_spike, robust_z, steady_rise, theil_sen_slope
+from llmtrain.monitor.robust import independent_ratio, is_spike, robust_z, steady_rise, theil_sen_slope, trend_factors
 
 # The run-time overfitting alarm acts on the run, so it asks for more than the report's review: the
 # train loss falling >= 0.1 nats over the second half of >= 4 evaluations while the gap grows >= 0.1
 # (healthy runs of the calibration corpus: a gap that moves by a few hundredths either way).
 OVERFIT_MIN_FALL = 0.1
 OVERFIT_MIN_EVALS = 4
+
+# A gradient-norm surge is alarmed when it holds on this many consecutive checks.
+SURGE_CHECKS = 2
 
 # Consecutive steps' losses, judged where the data is read in file order: the residuals of each
 # interval's steps around their straight line (the learning trend), pooled over the last
@@ -281,11 +284,14 @@ class Detectors:
             "grad_norm_high", s.step, "critical", "grad_norm", grads, f"<= {cfg.grad_norm_high:g}"),
             also=max(grads) > cfg.grad_norm_high)
         if len(earlier) >= 5:
+            # On SURGE_CHECKS consecutive checks: one hard batch (healthy BPE runs reach 9x their median
+            # at one check, and fall back) is what clipping is for; a surge that lasts is not.
             median = statistics.median(earlier[-cfg.spike_window:])
-            if s.grad_norm > max(1.0, cfg.grad_surge_factor * median):
-                found["grad_norm_surge"] = Alarm("grad_norm_surge", s.step, "critical", "grad_norm",
-                                                 earlier[-5:] + [s.grad_norm],
-                                                 f"<= {cfg.grad_surge_factor:g} x its recent median {median:.3g}")
+            self._persistent(found, "grad_norm_surge", s.grad_norm > max(1.0, cfg.grad_surge_factor * median), Alarm(
+                "grad_norm_surge", s.step, "critical", "grad_norm", earlier[-5:] + [s.grad_norm],
+                f"<= {cfg.grad_surge_factor:g} x its recent median {median:.3g}"), patience=SURGE_CHECKS)
+        else:
+            self.skipped.add("grad_norm_surge")
         # Starved: the whole gradient, or everything the transformer blocks receive, below the band.
         body = max(s.block_grad_norms, default=s.grad_norm)
         starved = s.grad_norm < cfg.grad_norm_low or body < cfg.grad_norm_low
@@ -390,20 +396,17 @@ class Detectors:
         # counts only above unit scale: a fresh model's tiny signals (variance 1e-3 from an init std of
         # 0.02) grow tenfold while they learn, in every healthy run.
         first, mid, last = self.act_var[0], self.act_var[len(self.act_var) // 2], self.act_var[-1]
-        keep = cfg.activation_var_factor ** 0.5
-        growing = [i for i in range(len(last)) if first[i] > 0 and mid[i] > 0 and last[i] > cfg.activation_var_floor
-                   and last[i] / first[i] > cfg.activation_var_factor and last[i] / mid[i] > keep]
-        shrinking = [i for i in range(len(last)) if last[i] > 0
-                     and first[i] / last[i] > cfg.activation_var_factor and mid[i] / last[i] > keep]
+        factors = [trend_factors(a, b, c) for a, b, c in zip(first, mid, last)]
+        growing = [i for i, (grown, _) in enumerate(factors)
+                   if last[i] > cfg.activation_var_floor and grown > cfg.activation_var_factor]
+        shrinking = [i for i, (_, shrunk) in enumerate(factors) if shrunk > cfg.activation_var_factor]
+        # Persistently, as for the mean and the level: a fresh model's first rise (or its fall from
+        # the peak of that rise) fills one window and is gone from the next; a fault keeps going.
         band = f"within x/÷{cfg.activation_var_factor:g} over {cfg.activation_window} samples"
-        if growing:
-            found["activation_variance_growing"] = Alarm(
-                "activation_variance_growing", s.step, "warning", "activation variance",
-                [v[growing[0]] for v in self.act_var], band, growing)
-        if shrinking:
-            found["activation_variance_shrinking"] = Alarm(
-                "activation_variance_shrinking", s.step, "warning", "activation variance",
-                [v[shrinking[0]] for v in self.act_var], band, shrinking)
+        for name, blocks in (("activation_variance_growing", growing), ("activation_variance_shrinking", shrinking)):
+            self._persistent(found, name, bool(blocks), Alarm(
+                name, s.step, "warning", "activation variance", [v[blocks[0]] for v in self.act_var] if blocks else [],
+                band, blocks), patience=cfg.activation_patience)
 
     def _memory(self, s: Sample, found: dict[str, Alarm]) -> None:
         cfg = self.cfg

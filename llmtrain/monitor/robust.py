@@ -50,3 +50,13 @@ def independent_ratio(n: int) -> float:
     t centred on 0 (sum(t^2) = n(n^2 - 1) / 12). Independent draws have twice their variance between
     neighbours; neighbours that move together have less."""
     return (n - 1) * (2 - 12 / (n * (n * n - 1))) / (n - 2)
+
+
+def trend_factors(first: float, mid: float, last: float) -> tuple[float, float]:
+    """(growth, shrink) of a positive quantity over a window sampled at its start, middle and end:
+    how many times it grew (shrank) over the window, counted only as far as its second half kept
+    going the same way (the root of it there): min(last / first, (last / mid)^2) and its mirror. A
+    rise or fall that levelled off halfway (a fresh model's transient) counts little."""
+    if min(first, mid, last) <= 0:
+        return 0.0, 0.0
+    return min(last / first, (last / mid) ** 2), min(first / last, (mid / last) ** 2)
