@@ -41,7 +41,6 @@ import argparse
 import json
 import math
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -53,6 +52,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ is not a package
 import pathology_cases as pc  # noqa: E402
+
+from llmtrain.training.repair import fix_lines  # noqa: E402
 
 REFERENCE = "c_seed1337"  # the default shape's reference
 CURED_MARGIN = 1.10  # cured: the final validation loss at most this many times the reference's
@@ -168,14 +169,9 @@ def cured(val_loss: float | None, reference: float | None) -> bool | None:
     return val_loss is not None and math.isfinite(val_loss) and val_loss <= CURED_MARGIN * reference
 
 
-_OVERRIDE = re.compile(r"\+{0,2}[A-Za-z_][\w.\-/@]*=\S+")
-
-
 def fix_overrides(fix: str | None) -> tuple[str, ...]:
-    """The `key=value` tokens of a cause's fix, without a sentence's trailing ',' or ';' (the rest, words
-    or a bare key, is left out)."""
-    tokens = (token.rstrip(",;") for token in (fix or "").split())
-    return tuple(token for token in tokens if _OVERRIDE.fullmatch(token))
+    """The overrides a rerun with a cause's fix gets: its config lines as the repair reads them."""
+    return tuple(f"{key}={value}" for key, value in fix_lines(fix).items())
 
 
 def first_alarm(run_dir: Path) -> dict | None:

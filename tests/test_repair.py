@@ -186,3 +186,11 @@ def test_repair_with_the_monitor_off_is_refused_before_any_work(tmp_path: Path) 
     with pytest.raises(ConfigError, match="monitor.repair' is true but the monitor is off"):
         validate(cfg)
     assert not (tmp_path / "run").exists()
+
+
+def test_an_alternative_in_parentheses_is_not_a_line_of_the_fix() -> None:
+    """The mixed-precision fix offers bf16 as an alternative: the rerun command got 'precision=bf16)',
+    which Hydra refuses, and both lines at once."""
+    assert fix_lines("precision.loss_scaling=true (or precision=bf16)") == {"precision.loss_scaling": "true"}
+    assert fix_lines("seed=1337 (or data.seed=N)") == {"seed": "1337"}
+    assert fix_lines("optim.lr=0.00053; or raise the batch (global_batch_size) x= =3") == {"optim.lr": "0.00053"}

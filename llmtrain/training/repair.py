@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,13 +38,18 @@ CONFIRMED = 0.6
 THROWN_OFF = frozenset({"lr_too_high", "no_warmup", "no_clipping", "beta2_too_low", "batch_too_small"})
 
 
+# A fix's aside in parentheses is a note or an alternative ("(or precision=bf16)"), never a line to apply.
+_ASIDE = re.compile(r"\([^()]*\)")
+_LINE = re.compile(r"(\+{0,2}[A-Za-z_][\w.\-/@]*)=(\S+)")
+
+
 def fix_lines(fix: str | None) -> dict[str, str]:
-    """The `key=value` config lines of a cause's fix, in order (its other words explain it)."""
+    """The `key=value` config lines of a cause's fix, in order (its other words explain it; a sentence's
+    trailing ',' or ';' is not part of a value)."""
     lines = {}
-    for token in (fix or "").split():
-        key, sep, value = token.partition("=")
-        if sep and key and value and "(" not in key:
-            lines[key] = value.rstrip(",;")
+    for token in _ASIDE.sub(" ", fix or "").split():
+        if match := _LINE.fullmatch(token.rstrip(",;")):
+            lines[match[1]] = match[2]
     return lines
 
 
