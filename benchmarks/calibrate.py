@@ -36,6 +36,7 @@ from llmtrain.monitor.detectors import (  # noqa: E402
     OVERFIT_MIN_FALL,
     STEADY_GRADIENT,
     STEPS_JUDGED_FROM,
+    SURGE_CHECKS,
 )
 from llmtrain.monitor.robust import robust_z, trend_factors  # noqa: E402
 
@@ -63,9 +64,10 @@ def _finite(values: list[float]) -> list[float]:
     return [v for v in values if math.isfinite(v)]
 
 
-def surge(grads: list[float], window: int) -> float:
+def surge(grads: list[float], window: int, checks: int) -> float:
+    """The gradient norm over the median of the checks before it, held over `checks` checks running."""
     ratios = [g / statistics.median(grads[max(0, i - window):i]) for i, g in enumerate(grads) if i >= 5]
-    return max(_finite(ratios), default=math.nan)
+    return held(_finite(ratios), checks, True)
 
 
 def held(values: list[float], checks: int, high: bool) -> float:
@@ -77,18 +79,17 @@ def held(values: list[float], checks: int, high: bool) -> float:
     return min((max(r) for r in runs), default=math.nan)
 
 
-def variance_trend(health: list[dict], window: int, floor: float, shrink: bool) -> float:
-    """The largest growth (above `floor`) or shrink of a block's output variance over `window`
-    activation samples, as the detector counts it (`trend_factors`)."""
+def variance_trend(health: list[dict], window: int, floor: float, shrink: bool, checks: int) -> float:
+    """The largest growth (above `floor`) or shrink of any block's output variance over `window`
+    activation samples, as the detector counts it (`trend_factors`), held over `checks` windows running."""
     samples = [h["activation_var"] for h in health if isinstance(h.get("activation_var"), list)]
-    worst = math.nan
+    per_window = []
     for end in range(window - 1, len(samples)):
         first, mid, last = samples[end - window + 1], samples[end - window + 1 + window // 2], samples[end]
-        for a, b, c in zip(first, mid, last):
-            grown, shrunk = trend_factors(_num(a), _num(b), _num(c))
-            if shrink or _num(c) > floor:
-                worst = max(_finite([worst, shrunk if shrink else grown]), default=math.nan)
-    return worst
+        factors = [(trend_factors(_num(a), _num(b), _num(c)), _num(c)) for a, b, c in zip(first, mid, last)]
+        per_window.append(max((shrunk if shrink else grown for (grown, shrunk), level in factors
+                               if shrink or level > floor), default=0.0))
+    return held(per_window, checks, True)
 
 
 def steady_moments(health: list[dict], checks: int) -> float:
@@ -156,8 +157,9 @@ def statistics_for(cfg: MonitorConfig) -> list[Statistic]:
                   lambda h, e, wd: max(series(h, "grad_norm"), default=math.nan)),
         Statistic("smallest gradient norm", "grad_norm_low", cfg.grad_norm_low, False,
                   lambda h, e, wd: min(series(h, "grad_norm"), default=math.nan)),
-        Statistic("gradient norm / median of the checks before", "grad_norm_surge", cfg.grad_surge_factor, True,
-                  lambda h, e, wd: surge(series(h, "grad_norm"), cfg.spike_window)),
+        Statistic(f"gradient norm / median of the checks before, held {SURGE_CHECKS} checks", "grad_norm_surge",
+                  cfg.grad_surge_factor, True, lambda h, e, wd: surge(series(h, "grad_norm"), cfg.spike_window,
+                                                                      SURGE_CHECKS)),
         Statistic("parameter norm change between checks", "param_norm_jump", cfg.param_jump, True,
                   lambda h, e, wd: jump(series(h, "param_norm"))),
         Statistic(f"update/weight ratio held {cfg.patience} checks, largest", "update_ratio_high",
@@ -172,11 +174,14 @@ def statistics_for(cfg: MonitorConfig) -> list[Statistic]:
         Statistic("largest block-output variance", "activation_variance_high", cfg.activation_var_max, True,
                   lambda h, e, wd: blocks(h, "activation_var", float)),
         Statistic(f"block-output variance growth over {cfg.activation_window} samples (above "
-                  f"{cfg.activation_var_floor:g})", "activation_variance_growing", cfg.activation_var_factor, True,
-                  lambda h, e, wd: variance_trend(h, cfg.activation_window, cfg.activation_var_floor, shrink=False)),
-        Statistic(f"block-output variance shrink over {cfg.activation_window} samples",
-                  "activation_variance_shrinking", cfg.activation_var_factor, True,
-                  lambda h, e, wd: variance_trend(h, cfg.activation_window, cfg.activation_var_floor, shrink=True)),
+                  f"{cfg.activation_var_floor:g}), held {cfg.activation_patience} windows",
+                  "activation_variance_growing", cfg.activation_var_factor, True,
+                  lambda h, e, wd: variance_trend(h, cfg.activation_window, cfg.activation_var_floor, False,
+                                                  cfg.activation_patience)),
+        Statistic(f"block-output variance shrink over {cfg.activation_window} samples, held "
+                  f"{cfg.activation_patience} windows", "activation_variance_shrinking", cfg.activation_var_factor,
+                  True, lambda h, e, wd: variance_trend(h, cfg.activation_window, cfg.activation_var_floor, True,
+                                                        cfg.activation_patience)),
         Statistic(f"Adam's first moment^2 / second moment held {cfg.patience} checks after warmup",
                   "steps_too_small", STEADY_GRADIENT, True,
                   lambda h, e, wd: steady_moments(h, cfg.patience)),
