@@ -250,15 +250,19 @@ def test_calibration_reads_the_healthy_runs_extremes(tmp_path: Path) -> None:
     for name, top in (("c_seed1337", 2.0), ("c_seed1", 4.0)):
         run = tmp_path / name
         run.mkdir()
-        health = [{"kind": "health", "step": 10 * (i + 1), "grad_norm": top if i == 8 else 1.0, "param_norm": 100.0,
-                   "update_ratio": 0.01, "lr_applied": 1e-3, "loss": 3.0 - 0.01 * i, "interval_loss": 3.0 - 0.01 * i}
+        # c_seed1's high norm lasts two checks (a surge the alarm would see), c_seed1337's one.
+        spiked = (8, 9) if name == "c_seed1" else (8,)
+        health = [{"kind": "health", "step": 10 * (i + 1), "grad_norm": top if i in spiked else 1.0,
+                   "param_norm": 100.0, "update_ratio": 0.01, "lr_applied": 1e-3, "loss": 3.0 - 0.01 * i,
+                   "interval_loss": 3.0 - 0.01 * i}
                   for i in range(12)]
         (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in health) + "\n")
     rows, n_runs = calibrate.calibrate(tmp_path)
     by_alarm = {row["alarm"]: row for row in rows}
     assert n_runs == 2
     assert by_alarm["grad_norm_high"]["worst"] == 4.0 and by_alarm["grad_norm_high"]["margin"] == 25.0
-    assert by_alarm["grad_norm_surge"]["worst"] == 4.0  # 4 over a median of 1
+    assert by_alarm["grad_norm_surge"]["worst"] == 4.0  # 4 over a median of 1, twice running
+    assert by_alarm["grad_norm_surge"]["worst_run"] == "c_seed1"
     assert by_alarm["weight_decay_dominant"]["worst"] == pytest.approx(1e-3 * 0.1 / 0.01)  # no config.yaml: 0.1
     assert by_alarm["loss_rising"]["worst"] == 0.0  # a steady fall never rises above its best
 
