@@ -9,11 +9,14 @@ steps, and the `eval` records) and computes the statistic each detector threshol
 extreme over the run: the largest gradient norm, the largest jump of the gradient norm over the
 median of the checks before it, the largest relative change of the parameter norm between checks,
 the update/weight ratio's extremes, the weight-decay share of the update, the block outputs' largest
-|mean| and variance, the largest robust z-score of a check's loss, the largest rise of the smoothed
-loss above its best, and the overfitting rule's train-loss fall and gap growth. Per statistic: the
-median and the largest over the runs, the threshold (the default config's), and the margin (how
-many times the worst healthy run would have to grow, or shrink, to reach it). Persistence (patience)
-is ignored: the raw extreme, so the margins are conservative.
+|mean| and variance and their variance's trends, Adam's moment ratio, the largest robust z-score of
+a check's loss, the largest rise of the smoothed loss above its best, the step-loss correlation, and
+the overfitting rule's train-loss fall and gap growth. Per statistic: the median and the largest
+over the runs (and which run), the threshold (the default config's), and the margin (how many times
+the worst healthy run would have to grow, or shrink, to reach it). A statistic whose name says
+"held" is held as its alarm's persistence holds it (the surge, the variance trends, the update
+ratio, the moment ratio, the step-loss correlation); the others are the raw extreme, so their
+margins are conservative.
 """
 
 from __future__ import annotations

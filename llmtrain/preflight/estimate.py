@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 from llmtrain.checkpointing import CheckpointPlan
-from llmtrain.config.derived import accumulation_steps, micro_batch_size_of, seq_len_of, total_steps
+from llmtrain.config.derived import accumulation_steps, micro_batch_size_of, seq_len_of, tokens_per_step, total_steps
 from llmtrain.config.finetune import is_lora, quantized_base
 from llmtrain.config.schema import (
     CheckpointFormat,
@@ -562,7 +562,7 @@ def estimate_compute(cfg: Config, shape: ModelShape, device: torch.device, matmu
     rate = matmul_flops if matmul_flops is not None else matmul_peak_flops(device)
     return ComputeEstimate(
         flops_per_token=shape.flops_per_token,
-        tokens_per_step=cfg.global_batch_size * seq_len_of(cfg) // world_size,
+        tokens_per_step=tokens_per_step(cfg) // world_size,
         steps=total_steps(cfg, world_size),
         matmul_flops=rate,
         assumed_mfu=assumed_mfu(device.type, cfg.model.n_embd),

@@ -16,6 +16,7 @@ from llmtrain.config.derived import (
     schedule_steps,
     seq_len_of,
     seq_len_stages,
+    tokens_per_step,
     total_micro_batches,
     total_steps,
 )
@@ -48,6 +49,6 @@ def build_plan(cfg: Config, data_vocab_size: int) -> Plan:
     return Plan(total_steps=total_steps(cfg), schedule_steps=schedule_steps(cfg),
                 total_micro_batches=total_micro_batches(cfg), accumulation_steps=accumulation_steps(cfg),
                 seq_len=seq_len, seq_len_stages=tuple(seq_len_stages(cfg)),
-                tokens_per_step=cfg.global_batch_size * seq_len, effective_lr=effective_lr(cfg),
+                tokens_per_step=tokens_per_step(cfg), effective_lr=effective_lr(cfg),
                 model_vocab_size=vocab_size,
                 flops_per_token=model_tensors(cfg.model, vocab_size).flops_per_token(seq_len))
