@@ -123,7 +123,7 @@ def test_check_does_not_move_the_global_rng(tmp_path: Path) -> None:
 
 
 def test_run_time_warns_when_the_run_needs_more_than_a_night(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr("llmtrain.preflight.estimate.matmul_peak_flops", lambda *args, **kwargs: pytest.fail(
+    monkeypatch.setattr("llmtrain.preflight.compute.matmul_peak_flops", lambda *args, **kwargs: pytest.fail(
         "a rate given to the check is not measured again"))
     cfg = base(tmp_path, max_steps=10_000, **{"schedule.warmup_steps": 500})
     report = run_check(cfg, matmul_flops=1e6)  # a very slow device

@@ -19,7 +19,7 @@ from llmtrain.engine.state import TrainResult, TrainState
 from llmtrain.engine.timing import StepTimer
 from llmtrain.metrics.dashboard import Dashboard
 from llmtrain.preflight.check import run_check
-from llmtrain.preflight.estimate import ComputeEstimate, format_seconds
+from llmtrain.preflight.compute import ComputeEstimate, format_seconds
 from llmtrain.training.eta import StepClock, clock_text
 from llmtrain.training.loop import train
 from llmtrain.training.progress import Progress
@@ -31,7 +31,7 @@ RATE = 50e9  # the matmul rate "measured" at start-up
 
 
 def test_the_banner_states_the_checks_estimate_measured_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("llmtrain.training.setup.matmul_peak_flops", lambda device, repeats=8: RATE)
+    monkeypatch.setattr("llmtrain.training.setup.matmul_peak_flops", lambda device, dtype=None, repeats=8: RATE)
     monkeypatch.setattr("llmtrain.monitor.watch.matmul_peak_flops",
                         lambda device: pytest.fail("the monitor re-measured the rate measured at start-up"))
     cfg = tiny_config(tmp_path / "run", max_steps=4, **{"monitor.interval": 2})
@@ -50,7 +50,7 @@ def test_the_banner_states_the_checks_estimate_measured_once(tmp_path: Path, mon
 
 
 def test_a_resumed_runs_banner_counts_the_steps_left(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("llmtrain.training.setup.matmul_peak_flops", lambda device, repeats=8: RATE)
+    monkeypatch.setattr("llmtrain.training.setup.matmul_peak_flops", lambda device, dtype=None, repeats=8: RATE)
     overrides = {"checkpoint.every_steps": 2, "schedule.warmup_steps": 1}
     train(tiny_config(tmp_path / "run", max_steps=2, **overrides),
           console=Dashboard(2, Console(file=io.StringIO(), width=300)))

@@ -39,6 +39,11 @@ def resolve_precision(name: Precision, device: torch.device) -> Precision:
     return Precision.fp32
 
 
+def autocast_dtype(name: Precision) -> torch.dtype | None:
+    """The dtype a resolved precision computes its matmuls in under autocast; None for fp32."""
+    return _DTYPES.get(name)
+
+
 def autocast_factory(cfg: PrecisionConfig, device_type: str) -> Callable[[], ContextManager]:
     """A zero-argument callable returning the context to run the forward pass (and loss) in."""
     name = resolve_precision(cfg.name, torch.device(device_type))

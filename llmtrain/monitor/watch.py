@@ -32,9 +32,11 @@ from llmtrain.monitor.probes import (
     BlockSpan,
     block_norms,
     cuda_memory_mb,
+    differences,
     matmul_peak_flops,
     moment_sums,
     rss_mb,
+    snapshot,
 )
 
 INTERVAL_LOSSES_KEPT = 1000  # a check interval's losses kept for its mean: bounded memory at any monitor.interval
@@ -72,6 +74,7 @@ class Monitor:
         self.activation_every = activation_every(cfg, total_steps)
         self.probe: ActivationProbe | None = None
         self.before: list[torch.Tensor] | None = None
+        self.before_norm = torch.zeros(())
         self.record: dict | None = None
         self.data_seconds = 0.0
         self.interval_start = time.perf_counter()
@@ -117,7 +120,8 @@ class Monitor:
         span = self.span
         grads = span.per_block(block_norms(self.blocks, grads=True), squared=True)
         weights = span.per_block(block_norms(self.blocks, grads=False), squared=True)
-        parts = [loss.reshape(1).float(), grad_norm.reshape(1).float().to(device), span.norm(self.params).reshape(1),
+        self.before_norm = span.norm(self.params)  # ||W|| before the update (after_step's ratio)
+        parts = [loss.reshape(1).float(), grad_norm.reshape(1).float().to(device), self.before_norm.reshape(1),
                  interval_stats(self.interval_losses, loss).to(device),
                  self._joined(moment_sums(self.optimizer, self.params)).to(device), grads.to(device),
                  weights.to(device)]
@@ -168,7 +172,7 @@ class Monitor:
         if not math.isfinite(grad_v):
             # fp16: the loss scaler found an overflow and skips this step; it is not the run's gradient.
             self.dashboard.health({**self.last_activations, **self.record}, sorted(self.monitor.active))
-            self.before = [p.detach().clone() for p in self.params]
+            self.before = snapshot(self.params)
             return []
         alarms = self.monitor.check(sample)
         if self.monitor.step_correlation is not None:
@@ -179,7 +183,7 @@ class Monitor:
             self.last_activations = {"activation_mean": act_mean, "activation_var": act_var}
         # The dashboard shows the latest activation sample until the next one (every activation_every steps).
         self.dashboard.health({**self.last_activations, **self.record}, sorted(self.monitor.active))
-        self.before = [p.detach().clone() for p in self.params]  # for the update-to-parameter ratio
+        self.before = snapshot(self.params)  # for the update-to-parameter ratio
         return alarms
 
     def _joined(self, sums: torch.Tensor) -> torch.Tensor:
@@ -260,8 +264,8 @@ class Monitor:
         if self.record is None:
             return
         if applied and self.before is not None:
-            update = self.span.norm([p - b for p, b in zip(self.params, self.before)])
-            self.record["update_ratio"] = (update / self.span.norm(self.before).clamp_min(1e-12)).item()
+            update = self.span.norm(differences(self.params, self.before))
+            self.record["update_ratio"] = (update / self.before_norm.clamp_min(1e-12)).item()
             self.pending_update = (self.record["update_ratio"], self.check_lr)
         self.metrics.write(self.record)
         self.record, self.before = None, None

@@ -1,4 +1,4 @@
-"""Memory and compute estimates for a config, before any training starts.
+"""Memory estimates for a config, before any training starts (the time: preflight/compute.py).
 
 Memory per rank is the sum of what a training step keeps alive:
 
@@ -25,10 +25,6 @@ inside attention and the MLP, the embedding and head by vocabulary rows, and wit
 parallelism the norms' and residual activations too; pipeline parallelism splits the blocks into
 stages, each keeping the activations of the micro-batches in flight. `llmtrain plan`
 (llmtrain/plan/) compares them over a number of devices.
-
-Compute: training FLOPs per token (6N plus attention over the keys a query sees: the context, or the
-sliding window when the model has one), a measured matmul rate of this device, and an assumed
-utilization give the step time and the run time.
 """
 
 from __future__ import annotations
@@ -42,7 +38,7 @@ from pathlib import Path
 import torch
 
 from llmtrain.checkpointing import CheckpointPlan
-from llmtrain.config.derived import accumulation_steps, micro_batch_size_of, seq_len_of, tokens_per_step, total_steps
+from llmtrain.config.derived import accumulation_steps, micro_batch_size_of, seq_len_of
 from llmtrain.config.finetune import is_lora, quantized_base
 from llmtrain.config.schema import (
     CheckpointFormat,
@@ -52,21 +48,12 @@ from llmtrain.config.schema import (
 )
 from llmtrain.lora import adapter_shapes
 from llmtrain.model_tensors import model_tensors
-from llmtrain.monitor.probes import matmul_peak_flops, rss_mb
+from llmtrain.monitor.probes import rss_mb
 from llmtrain.preflight.activations import activation_bytes_per_token, checkpoint_plan, checkpointed_activations
 from llmtrain.qlora import nf4_bytes, quantized_names
 
 MB = 2**20
 LAYOUTS = ("single", "ddp", "zero1", "fsdp")  # the named layouts of estimate_memory (the check's per-rank line)
-# Model FLOPs utilization assumed for the time estimate (the health records in metrics.jsonl carry
-# the measured one, "mfu"). CPU, measured on this project's 2-core machine against the same 1024^2
-# matmul probe (fp32, fused AdamW, 2 threads; 1 thread by CPU time agrees within 0.05): 0.64-0.66
-# for the 4x128 default (T 256, batch 16: small matmuls, per-op overhead), 0.77 for 6x256, 0.84-0.88
-# for 6x384 and 0.87 for 12x768 (T 128, batch 4); in between linear in log2(width), flat outside.
-# (An earlier table said 0.33 and 0.6: the default run then took 202 ms/step against ~405 estimated.)
-# CUDA and MPS: typical figures for small models, not measured here.
-ASSUMED_MFU = {"cuda": 0.4, "mps": 0.3}
-CPU_MFU_BY_WIDTH = ((128, 0.65), (384, 0.85))
 # Memory the allocator holds beyond the live activations: forward temporaries already freed but not
 # yet reused, and backward's gradients of activations. Measured on CPU (glibc malloc): resident
 # memory peaks 1.2-1.4x above the saved activations, on models from 4x128 to 6x768 wide. Not
@@ -533,50 +520,6 @@ def data_page_bytes(train_tokens: int, itemsize: int, windows: int, window_token
 
 # ---------------------------------------------------------------------------------------------
 # Compute
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class ComputeEstimate:
-    flops_per_token: float
-    tokens_per_step: int
-    steps: int
-    matmul_flops: float  # measured on this device, FLOP/s
-    assumed_mfu: float
-
-    @property
-    def step_seconds(self) -> float:
-        return self.flops_per_token * self.tokens_per_step / (self.matmul_flops * self.assumed_mfu)
-
-    @property
-    def run_seconds(self) -> float:
-        return self.step_seconds * self.steps
-
-    @property
-    def tokens(self) -> int:
-        return self.tokens_per_step * self.steps
-
-
-def estimate_compute(cfg: Config, shape: ModelShape, device: torch.device, matmul_flops: float | None = None,
-                     world_size: int = 1) -> ComputeEstimate:
-    rate = matmul_flops if matmul_flops is not None else matmul_peak_flops(device)
-    return ComputeEstimate(
-        flops_per_token=shape.flops_per_token,
-        tokens_per_step=tokens_per_step(cfg) // world_size,
-        steps=total_steps(cfg, world_size),
-        matmul_flops=rate,
-        assumed_mfu=assumed_mfu(device.type, cfg.model.n_embd),
-    )
-
-
-def assumed_mfu(device_type: str, width: int) -> float:
-    if device_type != "cpu":
-        return ASSUMED_MFU.get(device_type, 0.3)
-    (w0, m0), (w1, m1) = CPU_MFU_BY_WIDTH
-    t = min(1.0, max(0.0, (math.log2(width) - math.log2(w0)) / (math.log2(w1) - math.log2(w0))))
-    return m0 + t * (m1 - m0)
-
-
 def describe_footprint(values: int, stored: float) -> str:
     """'1,572,864 frozen weights in 4 bits (NF4: 792.1 KiB against 6.0 MiB in fp32)'."""
     return (f"{values:,} frozen weights in 4 bits (NF4: {format_bytes(stored)} against {format_bytes(4 * values)} "
@@ -588,13 +531,3 @@ def format_bytes(n: float) -> str:
         if abs(n) >= size:
             return f"{n / size:,.1f} {unit}"
     return f"{n:.0f} B"
-
-
-def format_seconds(s: float) -> str:
-    if s < 1:
-        return f"{s * 1000:.0f} ms"
-    if s < 120:
-        return f"{s:.1f} s"
-    if s < 7200:
-        return f"{s / 60:.1f} min"
-    return f"{s / 3600:.1f} h"

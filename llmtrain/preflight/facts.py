@@ -18,13 +18,12 @@ from llmtrain.data.cache import cached_meta, pretrained_tokenizer, source_files
 from llmtrain.distributed.layout import resolve_device
 from llmtrain.engine.precision import resolve_precision
 from llmtrain.model_tensors import model_tensors
+from llmtrain.preflight.compute import ComputeEstimate, estimate_compute
 from llmtrain.preflight.estimate import (
-    ComputeEstimate,
     MemoryEstimate,
     ModelShape,
     available_memory,
     data_page_bytes,
-    estimate_compute,
     estimate_memory,
     largest_fitting_micro_batch,
     model_shape,

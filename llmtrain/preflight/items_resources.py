@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from llmtrain.config.schema import Config, Precision
 from llmtrain.core.findings import Finding, Status
-from llmtrain.preflight.estimate import format_bytes, format_seconds
+from llmtrain.preflight.compute import format_seconds
+from llmtrain.preflight.estimate import format_bytes
 from llmtrain.preflight.facts import MEMORY_WARN_FRACTION, Facts
 from llmtrain.preflight.savers import EstimateBasis, memory_savers
 

@@ -13,7 +13,8 @@ from rich.markup import escape
 from llmtrain.core.console import default_console
 from llmtrain.core.findings import Column, Status, badge, render_lines, render_table
 from llmtrain.preflight.check import CheckReport
-from llmtrain.preflight.estimate import describe_footprint, format_bytes, format_seconds
+from llmtrain.preflight.compute import format_seconds
+from llmtrain.preflight.estimate import describe_footprint, format_bytes
 from llmtrain.preflight.facts import TOKENS_PER_PARAM, Facts
 from llmtrain.preflight.parameters import WITHOUT_EMBEDDINGS, trainable_text
 
@@ -97,7 +98,7 @@ def estimate_summary(facts: Facts) -> str:
             "[bold]compute[/]:",
             f"  {c.flops_per_token / 1e6:,.1f} MFLOP/token (6N + attention) x {c.tokens_per_step:,} tokens/step; "
             f"{c.steps:,} steps",
-            f"  this device: {c.matmul_flops / 1e9:,.0f} GFLOP/s fp32 matmul "
+            f"  this device: {c.matmul_flops / 1e9:,.0f} GFLOP/s {c.matmul_dtype} matmul "
             f"({'measured now' if facts.rate_measured_now else 'measured before'}); at {c.assumed_mfu:.0%} MFU "
             f"~{format_seconds(c.step_seconds)}/step, ~{format_seconds(c.run_seconds)} for the run",
             f"  {c.tokens:,} tokens / {facts.parameters.without_embeddings:,} parameters {WITHOUT_EMBEDDINGS} = "

@@ -19,7 +19,8 @@ from llmtrain.config.schema import LOW_BIT_OPTIMIZERS, Config, Precision, SeqLen
 from llmtrain.engine.schedule import final_lr, held_lr_text, lr_at
 from llmtrain.engine.state import TrainState
 from llmtrain.lora import trainable_count
-from llmtrain.preflight.estimate import ComputeEstimate, describe_footprint, estimate_compute, format_seconds
+from llmtrain.preflight.compute import ComputeEstimate, estimate_compute, format_seconds
+from llmtrain.preflight.estimate import describe_footprint
 from llmtrain.preflight.parameters import trainable_text
 from llmtrain.qlora import nf4_footprint
 from llmtrain.training.compile_trial import TIMED_STEPS, WARM_STEPS, CompileChoice

@@ -54,7 +54,6 @@ from llmtrain.config.schema import (
     CheckpointFormat,
     Config,
     ModelConfig,
-    Precision,
     Sampling,
     config_to_dict,
 )
@@ -85,7 +84,7 @@ from llmtrain.distributed.wrapping import (
 )
 from llmtrain.engine.compiling import compile_blocks as compile_model_blocks
 from llmtrain.engine.optim import build_optimizer
-from llmtrain.engine.precision import NumericPrecision, build_precision, resolve_precision
+from llmtrain.engine.precision import NumericPrecision, autocast_dtype, build_precision, resolve_precision
 from llmtrain.engine.repairs import KNOBS, apply_repairs
 from llmtrain.engine.state import TrainState
 from llmtrain.engine.step import Batch
@@ -99,7 +98,7 @@ from llmtrain.metrics.dashboard import Dashboard
 from llmtrain.model import GPT, uninitialized
 from llmtrain.monitor.probes import matmul_peak_flops
 from llmtrain.preflight.check import CheckFailed, CheckReport, run_check
-from llmtrain.preflight.estimate import estimate_compute
+from llmtrain.preflight.compute import estimate_compute
 from llmtrain.preflight.render import check_command_line, render_refusal
 from llmtrain.training.banner import print_banner
 from llmtrain.training.compile_trial import CompileChoice, choose_compile
@@ -144,8 +143,10 @@ def build_run(cfg: Config, console: Dashboard | None, layout: Layout,
         raise ConfigError(f"tensor parallel (tp={tp}) cannot split this run: {' '.join(problems)}")
     check = refuse_failed_check(cfg, data, dashboard)
     # With the run's threads set: the banner's time estimate, and the health monitor's MFU reference
-    # (measured once): the fastest of 4 products, ~0.1 s on 2 CPU cores, steady within a few % there.
-    runtime = dataclasses.replace(runtime, matmul_flops=matmul_peak_flops(device, repeats=4))
+    # (measured once, in the dtype the run's matmuls use): the fastest of 4 products, ~0.1 s on 2 CPU
+    # cores, steady within a few % there.
+    runtime = dataclasses.replace(runtime, matmul_flops=matmul_peak_flops(
+        device, autocast_dtype(runtime.precision.name) or torch.float32, repeats=4))
     eval_tasks = encode_training_tasks(cfg, task_sources, data, plan.longest_seq_len, log)
     config_dict = config_to_dict(cfg)
     # Adapter-only checkpoints: the base folder's identity, hashed once here (never at a save).
@@ -389,7 +390,7 @@ def build_model(cfg: Config, vocab_size: int, runtime: Runtime, layout: Layout, 
 
 def compute_dtype(runtime: Runtime) -> torch.dtype | None:
     """FSDP2's compute copies' type: bf16/fp16 from the precision group (None: the parameters')."""
-    return {Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}.get(runtime.precision.name)
+    return autocast_dtype(runtime.precision.name)
 
 
 def build_train_module(cfg: Config, model: Model, runtime: Runtime, layout: Layout) -> TrainModule:
