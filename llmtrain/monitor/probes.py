@@ -105,17 +105,19 @@ def _plain(tensor: object) -> bool:
     return isinstance(tensor, torch.Tensor) and type(tensor).__name__ in ("Tensor", "Parameter", "DTensor")
 
 
-def block_norms(blocks: list[nn.Module], grads: bool) -> torch.Tensor:
-    """L2 norm of each block's gradients (grads=True) or parameters, as one tensor of shape (blocks,)."""
+def block_norms(blocks: list[list[torch.Tensor]], grads: bool) -> torch.Tensor:
+    """L2 norm of each block's gradients (grads=True) or parameters, as one tensor of shape (blocks,);
+    `blocks` holds each block's parameters (listed once: walking the modules at every check took
+    longer than the norms)."""
     if not blocks:
         return torch.zeros(0)
     tensors, counts = [], []
-    for block in blocks:
-        mine = [p.grad if grads else p for p in block.parameters() if p.grad is not None or not grads]
+    for params in blocks:
+        mine = [p.grad if grads else p for p in params if p.grad is not None or not grads]
         tensors += mine
         counts.append(len(mine))
     if not tensors:
-        return torch.zeros(len(blocks), device=next(blocks[0].parameters()).device)
+        return torch.zeros(len(blocks), device=blocks[0][0].device)
     # Each block's share of the one list of norms (no index tensor: copying one to a GPU would sync).
     squares = tensor_norms(tensors).square()
     return torch.stack([part.sum() for part in squares.split(counts)]).sqrt()
@@ -140,7 +142,7 @@ def tensor_norms(tensors: list[torch.Tensor], ord: float = 2.0) -> torch.Tensor:
     if fused:
         for i, norm in zip(fused, torch._foreach_norm([tensors[i] for i in fused], ord)):
             norms[i] = norm
-    return torch.stack([norm.to(device) if norm is not None else _norm(tensor, ord).to(device)
+    return torch.stack([norm if norm is not None else _norm(tensor, ord).to(device)
                         for norm, tensor in zip(norms, tensors)])
 
 

@@ -64,6 +64,7 @@ class Monitor:
         # and how its sums join the other processes' into the whole model's.
         self.span = span or BlockSpan.whole(model)
         self.blocks = self.span.modules
+        self.block_params = [list(block.parameters()) for block in self.blocks]
         self.params = self.span.params
         self.monitor = Detectors(cfg, facts)
         self.optimizer = optimizer  # its moments: how consistent the gradient is from step to step
@@ -118,8 +119,8 @@ class Monitor:
         """Measure (one host sync), judge, report. Call after clipping, before the optimizer step."""
         device = loss.device
         span = self.span
-        grads = span.per_block(block_norms(self.blocks, grads=True), squared=True)
-        weights = span.per_block(block_norms(self.blocks, grads=False), squared=True)
+        grads = span.per_block(block_norms(self.block_params, grads=True), squared=True)
+        weights = span.per_block(block_norms(self.block_params, grads=False), squared=True)
         self.before_norm = span.norm(self.params)  # ||W|| before the update (after_step's ratio)
         parts = [loss.reshape(1).float(), grad_norm.reshape(1).float().to(device), self.before_norm.reshape(1),
                  interval_stats(self.interval_losses, loss).to(device),
