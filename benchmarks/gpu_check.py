@@ -72,9 +72,12 @@ def main() -> None:
             f"micro_batch_size={args.micro_batch_size}", f"global_batch_size={args.micro_batch_size}",
             "eval_interval=0", "checkpoint.every_steps=null", "checkpoint.every_minutes=null", "checkpoint.final=false",
             "schedule.warmup_steps=2", "allow_check_failures=true"]
-    began = time.perf_counter()
-    run(base + [f"max_steps={steps}", "log_interval=10", f"hydra.run.dir={out / 'probe'}"])
-    per_step = (time.perf_counter() - began) / steps
+    run(base + [f"max_steps={steps}", "log_interval=5", f"hydra.run.dir={out / 'probe'}"])
+    # From the probe's own log intervals after the first: its wall time holds the process's start and
+    # the compilation, which made the first GPU run 70 steps (4.5 s) long instead of --seconds.
+    probe = [r for r in map(json.loads, (out / "probe" / "metrics.jsonl").read_text().splitlines())
+             if r["kind"] == "train"]
+    per_step = (probe[-1]["elapsed_s"] - probe[1]["elapsed_s"]) / (probe[-1]["step"] - probe[1]["step"])
     steps = max(40, int(args.seconds / per_step)) if not args.smoke else 40
     log_interval = max(10, steps // 20)
     run(base + [f"max_steps={steps}", f"log_interval={log_interval}", f"hydra.run.dir={out / 'run'}"])

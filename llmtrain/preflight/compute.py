@@ -35,7 +35,7 @@ class ComputeEstimate:
     steps: int
     matmul_flops: float  # measured on this device, FLOP/s
     assumed_mfu: float
-    matmul_dtype: str = "float32"  # what matmul_flops was measured in (the run's compute dtype)
+    matmul_dtype: str = "fp32"  # what matmul_flops was measured in: the run's compute precision
 
     @property
     def step_seconds(self) -> float:
@@ -52,15 +52,16 @@ class ComputeEstimate:
 
 def estimate_compute(cfg: Config, shape: ModelShape, device: torch.device, matmul_flops: float | None = None,
                      world_size: int = 1) -> ComputeEstimate:
-    dtype = autocast_dtype(resolve_precision(cfg.precision.name, device)) or torch.float32
-    rate = matmul_flops if matmul_flops is not None else matmul_peak_flops(device, dtype)
+    precision = resolve_precision(cfg.precision.name, device)  # fp32, bf16 or fp16
+    rate = matmul_flops if matmul_flops is not None else matmul_peak_flops(
+        device, autocast_dtype(precision) or torch.float32)
     return ComputeEstimate(
         flops_per_token=shape.flops_per_token,
         tokens_per_step=tokens_per_step(cfg) // world_size,
         steps=total_steps(cfg, world_size),
         matmul_flops=rate,
         assumed_mfu=assumed_mfu(device.type, cfg.model.n_embd),
-        matmul_dtype=str(dtype).removeprefix("torch."),
+        matmul_dtype=precision.value,
     )
 
 
