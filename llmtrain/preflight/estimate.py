@@ -519,7 +519,10 @@ def data_page_bytes(train_tokens: int, itemsize: int, windows: int, window_token
 
 
 # ---------------------------------------------------------------------------------------------
-# Compute
+# Text
+# ---------------------------------------------------------------------------------------------
+
+
 def describe_footprint(values: int, stored: float) -> str:
     """'1,572,864 frozen weights in 4 bits (NF4: 792.1 KiB against 6.0 MiB in fp32)'."""
     return (f"{values:,} frozen weights in 4 bits (NF4: {format_bytes(stored)} against {format_bytes(4 * values)} "
