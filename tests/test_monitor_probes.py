@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from llmtrain.config.schema import Precision
-from llmtrain.monitor.probes import block_norms, differences, snapshot, tensor_norms, total_norm
+from llmtrain.monitor.probes import block_norms, snapshot, subtract_in_place, tensor_norms, total_norm
 
 from .conftest import tiny_config
 
@@ -45,7 +45,7 @@ def test_block_norms_are_each_blocks_norm_over_its_parameters_or_their_gradients
     assert block_norms([], grads=True).shape == (0,)
 
 
-def test_snapshot_and_differences_measure_an_update() -> None:
+def test_a_snapshot_and_its_in_place_difference_measure_an_update() -> None:
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(5, 5)), torch.nn.Parameter(torch.randn(5))]
     before = snapshot(params)
@@ -53,10 +53,12 @@ def test_snapshot_and_differences_measure_an_update() -> None:
     with torch.no_grad():
         for p in params:
             p.add_(0.5)
-    diffs = differences(params, before)
-    assert all(torch.allclose(d, torch.full_like(d, 0.5)) for d in diffs)
+    diffs = subtract_in_place(before, params)
+    assert diffs is before and all(torch.allclose(d, torch.full_like(d, -0.5)) for d in diffs)
     mixed = [params[0], torch.randn(4).to(torch.bfloat16)]  # not all fusable: one by one, same result
-    assert all(torch.equal(a, b) for a, b in zip(snapshot(mixed), mixed))
+    copies = snapshot(mixed)
+    assert all(torch.equal(a, b) for a, b in zip(copies, mixed))
+    assert all(not d.any() for d in subtract_in_place(copies, mixed))
 
 
 @pytest.mark.parametrize(("precision", "dtype"), [("fp32", torch.float32), ("bf16", torch.bfloat16)])

@@ -155,11 +155,16 @@ def snapshot(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 @torch.no_grad()
-def differences(after: list[torch.Tensor], before: list[torch.Tensor]) -> list[torch.Tensor]:
-    """after - before, element by element (fused when all are plain fp32 tensors on one device)."""
-    if after and all(_fusable(t, after[0].device) for t in (*after, *before)):
-        return torch._foreach_sub(after, before)
-    return [a - b for a, b in zip(after, before)]
+def subtract_in_place(before: list[torch.Tensor], after: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`before` -= `after`, in place (fused when all are plain fp32 tensors on one device): the
+    negated change, in the memory of the snapshot, which a new set of differences would double
+    (another copy of every trainable weight, for a moment, at each check)."""
+    if before and all(_fusable(t, before[0].device) for t in (*before, *after)):
+        torch._foreach_sub_(before, after)
+    else:
+        for b, a in zip(before, after):
+            b.sub_(a)
+    return before
 
 
 def _fusable(tensor: torch.Tensor, device: torch.device) -> bool:

@@ -32,11 +32,11 @@ from llmtrain.monitor.probes import (
     BlockSpan,
     block_norms,
     cuda_memory_mb,
-    differences,
     matmul_peak_flops,
     moment_sums,
     rss_mb,
     snapshot,
+    subtract_in_place,
 )
 
 INTERVAL_LOSSES_KEPT = 1000  # a check interval's losses kept for its mean: bounded memory at any monitor.interval
@@ -265,7 +265,7 @@ class Monitor:
         if self.record is None:
             return
         if applied and self.before is not None:
-            update = self.span.norm(differences(self.params, self.before))
+            update = self.span.norm(subtract_in_place(self.before, self.params))  # ||W_before - W_after||
             self.record["update_ratio"] = (update / self.before_norm.clamp_min(1e-12)).item()
             self.pending_update = (self.record["update_ratio"], self.check_lr)
         self.metrics.write(self.record)
