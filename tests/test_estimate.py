@@ -118,6 +118,27 @@ def test_layouts_shard_what_they_promise() -> None:
     assert fsdp.peak < zero1.peak < ddp.peak
 
 
+def test_the_monitors_weight_copy_makes_the_peak_only_where_activations_are_small() -> None:
+    """From a check to the end of its step the monitor holds a copy of the trainable weights, after
+    the activations are freed: gpt_small with a full micro-batch peaks in backward as before; one
+    sequence of 16 tokens with every block recomputed peaks at the check, by the copy."""
+    cfg = Config(model=ModelConfig(n_layer=12, n_head=12, n_embd=768, block_size=1024))
+    cfg.global_batch_size = 16
+    shape = model_shape(cfg, 50304)
+    big = estimate_memory(cfg, shape, 50304, "cuda", Precision.bf16)
+    assert big.monitor_copy == big.weights - 4.0 * shape.n_buffer_elements and big.checking < big.peak
+    assert "monitor's copy of the weights (at a check)" not in dict(big.rows())
+
+    cfg.global_batch_size, cfg.data.seq_len = 1, 16
+    cfg.model.activation_checkpointing = ActivationCheckpointing.full
+    small = estimate_memory(cfg, shape, 50304, "cuda", Precision.bf16)
+    assert small.peak == small.checking == small.weights + small.optimizer + small.gradients + small.monitor_copy
+    assert dict(small.rows())["monitor's copy of the weights (at a check)"] == small.monitor_copy
+    cfg.monitor.enabled = False
+    off = estimate_memory(cfg, shape, 50304, "cuda", Precision.bf16)
+    assert off.monitor_copy == 0 and small.peak - small.monitor_copy <= off.peak < small.peak
+
+
 def test_largest_fitting_micro_batch_divides_the_global_batch() -> None:
     cfg = Config(model=ModelConfig(n_layer=4, n_head=4, n_embd=128, block_size=256))
     cfg.micro_batch_size, cfg.global_batch_size = 48, 48

@@ -229,6 +229,9 @@ class MemoryEstimate:
     gradient_buckets: float = 0.0
     host_gather: float = 0.0  # the first process's whole-model copy for files (whole_model_gather)
     early_gradients: float = 0.0  # the head's gradients (fsdp: the root unit's), created first in backward
+    # The health monitor's copy of the trainable weights, held from a check (after backward) to the
+    # end of its step, for the update-to-weight ratio (monitor/watch.py); 0 with the monitor off.
+    monitor_copy: float = 0.0
 
     @property
     def working(self) -> float:
@@ -250,7 +253,12 @@ class MemoryEstimate:
         # A save comes after a step: its gradients freed, but on CPU their memory stays with the
         # process (glibc keeps the freed heap), and the gathered copy comes on top.
         saving = self.weights + self.optimizer + self.gradients + self.runtime + self.data + self.host_gather
-        return max(training, saving) if self.host_gather else training
+        return max(training, saving if self.host_gather else 0.0, self.checking)
+
+    @property
+    def checking(self) -> float:
+        """A monitor check: the activations freed, every gradient held, and the monitor's copy."""
+        return self.weights + self.optimizer + self.gradients + self.monitor_copy + self.runtime + self.data
 
     def rows(self) -> list[tuple[str, float]]:
         return [
@@ -262,6 +270,9 @@ class MemoryEstimate:
             ("runtime (Python, torch)", self.runtime),
             ("data pages", self.data),
             *([("whole-model copy for files (first process)", self.host_gather)] if self.host_gather else []),
+            # Shown where it makes the peak: elsewhere it fits in the activations' freed memory.
+            *([("monitor's copy of the weights (at a check)", self.monitor_copy)]
+              if self.monitor_copy and self.checking >= self.peak else []),
         ]
 
 
@@ -369,6 +380,8 @@ def estimate_layout(
         accumulating=accum > 1, allocator_slack=slack, per_sequence=per_sequence_act * slack + per_sequence_transient,
         degrees=d, checkpointing=ckpt, gradient_buckets=buckets,
         host_gather=whole_model_gather(cfg, shape, d) if device_type == "cpu" else 0.0, early_gradients=head,
+        monitor_copy=(4.0 * shape.adapter_params if shape.adapter_params else 4.0 * share.params / d.dp_shard)
+        if cfg.monitor.enabled else 0.0,
     )
 
 
