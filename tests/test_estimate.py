@@ -127,13 +127,13 @@ def test_the_monitors_weight_copy_makes_the_peak_only_where_activations_are_smal
     shape = model_shape(cfg, 50304)
     big = estimate_memory(cfg, shape, 50304, "cuda", Precision.bf16)
     assert big.monitor_copy == big.weights - 4.0 * shape.n_buffer_elements and big.checking < big.peak
-    assert "monitor's copy of the weights (at a check)" not in dict(big.rows())
+    assert "monitor's weight copy (at a check)" not in dict(big.rows())
 
     cfg.global_batch_size, cfg.data.seq_len = 1, 16
     cfg.model.activation_checkpointing = ActivationCheckpointing.full
     small = estimate_memory(cfg, shape, 50304, "cuda", Precision.bf16)
     assert small.peak == small.checking == small.weights + small.optimizer + small.gradients + small.monitor_copy
-    assert dict(small.rows())["monitor's copy of the weights (at a check)"] == small.monitor_copy
+    assert dict(small.rows())["monitor's weight copy (at a check)"] == small.monitor_copy
     cfg.monitor.enabled = False
     off = estimate_memory(cfg, shape, 50304, "cuda", Precision.bf16)
     assert off.monitor_copy == 0 and small.peak - small.monitor_copy <= off.peak < small.peak

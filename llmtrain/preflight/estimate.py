@@ -271,7 +271,7 @@ class MemoryEstimate:
             ("data pages", self.data),
             *([("whole-model copy for files (first process)", self.host_gather)] if self.host_gather else []),
             # Shown where it makes the peak: elsewhere it fits in the activations' freed memory.
-            *([("monitor's copy of the weights (at a check)", self.monitor_copy)]
+            *([("monitor's weight copy (at a check)", self.monitor_copy)]
               if self.monitor_copy and self.checking >= self.peak else []),
         ]
 
