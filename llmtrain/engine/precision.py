@@ -44,6 +44,11 @@ def autocast_dtype(name: Precision) -> torch.dtype | None:
     return _DTYPES.get(name)
 
 
+def matmul_dtype(name: Precision) -> torch.dtype:
+    """The dtype a resolved precision's matmuls run in: autocast's, else fp32 (the MFU reference's)."""
+    return _DTYPES.get(name, torch.float32)
+
+
 def autocast_factory(cfg: PrecisionConfig, device_type: str) -> Callable[[], ContextManager]:
     """A zero-argument callable returning the context to run the forward pass (and loss) in."""
     name = resolve_precision(cfg.name, torch.device(device_type))

@@ -12,7 +12,7 @@ import torch
 
 from llmtrain.config.derived import tokens_per_step, total_steps
 from llmtrain.config.schema import Config
-from llmtrain.engine.precision import autocast_dtype, resolve_precision
+from llmtrain.engine.precision import matmul_dtype, resolve_precision
 from llmtrain.monitor.probes import matmul_peak_flops
 from llmtrain.preflight.estimate import ModelShape
 
@@ -53,8 +53,7 @@ class ComputeEstimate:
 def estimate_compute(cfg: Config, shape: ModelShape, device: torch.device, matmul_flops: float | None = None,
                      world_size: int = 1) -> ComputeEstimate:
     precision = resolve_precision(cfg.precision.name, device)  # fp32, bf16 or fp16
-    rate = matmul_flops if matmul_flops is not None else matmul_peak_flops(
-        device, autocast_dtype(precision) or torch.float32)
+    rate = matmul_flops if matmul_flops is not None else matmul_peak_flops(device, matmul_dtype(precision))
     return ComputeEstimate(
         flops_per_token=shape.flops_per_token,
         tokens_per_step=tokens_per_step(cfg) // world_size,

@@ -84,7 +84,7 @@ from llmtrain.distributed.wrapping import (
 )
 from llmtrain.engine.compiling import compile_blocks as compile_model_blocks
 from llmtrain.engine.optim import build_optimizer
-from llmtrain.engine.precision import NumericPrecision, autocast_dtype, build_precision, resolve_precision
+from llmtrain.engine.precision import NumericPrecision, autocast_dtype, build_precision, matmul_dtype, resolve_precision
 from llmtrain.engine.repairs import KNOBS, apply_repairs
 from llmtrain.engine.state import TrainState
 from llmtrain.engine.step import Batch
@@ -146,7 +146,7 @@ def build_run(cfg: Config, console: Dashboard | None, layout: Layout,
     # (measured once, in the dtype the run's matmuls use): the fastest of 4 products, ~0.1 s on 2 CPU
     # cores, steady within a few % there.
     runtime = dataclasses.replace(runtime, matmul_flops=matmul_peak_flops(
-        device, autocast_dtype(runtime.precision.name) or torch.float32, repeats=4))
+        device, matmul_dtype(runtime.precision.name), repeats=4))
     eval_tasks = encode_training_tasks(cfg, task_sources, data, plan.longest_seq_len, log)
     config_dict = config_to_dict(cfg)
     # Adapter-only checkpoints: the base folder's identity, hashed once here (never at a save).
