@@ -191,14 +191,19 @@ def test_each_modes_measured_peak_falls_as_predicted(tmp_path: Path) -> None:
     shown = ", ".join(f"{m.value} every {k}: predicted {p / 2**20:.0f} MiB, measured {r / 2**20:.0f} MiB"
                       for (m, k), (p, r) in peaks.items())
     print(shown)
+    # Under-prediction is the costly side (a run the check passed runs out of memory): 15% at most.
+    # Over it, 25% (as test_estimate's): the checkpointed modes' resident peaks come out 5-19% under
+    # their predictions here (full every other block 654-687 MiB against 778), while their saved
+    # tensors match autograd's.
     for (predicted, measured) in peaks.values():
-        assert 0.85 <= predicted / measured <= 1.15, shown
-    # Falls as predicted: where the prediction sets two modes 12% apart or more, the measurement orders
-    # them the same way. Closer ones are not compared: the resident peak of one mode varies by 3-5%
-    # from run to run here (op every other block measured 755 and 801 MiB, none 813 and 786 MiB), and
-    # the prediction is off by up to 7% either way.
+        assert 0.85 <= predicted / measured <= 1.25, shown
+    # Falls as predicted: where the prediction sets two modes 75 MiB apart or more, the measurement
+    # orders them the same way. Closer ones are not compared: the resident peak of one mode varies by
+    # 3-5% (25-40 MiB) from run to run here (op every other block measured 755 and 781 MiB, none 788
+    # and 794 MiB), and the prediction is off by up to 19% either way.
+    apart = 75 * 2**20
     for low, (predicted_low, measured_low) in peaks.items():
         for high, (predicted_high, measured_high) in peaks.items():
-            if predicted_low < 0.88 * predicted_high:
+            if predicted_high - predicted_low >= apart:
                 assert measured_low < measured_high, f"{low} vs {high}: {shown}"
-    assert peaks[FULL, 1][0] < 0.88 * peaks[NONE, 1][0]  # ... and at least full against none is compared
+    assert peaks[FULL, 1][0] <= peaks[NONE, 1][0] - apart  # ... and at least full against none is compared

@@ -182,9 +182,8 @@ def test_predicted_peak_within_25_percent_of_a_real_run(tmp_path: Path, name: st
     ratio = result["predicted"] / result["measured"]
     print(f"{name}: predicted {result['predicted'] / 2**20:.0f} MiB, measured {result['measured'] / 2**20:.0f} MiB, "
           f"ratio {ratio:.2f}")
-    # Activation checkpointing is the loosest part of the model (recompute + activation gradients +
-    # temporaries in backward): its run now measures 0.74-0.83 of the prediction on this machine
-    # (882-1000 MiB measured in repeated runs, predicted 738), the others 0.86-1.04.
-    low = 0.70 if "checkpointed" in name else 0.75
-    assert low <= ratio <= 1.25, f"{name}: predicted {result['predicted'] / 2**20:.0f} MiB, measured " \
+    # Measured here: 0.98-1.09 after two steps, 0.89-1.08 after eight (glibc's heap fragments further
+    # over the first steps, most with gradient accumulation); a CI machine measured 6% more than this
+    # one for the same run.
+    assert 0.75 <= ratio <= 1.25, f"{name}: predicted {result['predicted'] / 2**20:.0f} MiB, measured " \
                                  f"{result['measured'] / 2**20:.0f} MiB (ratio {ratio:.2f})"

@@ -190,7 +190,8 @@ def test_the_top_saver_applied_measures_a_peak_under_the_budget(tmp_path: Path) 
     (budget, top_peak, command), measured = predicted_and_measured_peak(
         tmp_path, {k: v for k, v in HEAVY.items() if k not in ("max_steps", "schedule.warmup_steps")}, predict)
     assert top_peak <= budget
-    assert measured < budget, f"{command}: measured {measured / 2**20:.0f} MiB, budget {budget / 2**20:.0f} MiB"
+    assert measured < budget, (f"{command}: measured {measured / 2**20:.0f} MiB, predicted {top_peak / 2**20:.0f} MiB, "
+                               f"budget {budget / 2**20:.0f} MiB")
 
 
 def test_train_with_the_preset_applies_a_saver_and_saves_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
