@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 
 from llmtrain.config.schema import ModelConfig
-from llmtrain.core.errors import ConfigError
+from llmtrain.core.errors import ConfigError, UserError
 from llmtrain.core.hf_files import (
     CONFIG,
     WEIGHTS,
@@ -201,9 +202,15 @@ def _check_piece(folder: HFFolder, piece: layouts.Piece, shapes: dict[str, tuple
 
 
 @torch.no_grad()
-def load_weights(model: torch.nn.Module, folder: HFFolder) -> None:
+def load_weights(model: torch.nn.Module, folder: HFFolder,
+                 store: Callable[[str, torch.Tensor], bool] | None = None) -> None:
     """Copy the folder's weights into `model` (an llmtrain GPT of the folder's shape), tensor by
-    tensor; every llmtrain tensor must be filled, with the shape it has, or ConfigError says which."""
+    tensor; every llmtrain tensor must be filled, with the shape it has, or ConfigError says which.
+
+    `store`, where given, sees each tensor first (llmtrain's name, the value checked and in the
+    model tensor's dtype) and returns True where it kept the value itself, which is then not copied:
+    QLoRA quantizes its base weights straight from the file, so their full-precision copies are
+    never held at once."""
     from safetensors import safe_open
 
     cfg = model.cfg
@@ -234,9 +241,10 @@ def load_weights(model: torch.nn.Module, folder: HFFolder) -> None:
                 raise ConfigError(f"{folder.key}={folder.path}: {' + '.join(piece.theirs)} holds NaN or infinite "
                                   "values; a model cannot start from them: the folder is damaged or the model it "
                                   "was saved from had diverged.")
-            target.copy_(value)
+            if store is None or not store(piece.ours, value.to(target.dtype)):
+                target.copy_(value)
             del tensors, value
-    except ConfigError:
+    except (UserError, torch.cuda.OutOfMemoryError):  # ours, or the device's (not the folder's fault)
         raise
     except Exception as err:  # a truncated or corrupt safetensors file fails on first read
         raise ConfigError(f"{folder.key}={folder.path}: reading the weights failed ({type(err).__name__}: "

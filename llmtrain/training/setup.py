@@ -47,7 +47,7 @@ from torch.nn.parallel import DistributedDataParallel
 from llmtrain.checkpoint.write import remove_stale_temps
 from llmtrain.config.derived import degrees_of, seq_len_of, seq_len_stages, total_steps
 from llmtrain.config.eval_tasks import VALIDATION, parse_task_specs
-from llmtrain.config.finetune import adapter_checkpoints, is_lora
+from llmtrain.config.finetune import FinetuneConfig, adapter_checkpoints, is_lora, quantized_base
 from llmtrain.config.hydra import command_line_of_this_run
 from llmtrain.config.parallel_limits import tensor_parallel_problems
 from llmtrain.config.schema import (
@@ -93,13 +93,14 @@ from llmtrain.evaluation.tasks import Task, TaskSource, read_tasks
 from llmtrain.hf.folder import load_weights
 from llmtrain.hf.init import apply_init_from, open_folder
 from llmtrain.hf.lora_base import run_base
-from llmtrain.lora import AdapterState, apply_lora
+from llmtrain.lora import AdapterState, adapter_shapes, apply_lora
 from llmtrain.metrics.dashboard import Dashboard
 from llmtrain.model import GPT, uninitialized
 from llmtrain.monitor.probes import matmul_peak_flops
 from llmtrain.preflight.check import CheckFailed, CheckReport, run_check
 from llmtrain.preflight.compute import estimate_compute
 from llmtrain.preflight.render import check_command_line, render_refusal
+from llmtrain.qlora import quantized_names, store_nf4, to_device_but_nf4
 from llmtrain.training.banner import print_banner
 from llmtrain.training.compile_trial import CompileChoice, choose_compile
 from llmtrain.training.loop_parts import build_loop_parts
@@ -327,14 +328,33 @@ def new_model(model_cfg: ModelConfig, vocab_size: int, device: torch.device,
     return model
 
 
-def folder_model(model_cfg: ModelConfig, vocab_size: int, device: torch.device) -> torch.nn.Module:
+def folder_model(model_cfg: ModelConfig, vocab_size: int, device: torch.device,
+                 qlora: FinetuneConfig | None = None) -> torch.nn.Module:
     """The model of model.init_from, every tensor from the folder's safetensors (the random init,
-    which they would overwrite, is skipped: apply_init_from checked that they fill the model)."""
+    which they would overwrite, is skipped: apply_init_from checked that they fill the model).
+
+    With `qlora` (finetune=qlora's settings) the weights it stores in 4 bits are quantized on the
+    device as they are read: the model is built on the host, where its unwritten tensors take no
+    memory, and the rest moves to the device after. The full-precision base never exists whole (on
+    a GPU it would have to fit there first: 28 GB for a 7B model, against 3.8 GB in NF4)."""
     assert model_cfg.init_from is not None
     folder = open_folder(model_cfg.init_from)
+    if qlora is None:
+        with uninitialized():
+            model = new_model(model_cfg, vocab_size, device)
+        load_weights(model, folder)
+        return model
     with uninitialized():
-        model = new_model(model_cfg, vocab_size, device)
-    load_weights(model, folder)
+        model = new_model(model_cfg, vocab_size, torch.device("cpu"))
+    names = set(quantized_names([*model.state_dict(), *adapter_shapes(model_cfg, qlora, vocab_size)]))
+
+    def quantize(name: str, value: torch.Tensor) -> bool:
+        if name in names:
+            store_nf4(model, name, value.to(device))
+        return name in names
+
+    load_weights(model, folder, store=quantize)
+    to_device_but_nf4(model, device)
     return model
 
 
@@ -359,7 +379,7 @@ def build_model(cfg: Config, vocab_size: int, runtime: Runtime, layout: Layout, 
         # Before compile and sharding: FSDP2 and tensor parallel split the tensors load_weights fills
         # by their names. A LoRA run's checkpoints hold its adapters alone: a resume loads the base
         # from the folder too (choose_resume checked that it is the same).
-        model = folder_model(cfg.model, vocab_size, runtime.device)
+        model = folder_model(cfg.model, vocab_size, runtime.device, cfg.finetune if quantized_base(cfg) else None)
     else:
         model = new_model(cfg.model, vocab_size, runtime.device)
     if is_lora(cfg):
