@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 
 import llmtrain.preflight.facts as facts_module
+import llmtrain.preflight.savers as savers_module
 from llmtrain.config.derived import accumulation_steps
-from llmtrain.config.schema import ActivationCheckpointing, OptimizerName, config_to_dict
+from llmtrain.config.schema import ActivationCheckpointing, OptimizerName, Precision, config_to_dict
+from llmtrain.config.validate import validate
 from llmtrain.core.findings import Status
 from llmtrain.plan.build import plan_config
 from llmtrain.plan.render import saver_lines
@@ -216,3 +218,54 @@ def test_train_with_the_preset_applies_a_saver_and_saves_it(tmp_path: Path, monk
     line = next(x for x in proc.stdout.splitlines() if x.startswith("memory_saver: applied micro_batch_size="))
     micro = int(line.split("micro_batch_size=")[1].split(":")[0].split()[0])
     assert micro < 64 and yaml.safe_load((run / "config.yaml").read_text())["micro_batch_size"] == micro
+
+
+# ---- a LoRA fine-tune: QLoRA stores its frozen base in 4 bits -----------------------------------
+
+@pytest.fixture(scope="module")
+def llama_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from .test_hf_init import save_llama
+
+    return save_llama(tmp_path_factory.mktemp("hf") / "llama")
+
+
+def lora_run(folder: Path, *extra: str):
+    from llmtrain.cli.compose import compose_config
+
+    from .test_hf_init import TEXT
+
+    return compose_config([f"model.init_from={folder}", "finetune=lora", "finetune.rank=4", *TEXT, "data.seq_len=32",
+                           "micro_batch_size=2", "global_batch_size=4", *extra])
+
+
+def test_a_lora_run_that_does_not_fit_is_offered_qlora_with_its_own_adapter_settings(llama_folder: Path) -> None:
+    pytest.importorskip("torchao", reason="finetune=qlora needs torchao")
+    cfg = lora_run(llama_folder)
+    basis = EstimateBasis(cfg.model.vocab_size, "cpu", Precision.fp32)
+    lora_peak = predicted_peak(cfg, basis)
+    qlora_peak = predicted_peak(cfg, basis, {"finetune.method": "qlora"})
+    assert qlora_peak < lora_peak  # the block linears in NF4: ~0.52 bytes a weight against 4
+    savers = memory_savers(cfg, basis, (lora_peak + qlora_peak) / 2)
+    qlora = next(s for s in savers if s.overrides == {"finetune.method": "qlora"})
+    assert qlora.fits and qlora.peak == pytest.approx(qlora_peak) and qlora.command == "finetune.method=qlora"
+    assert "4-bit NF4" in qlora.cost and "quantized base" in qlora.cost
+    # ordered after every saver that keeps the run's results, whatever their step time
+    assert all(s.changes_results for s in savers[savers.index(qlora):])
+    applied = with_overrides(cfg, qlora.overrides)
+    assert applied.finetune.method.value == "qlora" and applied.finetune.rank == 4  # the adapters as configured
+    validate(applied)
+
+
+@pytest.mark.parametrize("extra", [["finetune=full"], ["parallel=ddp", "parallel.nproc=2"]])
+def test_qlora_is_not_offered_where_the_run_could_not_take_it(llama_folder: Path, extra: list[str]) -> None:
+    pytest.importorskip("torchao", reason="finetune=qlora needs torchao")
+    assert savers_module._finetune_parts(lora_run(llama_folder)) != []  # the run as the test above has it: offered
+    assert savers_module._finetune_parts(lora_run(llama_folder, *extra)) == []  # a full fine-tune; two processes
+
+
+def test_qlora_is_not_offered_without_torchao(llama_folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec  # as the optimizers' test hides it: the one check all of them use
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real(name, *a))
+    assert savers_module._finetune_parts(lora_run(llama_folder)) == []

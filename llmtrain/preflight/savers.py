@@ -17,7 +17,11 @@ The cost of each saver, as a rough step time relative to the config as given (us
                                (measured, docs/configuration.md): 1.5 assumed for a whole step
     adafactor                  about the same step time, but a different optimizer (other dynamics,
                                the learning rate to re-tune): ordered after every saver that keeps
-                               the optimizer
+                               the run's results
+    qlora (a LoRA run)         the frozen base's block linears in 4-bit NF4: measured on CPU 1.6x
+                               LoRA's step (each product dequantizes its weight; docs/finetuning.md),
+                               assumed the same elsewhere; the adapters then train on a base with
+                               quantization error, so it is ordered with Adafactor
     zero1 / fsdp over N        N devices of the same kind (CUDA only: CPU processes share the host's
                                memory, so more of them never fit where one does not); assumed 1.05 /
                                1.10 for the communication, ordered after every one-device saver
@@ -36,7 +40,7 @@ from dataclasses import dataclass
 from llmtrain.config.derived import micro_batch_size_of, world_size_of
 from llmtrain.config.finetune import torchao_installed
 from llmtrain.config.hydra import DATA_PARALLEL_PRESETS
-from llmtrain.config.schema import ActivationCheckpointing, Config, OptimizerName, Precision
+from llmtrain.config.schema import ActivationCheckpointing, Config, FinetuneMethod, OptimizerName, Precision
 from llmtrain.config.validate import validate
 from llmtrain.core.errors import UserError
 from llmtrain.preflight.estimate import estimate_memory, format_bytes, model_shape
@@ -48,6 +52,7 @@ MICRO_BATCH_HALVING_COST = 0.03  # assumed: smaller matmuls, lower utilization
 LOW_BIT_COST = {"cpu": 1.5}  # measured optimizer step 12-40x slower on CPU; a whole step assumed 1.5x
 LOW_BIT_COST_ELSEWHERE = 1.02  # a GPU: the moments quantized in the same kernel, about free (assumed)
 SHARDING_COST = {"zero1": 1.05, "fsdp": 1.10}  # assumed: the collectives per step
+QLORA_COST = 1.6  # measured on CPU: 0.75 s a step against LoRA's 0.46 (8 x 512 Llama, docs/finetuning.md)
 SHARDING_DEVICES = 8  # devices tried for sharding: one machine's usual count (more where this one has more)
 
 
@@ -85,7 +90,8 @@ class Saver:
     factor: float
     cost: str
     devices: int = 1  # > 1: a sharding saver over this many devices
-    changes_optimizer: bool = False  # Adafactor: other dynamics, the LR to re-tune
+    # Adafactor: other dynamics, the LR to re-tune; QLoRA: adapters trained on a base with quantization error
+    changes_results: bool = False
 
     @property
     def command(self) -> str:
@@ -96,7 +102,7 @@ class Saver:
 
     @property
     def order(self) -> tuple:
-        return (not self.fits, self.devices > 1, self.changes_optimizer, self.factor, self.peak)
+        return (not self.fits, self.devices > 1, self.changes_results, self.factor, self.peak)
 
 
 @dataclass(frozen=True)
@@ -105,7 +111,7 @@ class _Part:
     factor: float
     cost: str  # in words, without the factor
     devices: int = 1
-    changes_optimizer: bool = False
+    changes_results: bool = False
 
 
 def with_overrides(cfg: Config, overrides: dict[str, str]) -> Config:
@@ -127,6 +133,8 @@ def with_overrides(cfg: Config, overrides: dict[str, str]) -> Config:
             out.model.activation_checkpointing = ActivationCheckpointing(value)
         elif key == "model.checkpoint_every":
             out.model.checkpoint_every = int(value)
+        elif key == "finetune.method":
+            out.finetune.method = FinetuneMethod(value)
         else:
             raise ValueError(f"not a saver's key: {key}")
     return out
@@ -197,8 +205,22 @@ def _optimizer_parts(cfg: Config, basis: EstimateBasis) -> list[_Part]:
     if cfg.optim.name in (OptimizerName.adamw, OptimizerName.adam):
         parts.append(_Part({"optim": OptimizerName.adafactor.value}, 1.0,
                            "a different optimizer (factored state): other dynamics, re-tune the learning rate "
-                           "(null: 1e-2)", changes_optimizer=True))
+                           "(null: 1e-2)", changes_results=True))
     return parts
+
+
+def _finetune_parts(cfg: Config) -> list[_Part]:
+    """QLoRA for a LoRA run, where torchao is installed and the run can take it (one process, a
+    folder's weights, a width NF4's blocks of 64 fit): `finetune.method=qlora` keeps the run's
+    adapter settings."""
+    if cfg.finetune.method != FinetuneMethod.lora or not torchao_installed():
+        return []
+    overrides = {"finetune.method": FinetuneMethod.qlora.value}
+    if not _valid(cfg, overrides):
+        return []
+    return [_Part(overrides, QLORA_COST, "the frozen base's block linears in 4-bit NF4 (~0.52 bytes a weight against "
+                  "4): each product dequantizes its weight, and the adapters train on the quantized base",
+                  changes_results=True)]
 
 
 def _combine(parts: Sequence[_Part]) -> _Part:
@@ -206,13 +228,13 @@ def _combine(parts: Sequence[_Part]) -> _Part:
     for part in parts:
         overrides.update(part.overrides)
     return _Part(overrides, math.prod(p.factor for p in parts), "; ".join(p.cost for p in parts),
-                 max((p.devices for p in parts), default=1), any(p.changes_optimizer for p in parts))
+                 max((p.devices for p in parts), default=1), any(p.changes_results for p in parts))
 
 
 def _saver(cfg: Config, basis: EstimateBasis, budget: float, part: _Part) -> Saver:
     peak = predicted_peak(cfg, basis, part.overrides)
     cost = f"~{part.factor:.2f}x step time: {part.cost}"
-    return Saver(part.overrides, peak, peak <= budget, part.factor, cost, part.devices, part.changes_optimizer)
+    return Saver(part.overrides, peak, peak <= budget, part.factor, cost, part.devices, part.changes_results)
 
 
 def _with_smaller_micro(cfg: Config, basis: EstimateBasis, budget: float, part: _Part | None) -> Saver | None:
@@ -266,9 +288,11 @@ def _sharding_savers(cfg: Config, basis: EstimateBasis, budget: float) -> list[S
 
 def memory_savers(cfg: Config, basis: EstimateBasis, budget: float) -> list[Saver]:
     """The savers that bring the predicted peak within `budget`, cheapest first (one device before
-    several, the same optimizer before another, then by step time); when none does, the one that
+    several, those that keep the run's results before those that change them, then by step time);
+    when none does, the one that
     comes nearest. Combinations only when no single saver fits."""
-    ckpt, optim = _checkpointing_parts(cfg), _optimizer_parts(cfg, basis)
+    # what the weights and the optimizer's state are stored as: one of these at a time
+    ckpt, optim = _checkpointing_parts(cfg), _optimizer_parts(cfg, basis) + _finetune_parts(cfg)
     singles = [_saver(cfg, basis, budget, part) for part in ckpt + optim]
     if (micro := _with_smaller_micro(cfg, basis, budget, None)) is not None:
         singles.append(micro)
