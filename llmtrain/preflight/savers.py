@@ -289,8 +289,7 @@ def _sharding_savers(cfg: Config, basis: EstimateBasis, budget: float) -> list[S
 def memory_savers(cfg: Config, basis: EstimateBasis, budget: float) -> list[Saver]:
     """The savers that bring the predicted peak within `budget`, cheapest first (one device before
     several, those that keep the run's results before those that change them, then by step time);
-    when none does, the one that
-    comes nearest. Combinations only when no single saver fits."""
+    when none does, the one that comes nearest. Combinations only when no single saver fits."""
     # what the weights and the optimizer's state are stored as: one of these at a time
     ckpt, optim = _checkpointing_parts(cfg), _optimizer_parts(cfg, basis) + _finetune_parts(cfg)
     singles = [_saver(cfg, basis, budget, part) for part in ckpt + optim]

@@ -336,7 +336,7 @@ def folder_model(model_cfg: ModelConfig, vocab_size: int, device: torch.device,
     With `qlora` (finetune=qlora's settings) the weights it stores in 4 bits are quantized on the
     device as they are read: the model is built on the host, where its unwritten tensors take no
     memory, and the rest moves to the device after. The full-precision base never exists whole (on
-    a GPU it would have to fit there first: 28 GB for a 7B model, against 3.8 GB in NF4)."""
+    a GPU it would have to fit there first: 28 GB for a 7B model, against ~3.6 GB in NF4)."""
     assert model_cfg.init_from is not None
     folder = open_folder(model_cfg.init_from)
     if qlora is None:
