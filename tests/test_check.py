@@ -205,6 +205,7 @@ def test_cli_bad_config_shows_matching_rows_and_exits_2(tmp_path: Path) -> None:
     assert "run time" not in fixed_items and "0 warn, 0 fail -> exit 0" in fixed.stdout  # --no-compute: no run time
 
 
+@pytest.mark.slow  # gpt_small's check in a fresh process: ~20 s
 def test_cli_acceptance_gpt_small_fp16_on_cpu(tmp_path: Path) -> None:
     proc = llmtrain(tmp_path, "check", "model=gpt_small", "optim=adamw", "precision=fp16")
     assert proc.returncode in (1, 2), proc.stderr  # 2 where the host memory is too small for it
@@ -232,6 +233,7 @@ def test_train_refuses_a_failing_config_before_making_a_run_dir(tmp_path: Path) 
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow  # a fresh process training in fp16 on a CPU: ~14 s
 def test_train_with_the_override_runs_and_shows_the_failure_in_the_banner(tmp_path: Path) -> None:
     corpus = ["data=text", f"data.path={TINY_CORPUS}", "data.tokenizer=char", "model.n_layer=1", "model.n_embd=32",
               "model.n_head=2", "model.block_size=32", "micro_batch_size=4", "global_batch_size=4", "eval_interval=0"]

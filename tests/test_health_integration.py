@@ -107,6 +107,7 @@ def test_a_memory_leak(tmp_path: Path) -> None:
     assert alarms(run).get("memory_leak", 99) <= 15
 
 
+@pytest.mark.slow  # fp16 on a CPU: ~13 s (the diagnosis's rule: test_diagnosis.py, fast)
 def test_fp16_without_a_scaler(tmp_path: Path) -> None:
     run = tmp_path / "run"
     train(tiny_config(run, **{**WATCH, "max_steps": 6}, allow_check_failures=True, **{"precision.name": Precision.fp16,

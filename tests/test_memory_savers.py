@@ -196,6 +196,7 @@ def test_the_top_saver_applied_measures_a_peak_under_the_budget(tmp_path: Path) 
                                f"budget {budget / 2**20:.0f} MiB")
 
 
+@pytest.mark.slow  # a fresh `llmtrain train` process (apply_memory_saver itself: fast tests above)
 def test_train_with_the_preset_applies_a_saver_and_saves_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`llmtrain train memory_saver=true` on a config that does not fit this (patched) budget: one
     line says what was applied, and the run's config.yaml holds it."""
