@@ -34,6 +34,13 @@ from llmtrain.config.schema import (
 ASSETS = Path(__file__).parent / "assets"
 TINY_CORPUS = ASSETS / "tiny_corpus.txt"
 
+if "PYTEST_XDIST_WORKER" in os.environ:
+    # pytest-xdist's workers (`pytest -n 2`) get COLUMNS=80 and LINES=24: llmtrain would then wrap its
+    # piped output at 80 columns, as on a terminal that wide. The tests read it as a pipe shows it,
+    # unwrapped (core/console.py default_console), as they do without -n.
+    os.environ.pop("COLUMNS", None)
+    os.environ.pop("LINES", None)
+
 
 def gpt_like(name: str, n_layer: int) -> ModelConfig:
     """gpt_tiny's recipe, smaller: LayerNorm with bias, learned positions, GELU, a tied head (the

@@ -48,7 +48,7 @@ def render_refusal(report: CheckReport, console: Console, full_table: str) -> No
                   f"items{f' ({hidden} not shown)' if hidden else ''}")
     render_lines(console, failures, reasons=True)
     console.print(f"  the full table{' (the warnings too)' if warnings else ''}, with the memory and compute estimate:")
-    console.print(f"    {escape(full_table)}", highlight=False)
+    console.print(f"    {escape(full_table)}", highlight=False, soft_wrap=True)  # one line, to copy whole
 
 
 def check_command_line(overrides: Sequence[str] | None, config_dir: str | None = None) -> str:
