@@ -228,6 +228,21 @@ def test_a_folder_is_quantized_as_it_is_read_to_the_bits_of_the_whole_base(folde
             assert torch.equal(a[name], tensor), name
 
 
+def test_a_failure_to_store_a_tensor_is_not_called_a_damaged_folder(folder: Path, tmp_path: Path) -> None:
+    """Only a failed read says the folder is damaged; quantizing (or the device) failing shows as itself."""
+    from llmtrain.hf.folder import load_weights
+    from llmtrain.hf.init import open_folder
+
+    cfg = llama_config(folder, tmp_path)
+    model = GPT(cfg.model, cfg.model.vocab_size)
+
+    def fails(name: str, value: torch.Tensor) -> bool:
+        raise RuntimeError("quantizing failed")
+
+    with pytest.raises(RuntimeError, match="quantizing failed"):
+        load_weights(model, open_folder(str(folder)), store=fails)
+
+
 def test_moving_to_a_device_leaves_nf4_where_it_is_and_keeps_tied_weights_tied() -> None:
     """The rest of a QLoRA model moves to the run's device after the folder is read; its NF4 weights
     were quantized there already. (The meta device stands in for a GPU.)"""

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from llmtrain.config.schema import ModelConfig
-from llmtrain.core.errors import ConfigError, UserError
+from llmtrain.core.errors import ConfigError
 from llmtrain.core.hf_files import (
     CONFIG,
     WEIGHTS,
@@ -211,42 +211,48 @@ def load_weights(model: torch.nn.Module, folder: HFFolder,
     model tensor's dtype) and returns True where it kept the value itself, which is then not copied:
     QLoRA quantizes its base weights straight from the file, so their full-precision copies are
     never held at once."""
-    from safetensors import safe_open
-
     cfg = model.cfg
     params = model.state_dict()  # references to the live tensors (tied weights appear under both names)
+    for piece in layouts.pieces(cfg, folder.layout):
+        names = [_stored_name(folder, name) for name in piece.theirs]
+        if any(n is None for n in names):
+            missing = [t for t, n in zip(piece.theirs, names) if n is None]
+            raise ConfigError(f"{folder.key}={folder.path}: the weights lack {', '.join(missing[:3])}, which a "
+                              f"{folder.layout} model of this config.json has; the folder is incomplete or "
+                              "damaged.")
+        value = _read_piece(folder, piece, names)
+        target = params[piece.ours]
+        if value.shape != target.shape:
+            raise ConfigError(f"{folder.key}={folder.path}: {' + '.join(piece.theirs)} has shape "
+                              f"{tuple(value.shape)}, but its config.json makes {piece.ours} "
+                              f"{tuple(target.shape)}; "
+                              "the weights and config.json do not belong together.")
+        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            raise ConfigError(f"{folder.key}={folder.path}: {' + '.join(piece.theirs)} holds NaN or infinite "
+                              "values; a model cannot start from them: the folder is damaged or the model it "
+                              "was saved from had diverged.")
+        # Outside the read's error handling: a failure here (quantizing, the device's memory) is
+        # not the folder's, and shows as what it is.
+        if store is None or not store(piece.ours, value.to(target.dtype)):
+            target.copy_(value)
+        del value
+
+
+def _read_piece(folder: HFFolder, piece: layouts.Piece, names: list[str]) -> torch.Tensor:
+    """The folder's tensors `names` joined into the llmtrain tensor `piece` makes of them; a file
+    that fails to read (truncated, corrupt: safetensors fails on first read) is a ConfigError."""
+    from safetensors import safe_open
+
     try:
-        for piece in layouts.pieces(cfg, folder.layout):
-            names = [_stored_name(folder, name) for name in piece.theirs]
-            if any(n is None for n in names):
-                missing = [t for t, n in zip(piece.theirs, names) if n is None]
-                raise ConfigError(f"{folder.key}={folder.path}: the weights lack {', '.join(missing[:3])}, which a "
-                                  f"{folder.layout} model of this config.json has; the folder is incomplete or "
-                                  "damaged.")
-            tensors = []
-            for name in names:
-                # One handle per tensor: safetensors memory-maps the file, and the mapped pages count
-                # in the process's memory until the handle closes; held for the whole load they
-                # would double the peak (2.0x the weights for GPT-2 124M, 1.3x this way).
-                with safe_open(str(folder.weight_files[name]), framework="pt") as handle:
-                    tensors.append(handle.get_tensor(name))
-            value = layouts.join(piece, tensors)
-            target = params[piece.ours]
-            if value.shape != target.shape:
-                raise ConfigError(f"{folder.key}={folder.path}: {' + '.join(piece.theirs)} has shape "
-                                  f"{tuple(value.shape)}, but its config.json makes {piece.ours} "
-                                  f"{tuple(target.shape)}; "
-                                  "the weights and config.json do not belong together.")
-            if value.is_floating_point() and not bool(torch.isfinite(value).all()):
-                raise ConfigError(f"{folder.key}={folder.path}: {' + '.join(piece.theirs)} holds NaN or infinite "
-                                  "values; a model cannot start from them: the folder is damaged or the model it "
-                                  "was saved from had diverged.")
-            if store is None or not store(piece.ours, value.to(target.dtype)):
-                target.copy_(value)
-            del tensors, value
-    except (UserError, torch.cuda.OutOfMemoryError):  # ours, or the device's (not the folder's fault)
-        raise
-    except Exception as err:  # a truncated or corrupt safetensors file fails on first read
+        tensors = []
+        for name in names:
+            # One handle per tensor: safetensors memory-maps the file, and the mapped pages count
+            # in the process's memory until the handle closes; held for the whole load they
+            # would double the peak (2.0x the weights for GPT-2 124M, 1.3x this way).
+            with safe_open(str(folder.weight_files[name]), framework="pt") as handle:
+                tensors.append(handle.get_tensor(name))
+        return layouts.join(piece, tensors)
+    except Exception as err:
         raise ConfigError(f"{folder.key}={folder.path}: reading the weights failed ({type(err).__name__}: "
                           f"{str(err)[:200]}); the folder is damaged: download or save it again.") from None
 
